@@ -1,0 +1,131 @@
+//! The Chunnel trait: build a connection from an inner one.
+
+use std::future::Future;
+
+use crate::{ChunnelConnection, Error};
+
+/// A communication function that turns an inner connection `I` into a new connection.
+///
+/// This is the paper's `ChunnelTransformer<R>` (Listing 2) and tower's `Layer`. Base datapaths
+/// (sockets) implement `Chunnel<()>`: they build a connection from nothing. Every other Chunnel
+/// is generic over the inner connection and states, through its bounds, which `Data` it needs
+/// below it; a stack whose types do not line up fails to compile.
+///
+/// `connect_wrap` is also where a layer does its connection set-up (handshakes, state).
+///
+/// ```
+/// use chunnel::{Chunnel, ChunnelConnection, Error};
+/// # use std::future::Future;
+///
+/// /// Counts the messages it sends (a toy transform).
+/// #[derive(Clone, Default)]
+/// struct Count;
+///
+/// struct CountConn<C> { inner: C, sent: std::sync::atomic::AtomicU64 }
+///
+/// impl<C: ChunnelConnection> Chunnel<C> for Count {
+///     type Connection = CountConn<C>;
+///     async fn connect_wrap(&mut self, inner: C) -> Result<Self::Connection, Error> {
+///         Ok(CountConn { inner, sent: Default::default() })
+///     }
+/// }
+///
+/// impl<C: ChunnelConnection> ChunnelConnection for CountConn<C> {
+///     type Data = C::Data;
+///     fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
+///     where B: IntoIterator<Item = C::Data> + Send, B::IntoIter: Send {
+///         let sent = &self.sent;
+///         self.inner.send(burst.into_iter().inspect(move |_| {
+///             sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+///         }))
+///     }
+///     fn recv<'a>(&'a self, slots: &'a mut [Option<C::Data>])
+///         -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+///         self.inner.recv(slots)
+///     }
+/// }
+/// ```
+pub trait Chunnel<I> {
+    /// The connection this Chunnel produces over `I`.
+    type Connection: ChunnelConnection;
+
+    /// Wraps `inner` with this Chunnel's functionality.
+    fn connect_wrap(
+        &mut self,
+        inner: I,
+    ) -> impl Future<Output = Result<Self::Connection, Error>> + Send;
+}
+
+/// A source of incoming base connections: the server side of a datapath.
+///
+/// A listener plays the role `Chunnel<()>` plays on the client: it produces the connection at
+/// the bottom of a stack. [`Serve`] applies the rest of a stack to every accepted connection.
+pub trait Listener: Send {
+    /// The base connection handed out for each new peer.
+    type Connection: ChunnelConnection;
+
+    /// Waits for the next peer.
+    ///
+    /// Cancel safe: a peer that arrives while the future is dropped is handed out by the next
+    /// call.
+    fn accept(&mut self) -> impl Future<Output = Result<Self::Connection, Error>> + Send;
+}
+
+/// A listener that wraps every accepted connection in a stack: `accept` returns the finished
+/// connection. Built by [`ChunnelExt::serve`].
+#[derive(Debug)]
+pub struct Serve<L, S> {
+    listener: L,
+    stack: S,
+}
+
+impl<L, S> Serve<L, S> {
+    /// The underlying listener.
+    pub fn get_ref(&self) -> &L {
+        &self.listener
+    }
+
+    /// Splits into the listener and the stack.
+    pub fn into_inner(self) -> (L, S) {
+        (self.listener, self.stack)
+    }
+}
+
+impl<L, S> Listener for Serve<L, S>
+where
+    L: Listener,
+    S: Chunnel<L::Connection> + Send,
+{
+    type Connection = S::Connection;
+
+    async fn accept(&mut self) -> Result<Self::Connection, Error> {
+        let base = self.listener.accept().await?;
+        self.stack.connect_wrap(base).await
+    }
+}
+
+/// Combinators available on every Chunnel.
+pub trait ChunnelExt<I>: Chunnel<I> + Sized {
+    /// Applies this Chunnel (or stack) to each connection `listener` accepts.
+    fn serve<L>(self, listener: L) -> Serve<L, Self>
+    where
+        L: Listener<Connection = I>,
+    {
+        Serve {
+            listener,
+            stack: self,
+        }
+    }
+
+    /// Erases the connection type behind dynamic dispatch; see [`crate::BoxChunnel`].
+    fn boxed(self) -> crate::BoxChunnel<I, <Self::Connection as ChunnelConnection>::Data>
+    where
+        Self: crate::Offers + Send + 'static,
+        I: Send + 'static,
+        Self::Connection: 'static,
+    {
+        crate::BoxChunnel::new(self)
+    }
+}
+
+impl<I, C: Chunnel<I> + Sized> ChunnelExt<I> for C {}

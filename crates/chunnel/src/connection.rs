@@ -1,0 +1,97 @@
+//! The connection trait: batched, asynchronous `send` and `recv` of a typed `Data`.
+
+use std::future::Future;
+
+use crate::Error;
+
+/// A connection produced by a Chunnel: it sends and receives messages of type [`Self::Data`]
+/// in batches.
+///
+/// This is the paper's `ChunnelDatapath` (Listing 2). Both methods take `&self` so that many
+/// tasks may send and receive on one connection at once; implementations synchronise internally.
+///
+/// # Batching
+///
+/// `send` takes a whole burst; `recv` fills caller-provided slots and returns how many it
+/// filled. Datapaths turn a burst into as few system calls as they can (UDP uses
+/// `sendmmsg`/`recvmmsg`), and layers above pass bursts through without collecting them.
+///
+/// # Zero-cost composition
+///
+/// The methods return `impl Future`, so a stack of layers compiles to one nested state machine:
+/// no boxed future and no allocation per message. Use [`crate::BoxConnection`] only where
+/// dynamic dispatch is wanted.
+///
+/// # Cancel safety
+///
+/// `recv` must be cancel safe: if its future is dropped before completing, no message is lost
+/// (messages already read from the network stay buffered in the connection). `send` must not
+/// corrupt the connection when cancelled; a burst whose future was dropped may have been sent
+/// in part. Each implementation documents anything stronger.
+pub trait ChunnelConnection: Send + Sync {
+    /// The type of the messages this connection carries.
+    type Data: Send;
+
+    /// Sends every message of `burst`, in order.
+    ///
+    /// Fails with [`Error::MessageTooLarge`] (nothing of the burst from that message on is
+    /// sent) if a message does not fit, or with [`Error::PeerClosed`]/[`Error::Closed`] once
+    /// the connection is gone.
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
+    where
+        B: IntoIterator<Item = Self::Data> + Send,
+        B::IntoIter: Send;
+
+    /// Waits for at least one message, then writes up to `slots.len()` messages into
+    /// `slots[0..n]` and returns `n` (`n >= 1` unless `slots` is empty).
+    ///
+    /// Slots past `n` are left as they were.
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Self::Data>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a;
+}
+
+/// Convenience methods for single messages. Implemented for every [`ChunnelConnection`].
+pub trait ConnectionExt: ChunnelConnection {
+    /// Sends one message.
+    fn send_one(&self, msg: Self::Data) -> impl Future<Output = Result<(), Error>> + Send {
+        self.send(std::iter::once(msg))
+    }
+
+    /// Receives one message.
+    fn recv_one(&self) -> impl Future<Output = Result<Self::Data, Error>> + Send {
+        async move {
+            let mut slot = [None];
+            loop {
+                let n = self.recv(&mut slot).await?;
+                if n > 0 {
+                    if let Some(m) = slot[0].take() {
+                        return Ok(m);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<C: ChunnelConnection + ?Sized> ConnectionExt for C {}
+
+impl<C: ChunnelConnection + ?Sized> ChunnelConnection for std::sync::Arc<C> {
+    type Data = C::Data;
+
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
+    where
+        B: IntoIterator<Item = Self::Data> + Send,
+        B::IntoIter: Send,
+    {
+        (**self).send(burst)
+    }
+
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Self::Data>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        (**self).recv(slots)
+    }
+}

@@ -1,0 +1,175 @@
+//! `Select`: a choice between two Chunnels (or stacks) in one layer, and `Either`, the
+//! connection it produces.
+
+use std::future::Future;
+
+use crate::negotiate::{Offers, Pick, PickReader, StackOption};
+use crate::{Chunnel, ChunnelConnection, Error};
+
+/// Which branch of a [`Select`] to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The preferred branch (`left`).
+    Left,
+    /// The fallback branch (`right`).
+    Right,
+}
+
+/// A choice between `left` (preferred) and `right` in one layer of a stack.
+///
+/// Without a pick, `connect_wrap` builds the first branch whose [`Offers::available`] check
+/// passes, in preference order; negotiation (or the application) can fix the branch with
+/// [`Offers::apply`] or [`Select::prefer`]. The connection is an [`Either`], which dispatches
+/// each call with one branch on the enum's tag.
+///
+/// ```
+/// use chunnel::{select, Noop, Select, Side};
+/// let s: Select<Noop, Noop> = select(Noop, Noop);
+/// assert_eq!(s.choice(), None);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct Select<A, B> {
+    /// The preferred branch.
+    pub left: A,
+    /// The fallback branch.
+    pub right: B,
+    choice: Option<Side>,
+}
+
+/// A [`Select`] preferring `left` over `right`.
+pub fn select<A, B>(left: A, right: B) -> Select<A, B> {
+    Select {
+        left,
+        right,
+        choice: None,
+    }
+}
+
+impl<A, B> Select<A, B> {
+    /// The branch fixed by a pick, if any.
+    pub fn choice(&self) -> Option<Side> {
+        self.choice
+    }
+
+    /// Fixes the branch to build, overriding the availability-based default.
+    pub fn prefer(mut self, side: Side) -> Self {
+        self.choice = Some(side);
+        self
+    }
+}
+
+impl<A: Offers, B: Offers> Select<A, B> {
+    /// The branch `connect_wrap` will build: the fixed choice, else the first available one.
+    pub fn resolve(&self) -> Result<Side, Error> {
+        if let Some(side) = self.choice {
+            return Ok(side);
+        }
+        match self.left.available() {
+            Ok(()) => Ok(Side::Left),
+            Err(left) => match self.right.available() {
+                Ok(()) => Ok(Side::Right),
+                Err(right) => Err(Error::NoBranch {
+                    left: Box::new(left),
+                    right: Box::new(right),
+                }),
+            },
+        }
+    }
+}
+
+impl<I, A, B> Chunnel<I> for Select<A, B>
+where
+    I: Send,
+    A: Chunnel<I> + Offers + Send,
+    B: Chunnel<I> + Offers + Send,
+    B::Connection: ChunnelConnection<Data = <A::Connection as ChunnelConnection>::Data>,
+{
+    type Connection = Either<A::Connection, B::Connection>;
+
+    async fn connect_wrap(&mut self, inner: I) -> Result<Self::Connection, Error> {
+        match self.resolve()? {
+            Side::Left => Ok(Either::Left(self.left.connect_wrap(inner).await?)),
+            Side::Right => Ok(Either::Right(self.right.connect_wrap(inner).await?)),
+        }
+    }
+}
+
+impl<A: Offers, B: Offers> Offers for Select<A, B> {
+    fn offers(&self) -> Vec<StackOption> {
+        let tag = |side: u8, o: StackOption| {
+            let mut branches = vec![side];
+            branches.extend_from_slice(o.pick.branches());
+            StackOption {
+                chunnels: o.chunnels,
+                pick: Pick::from_branches(branches),
+            }
+        };
+        let mut out: Vec<_> = self.left.offers().into_iter().map(|o| tag(0, o)).collect();
+        out.extend(self.right.offers().into_iter().map(|o| tag(1, o)));
+        out
+    }
+
+    fn available(&self) -> Result<(), Error> {
+        self.resolve().map(|_| ())
+    }
+
+    fn apply_pick(&mut self, pick: &mut PickReader<'_>) -> Result<(), Error> {
+        if pick.next_branch()? == 0 {
+            self.choice = Some(Side::Left);
+            self.left.apply_pick(pick)
+        } else {
+            self.choice = Some(Side::Right);
+            self.right.apply_pick(pick)
+        }
+    }
+}
+
+/// The connection of a [`Select`]: one of two connections carrying the same `Data`.
+#[derive(Debug)]
+pub enum Either<L, R> {
+    /// Built from the preferred branch.
+    Left(L),
+    /// Built from the fallback branch.
+    Right(R),
+}
+
+impl<L, R> Either<L, R> {
+    /// Which branch this connection came from.
+    pub fn side(&self) -> Side {
+        match self {
+            Either::Left(_) => Side::Left,
+            Either::Right(_) => Side::Right,
+        }
+    }
+}
+
+impl<L, R> ChunnelConnection for Either<L, R>
+where
+    L: ChunnelConnection,
+    R: ChunnelConnection<Data = L::Data>,
+{
+    type Data = L::Data;
+
+    async fn send<Bu>(&self, burst: Bu) -> Result<(), Error>
+    where
+        Bu: IntoIterator<Item = Self::Data> + Send,
+        Bu::IntoIter: Send,
+    {
+        match self {
+            Either::Left(c) => c.send(burst).await,
+            Either::Right(c) => c.send(burst).await,
+        }
+    }
+
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Self::Data>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        async move {
+            match self {
+                Either::Left(c) => c.recv(slots).await,
+                Either::Right(c) => c.recv(slots).await,
+            }
+        }
+    }
+}
