@@ -61,15 +61,13 @@ impl<D: Send + 'static> BoxConnection<D> {
 impl<D: Send + 'static> ChunnelConnection for BoxConnection<D> {
     type Data = D;
 
-    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
+    async fn send<B>(&self, burst: B) -> Result<(), Error>
     where
         B: IntoIterator<Item = D> + Send,
         B::IntoIter: Send,
     {
-        async move {
-            let mut it = burst.into_iter();
-            self.inner.send_dyn(&mut it).await
-        }
+        let mut it = burst.into_iter();
+        self.inner.send_dyn(&mut it).await
     }
 
     fn recv<'a>(

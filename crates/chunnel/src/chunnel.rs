@@ -66,8 +66,9 @@ pub trait Listener: Send {
 
     /// Waits for the next peer.
     ///
-    /// Cancel safe: a peer that arrives while the future is dropped is handed out by the next
-    /// call.
+    /// The datapath listeners are cancel safe: a peer that arrives while the future is dropped
+    /// is handed out by the next call. [`Serve`] is not once a base connection was accepted and
+    /// its stack is being built (dropping then drops that connection).
     fn accept(&mut self) -> impl Future<Output = Result<Self::Connection, Error>> + Send;
 }
 

@@ -65,10 +65,10 @@ pub trait ConnectionExt: ChunnelConnection {
             let mut slot = [None];
             loop {
                 let n = self.recv(&mut slot).await?;
-                if n > 0 {
-                    if let Some(m) = slot[0].take() {
-                        return Ok(m);
-                    }
+                if n > 0
+                    && let Some(m) = slot[0].take()
+                {
+                    return Ok(m);
                 }
             }
         }

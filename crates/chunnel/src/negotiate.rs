@@ -71,9 +71,10 @@ impl Capability {
             return false;
         }
         match self.matching {
+            // Label lists are compared as sets: order and repeats do not matter.
             Match::Exact => {
-                self.labels.len() == other.labels.len()
-                    && self.labels.iter().all(|l| other.labels.contains(l))
+                self.labels.iter().all(|l| other.labels.contains(l))
+                    && other.labels.iter().all(|l| self.labels.contains(l))
             }
             Match::Compositional => self.labels.iter().any(|l| other.labels.contains(l)),
         }
@@ -195,7 +196,8 @@ impl<'a> PickReader<'a> {
 ///
 /// Implemented for every [`Negotiate`] leaf, for [`crate::Stack`] and for [`crate::Select`].
 pub trait Offers {
-    /// Every concrete stack this tree allows, most preferred first.
+    /// Every concrete stack this tree allows and this host can run, most preferred first
+    /// (select branches whose availability check fails are left out).
     fn offers(&self) -> Vec<StackOption>;
 
     /// Whether at least one concrete stack of this tree can work on this host.
@@ -205,8 +207,14 @@ pub trait Offers {
     /// [`Negotiate::picked`]). `connect_wrap` then builds exactly that stack.
     fn apply_pick(&mut self, pick: &mut PickReader<'_>) -> Result<(), Error>;
 
-    /// Convenience: applies a whole pick and checks nothing is left over.
+    /// Applies a whole pick. The pick is checked against [`Offers::offers`] first, so a pick
+    /// that names no offered option changes nothing (no select is fixed, no leaf is told).
     fn apply(&mut self, pick: &Pick) -> Result<(), Error> {
+        if !self.offers().iter().any(|o| &o.pick == pick) {
+            return Err(Error::BadPick {
+                what: "the pick names no option this stack offers",
+            });
+        }
         let mut r = pick.reader();
         self.apply_pick(&mut r)?;
         r.finish()
@@ -215,6 +223,9 @@ pub trait Offers {
 
 impl<T: Negotiate> Offers for T {
     fn offers(&self) -> Vec<StackOption> {
+        if self.check_available().is_err() {
+            return Vec::new();
+        }
         vec![StackOption {
             chunnels: vec![ChunnelInfo {
                 id: Cow::Borrowed(self.id()),

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::hint::black_box;
 
-use crate::negotiate::Negotiate;
+use crate::negotiate::{Negotiate, Offers, PickReader, StackOption};
 use crate::{Chunnel, ChunnelConnection, Error};
 
 /// The identity Chunnel: returns the inner connection unchanged. `stack![Identity, x]` builds
@@ -20,9 +20,21 @@ impl<C: ChunnelConnection + Send> Chunnel<C> for Identity {
     }
 }
 
-impl Negotiate for Identity {
-    fn id(&self) -> &'static str {
-        "chunnel/identity/1"
+/// The identity is no layer: it contributes nothing to negotiation.
+impl Offers for Identity {
+    fn offers(&self) -> Vec<StackOption> {
+        vec![StackOption {
+            chunnels: Vec::new(),
+            pick: crate::Pick::default(),
+        }]
+    }
+
+    fn available(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    fn apply_pick(&mut self, _: &mut PickReader<'_>) -> Result<(), Error> {
+        Ok(())
     }
 }
 
@@ -72,16 +84,11 @@ impl<C: ChunnelConnection> ChunnelConnection for NoopConnection<C> {
     }
 
     #[inline]
-    fn recv<'a>(
-        &'a self,
-        slots: &'a mut [Option<Self::Data>],
-    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
-        async move {
-            let n = self.inner.recv(slots).await?;
-            for s in &mut slots[..n] {
-                black_box(s);
-            }
-            Ok(n)
+    async fn recv<'a>(&'a self, slots: &'a mut [Option<Self::Data>]) -> Result<usize, Error> {
+        let n = self.inner.recv(slots).await?;
+        for s in slots.iter_mut().take(n) {
+            black_box(s);
         }
+        Ok(n)
     }
 }

@@ -1,8 +1,6 @@
 //! `Select`: a choice between two Chunnels (or stacks) in one layer, and `Either`, the
 //! connection it produces.
 
-use std::future::Future;
-
 use crate::negotiate::{Offers, Pick, PickReader, StackOption};
 use crate::{Chunnel, ChunnelConnection, Error};
 
@@ -59,10 +57,14 @@ impl<A, B> Select<A, B> {
 }
 
 impl<A: Offers, B: Offers> Select<A, B> {
-    /// The branch `connect_wrap` will build: the fixed choice, else the first available one.
+    /// The branch `connect_wrap` will build: the fixed choice (if it is available), else the
+    /// first available one. Any error from a branch's availability check counts as
+    /// unavailable.
     pub fn resolve(&self) -> Result<Side, Error> {
-        if let Some(side) = self.choice {
-            return Ok(side);
+        match self.choice {
+            Some(Side::Left) => return self.left.available().map(|()| Side::Left),
+            Some(Side::Right) => return self.right.available().map(|()| Side::Right),
+            None => {}
         }
         match self.left.available() {
             Ok(()) => Ok(Side::Left),
@@ -161,15 +163,10 @@ where
         }
     }
 
-    fn recv<'a>(
-        &'a self,
-        slots: &'a mut [Option<Self::Data>],
-    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
-        async move {
-            match self {
-                Either::Left(c) => c.recv(slots).await,
-                Either::Right(c) => c.recv(slots).await,
-            }
+    async fn recv<'a>(&'a self, slots: &'a mut [Option<Self::Data>]) -> Result<usize, Error> {
+        match self {
+            Either::Left(c) => c.recv(slots).await,
+            Either::Right(c) => c.recv(slots).await,
         }
     }
 }

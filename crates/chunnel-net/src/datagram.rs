@@ -1,0 +1,720 @@
+//! Datagram sockets (UDP, Unix datagram) as Chunnel connections, shared by [`crate::udp`] and
+//! [`crate::uds`].
+//!
+//! * A **client** connection owns a connected socket and receives with `recvmmsg` straight
+//!   into its own scratch buffer.
+//! * A **listener** owns one bound socket shared by every server-side connection. Whichever
+//!   task needs data (a connection's `recv` or the listener's `accept`) reads a batch and
+//!   demultiplexes it by source address into bounded per-peer queues, waking their owners;
+//!   there is no extra task or channel hop. A datagram from an unknown peer starts a new
+//!   connection that `accept` hands out. Queues are bounded; a full queue drops datagrams
+//!   (this is a best-effort datapath) and counts them.
+//! * Dropping or closing a server-side connection removes its peer state; an idle timeout
+//!   (default 60 s) ends connections whose peer went away without a word, since datagram
+//!   sockets carry no close signal.
+
+// `DgramSocket` is deliberately crate-private (a sealed trait): users name the concrete types
+// (`udp::Connection`, `uds::DatagramListener`...), never the trait.
+#![allow(private_bounds, private_interfaces)]
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use chunnel::{ChunnelConnection, Error};
+use tokio::io::Interest;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::sys::{self, DgramAddr, MAX_BATCH, RecvMeta};
+
+/// Settings shared by the datagram datapaths.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Config {
+    /// Largest message carried, in bytes. Larger sends fail with
+    /// [`Error::MessageTooLarge`]; larger incoming datagrams are dropped and counted.
+    pub max_payload: usize,
+    /// Most datagrams moved per system call (at most 64).
+    pub batch: usize,
+    /// Datagrams buffered per server-side connection before new ones are dropped.
+    pub peer_queue: usize,
+    /// New peers waiting for `accept` before datagrams from further new peers are dropped.
+    pub backlog: usize,
+    /// A server-side connection that receives nothing for this long ends with
+    /// [`Error::PeerClosed`]. `None` keeps it until dropped.
+    pub idle_timeout: Option<Duration>,
+}
+
+impl Config {
+    pub(crate) fn with_max_payload(max_payload: usize) -> Self {
+        Config {
+            max_payload,
+            batch: 32,
+            peer_queue: 1024,
+            backlog: 128,
+            idle_timeout: Some(Duration::from_secs(60)),
+        }
+    }
+
+    /// Sets [`Config::max_payload`].
+    pub fn with_max_payload_bytes(mut self, n: usize) -> Self {
+        self.max_payload = n.max(1);
+        self
+    }
+
+    /// Sets [`Config::batch`] (clamped to 1..=64).
+    pub fn with_batch(mut self, n: usize) -> Self {
+        self.batch = n.clamp(1, MAX_BATCH);
+        self
+    }
+
+    /// Sets [`Config::peer_queue`].
+    pub fn with_peer_queue(mut self, n: usize) -> Self {
+        self.peer_queue = n.max(1);
+        self
+    }
+
+    /// Sets [`Config::backlog`].
+    pub fn with_backlog(mut self, n: usize) -> Self {
+        self.backlog = n.max(1);
+        self
+    }
+
+    /// Sets [`Config::idle_timeout`].
+    pub fn with_idle_timeout(mut self, t: Option<Duration>) -> Self {
+        self.idle_timeout = t;
+        self
+    }
+
+    /// Memory one socket's receive scratch uses: `batch * (max_payload + 1)` bytes.
+    pub fn scratch_bytes(&self) -> usize {
+        self.batch * (self.max_payload + 1)
+    }
+}
+
+/// The tokio socket types the datagram machinery runs on.
+pub(crate) trait DgramSocket: AsRawFd + Send + Sync + 'static {
+    type Addr: DgramAddr;
+    fn ready(&self, interest: Interest) -> impl Future<Output = io::Result<()>> + Send;
+    fn try_io_with<R>(
+        &self,
+        interest: Interest,
+        f: impl FnOnce() -> io::Result<R>,
+    ) -> io::Result<R>;
+    /// Takes the pending socket error (`SO_ERROR`).
+    fn take_error(&self) -> io::Result<Option<io::Error>>;
+}
+
+impl DgramSocket for tokio::net::UdpSocket {
+    type Addr = std::net::SocketAddr;
+    async fn ready(&self, interest: Interest) -> io::Result<()> {
+        tokio::net::UdpSocket::ready(self, interest).await.map(drop)
+    }
+    fn try_io_with<R>(
+        &self,
+        interest: Interest,
+        f: impl FnOnce() -> io::Result<R>,
+    ) -> io::Result<R> {
+        self.try_io(interest, f)
+    }
+    fn take_error(&self) -> io::Result<Option<io::Error>> {
+        tokio::net::UdpSocket::take_error(self)
+    }
+}
+
+impl DgramSocket for tokio::net::UnixDatagram {
+    type Addr = sys::UnixAddr;
+    async fn ready(&self, interest: Interest) -> io::Result<()> {
+        tokio::net::UnixDatagram::ready(self, interest)
+            .await
+            .map(drop)
+    }
+    fn try_io_with<R>(
+        &self,
+        interest: Interest,
+        f: impl FnOnce() -> io::Result<R>,
+    ) -> io::Result<R> {
+        self.try_io(interest, f)
+    }
+    fn take_error(&self) -> io::Result<Option<io::Error>> {
+        tokio::net::UnixDatagram::take_error(self)
+    }
+}
+
+/// Receive scratch: kernel writes datagrams here, then each is copied once into `out`, a
+/// compact buffer that hands out `Bytes` slices. `out` is reclaimed in place (no allocation)
+/// once the application has dropped the messages it handed out.
+struct RxScratch {
+    scratch: Vec<u8>,
+    out: BytesMut,
+    metas: [RecvMeta; MAX_BATCH],
+}
+
+const OUT_BLOCK: usize = 64 * 1024;
+
+impl RxScratch {
+    fn new() -> Self {
+        RxScratch {
+            scratch: Vec::new(),
+            out: BytesMut::new(),
+            metas: [RecvMeta {
+                len: 0,
+                truncated: false,
+                addr: sys::RawAddr {
+                    // SAFETY: plain old data, zero is valid.
+                    storage: unsafe { std::mem::zeroed() },
+                    len: 0,
+                },
+            }; MAX_BATCH],
+        }
+    }
+
+    /// Reads up to `want` datagrams; calls `deliver(addr, payload)` for each well-formed one.
+    /// Returns the number read from the kernel (including dropped ones).
+    fn read<A: DgramAddr>(
+        &mut self,
+        fd: RawFd,
+        cfg: &Config,
+        want: usize,
+        stats: &Stats,
+        mut deliver: impl FnMut(Option<A>, Bytes),
+    ) -> io::Result<usize> {
+        // One spare byte per slot tells an exactly-max datagram from an oversize one.
+        let slot = cfg.max_payload + 1;
+        let want = want.clamp(1, cfg.batch);
+        if self.scratch.len() < cfg.batch * slot {
+            self.scratch.resize(cfg.batch * slot, 0);
+        }
+        let n = sys::recv_batch(fd, &mut self.scratch, slot, &mut self.metas[..want])?;
+        for i in 0..n {
+            let m = self.metas[i];
+            if m.truncated || m.len > cfg.max_payload {
+                stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if self.out.capacity() - self.out.len() < m.len {
+                self.out.reserve(m.len.max(OUT_BLOCK));
+            }
+            self.out
+                .extend_from_slice(&self.scratch[i * slot..i * slot + m.len]);
+            let payload = self.out.split().freeze();
+            deliver(A::from_raw(&m.addr), payload);
+        }
+        Ok(n)
+    }
+}
+
+/// Counters of one socket.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    pub(crate) dropped_oversize: AtomicU64,
+    pub(crate) dropped_queue_full: AtomicU64,
+    pub(crate) dropped_backlog_full: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Maps an I/O error on an established connection.
+fn conn_err(op: &'static str, peer: &(dyn std::fmt::Debug + Sync), e: io::Error) -> Error {
+    match Error::from_io(op, format!("{peer:?}"), e) {
+        // Mid-connection, "refused" means the peer's socket is gone.
+        Error::ConnectionRefused { .. } => Error::PeerClosed,
+        other => other,
+    }
+}
+
+/// Sends a burst in batches of `sendmmsg`, waiting for writability as needed.
+async fn send_burst<S: DgramSocket, B>(
+    sock: &S,
+    cfg: &Config,
+    dest: Option<&sys::RawAddr>,
+    peer: &(dyn std::fmt::Debug + Sync),
+    burst: B,
+) -> Result<(), Error>
+where
+    B: IntoIterator<Item = Bytes>,
+{
+    let mut it = burst.into_iter();
+    let mut batch: [Bytes; MAX_BATCH] = [const { Bytes::new() }; MAX_BATCH];
+    loop {
+        let mut n = 0;
+        let mut too_large = None;
+        for m in it.by_ref() {
+            if m.len() > cfg.max_payload {
+                too_large = Some(m.len());
+                break;
+            }
+            batch[n] = m;
+            n += 1;
+            if n == cfg.batch {
+                break;
+            }
+        }
+        let mut sent = 0;
+        while sent < n {
+            let mut views: [&[u8]; MAX_BATCH] = [&[]; MAX_BATCH];
+            for (v, m) in views.iter_mut().zip(&batch[sent..n]) {
+                *v = m.as_ref();
+            }
+            let fd = sock.as_raw_fd();
+            match sock.try_io_with(Interest::WRITABLE, || {
+                sys::send_batch(fd, &views[..n - sent], dest)
+            }) {
+                Ok(k) => sent += k,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => sock
+                    .ready(Interest::WRITABLE)
+                    .await
+                    .map_err(|e| conn_err("send", peer, e))?,
+                Err(e) => return Err(conn_err("send", peer, e)),
+            }
+        }
+        for b in &mut batch[..n] {
+            *b = Bytes::new();
+        }
+        if let Some(len) = too_large {
+            return Err(Error::MessageTooLarge {
+                len,
+                max: cfg.max_payload,
+            });
+        }
+        if n < cfg.batch {
+            return Ok(());
+        }
+    }
+}
+
+/// The client side: a socket connected to one peer.
+#[derive(Debug)]
+pub struct Connection<S: DgramSocket> {
+    sock: S,
+    peer: S::Addr,
+    cfg: Config,
+    rx: Mutex<RxScratch>,
+    stats: Stats,
+    closed: AtomicBool,
+}
+
+impl std::fmt::Debug for RxScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RxScratch").finish_non_exhaustive()
+    }
+}
+
+impl<S: DgramSocket> Connection<S> {
+    pub(crate) fn new(sock: S, peer: S::Addr, cfg: Config) -> Self {
+        Connection {
+            sock,
+            peer,
+            cfg,
+            rx: Mutex::new(RxScratch::new()),
+            stats: Stats::default(),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// The peer this connection talks to.
+    pub fn peer_addr(&self) -> &S::Addr {
+        &self.peer
+    }
+
+    /// The socket underneath.
+    pub fn get_ref(&self) -> &S {
+        &self.sock
+    }
+
+    /// Incoming datagrams dropped because they exceeded `max_payload`.
+    pub fn dropped_oversize(&self) -> u64 {
+        self.stats.dropped_oversize.load(Ordering::Relaxed)
+    }
+
+    /// Closes the connection: later calls fail with [`Error::Closed`]. The socket itself is
+    /// released when the connection is dropped.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    fn check_open(&self) -> Result<(), Error> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::Closed)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl<S: DgramSocket> ChunnelConnection for Connection<S> {
+    type Data = Bytes;
+
+    async fn send<B>(&self, burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes> + Send,
+        B::IntoIter: Send,
+    {
+        self.check_open()?;
+        send_burst(&self.sock, &self.cfg, None, &self.peer, burst).await
+    }
+
+    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
+        if slots.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            self.check_open()?;
+            let res = {
+                let mut rx = lock(&self.rx);
+                let fd = self.sock.as_raw_fd();
+                let mut filled = 0;
+                self.sock
+                    .try_io_with(Interest::READABLE, || {
+                        rx.read::<S::Addr>(fd, &self.cfg, slots.len(), &self.stats, |_, m| {
+                            slots[filled] = Some(m);
+                            filled += 1;
+                        })
+                    })
+                    .map(|_| filled)
+            };
+            match res {
+                Ok(0) => continue, // only oversize datagrams: read again
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // A connected socket learns that its peer is gone from an ICMP error,
+                    // which shows up as `EPOLLERR`, not as readability.
+                    tokio::select! {
+                        r = self.sock.ready(Interest::READABLE) => {
+                            r.map_err(|e| conn_err("recv", &self.peer, e))?
+                        }
+                        r = self.sock.ready(Interest::ERROR) => {
+                            r.map_err(|e| conn_err("recv", &self.peer, e))?;
+                            let pending = self.sock.try_io_with(Interest::ERROR, || {
+                                match self.sock.take_error() {
+                                    Ok(Some(e)) => Ok(e),
+                                    Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
+                                    Err(e) => Ok(e),
+                                }
+                            });
+                            if let Ok(e) = pending {
+                                return Err(conn_err("recv", &self.peer, e));
+                            }
+                        }
+                    }
+                }
+                Err(e) => return Err(conn_err("recv", &self.peer, e)),
+            }
+        }
+    }
+}
+
+/// Per-peer state on a listener.
+#[derive(Debug)]
+struct Peer {
+    queue: Mutex<VecDeque<Bytes>>,
+    notify: Notify,
+    closed: AtomicBool,
+}
+
+#[derive(Debug)]
+struct Demux<A> {
+    peers: HashMap<A, Arc<Peer>>,
+    backlog: VecDeque<(A, Arc<Peer>)>,
+}
+
+/// State shared by a listener and its connections.
+#[derive(Debug)]
+pub(crate) struct Shared<S: DgramSocket> {
+    sock: S,
+    cfg: Config,
+    demux: Mutex<Demux<S::Addr>>,
+    rx: Mutex<RxScratch>,
+    accept_notify: Notify,
+    stats: Stats,
+    listener_open: AtomicBool,
+}
+
+impl<S: DgramSocket> Shared<S> {
+    /// Reads one batch from the socket and sorts it into peer queues.
+    fn pump(&self) -> io::Result<usize> {
+        let mut rx = lock(&self.rx);
+        let fd = self.sock.as_raw_fd();
+        self.sock.try_io_with(Interest::READABLE, || {
+            rx.read::<S::Addr>(fd, &self.cfg, self.cfg.batch, &self.stats, |addr, m| {
+                let Some(addr) = addr else {
+                    return; // unnamed sender: no way to answer it
+                };
+                // The queue is filled under the demux lock, so a connection that finds its
+                // queue empty under that lock and leaves the map can never miss a message.
+                let mut d = lock(&self.demux);
+                let peer = match d.peers.get(&addr) {
+                    Some(p) => p.clone(),
+                    None => {
+                        if !self.listener_open.load(Ordering::Acquire)
+                            || d.backlog.len() >= self.cfg.backlog
+                        {
+                            self.stats
+                                .dropped_backlog_full
+                                .fetch_add(1, Ordering::Relaxed);
+                            return;
+                        }
+                        let p = Arc::new(Peer {
+                            queue: Mutex::new(VecDeque::new()),
+                            notify: Notify::new(),
+                            closed: AtomicBool::new(false),
+                        });
+                        d.peers.insert(addr.clone(), p.clone());
+                        d.backlog.push_back((addr, p.clone()));
+                        self.accept_notify.notify_one();
+                        p
+                    }
+                };
+                let mut q = lock(&peer.queue);
+                if q.len() >= self.cfg.peer_queue {
+                    self.stats
+                        .dropped_queue_full
+                        .fetch_add(1, Ordering::Relaxed);
+                } else {
+                    q.push_back(m);
+                    drop(q);
+                    drop(d);
+                    peer.notify.notify_one();
+                }
+            })
+        })
+    }
+}
+
+/// The server side of a datagram datapath: one bound socket, a connection per peer.
+#[derive(Debug)]
+pub struct Listener<S: DgramSocket> {
+    shared: Arc<Shared<S>>,
+}
+
+impl<S: DgramSocket> Listener<S> {
+    pub(crate) fn new(sock: S, cfg: Config) -> Self {
+        Listener {
+            shared: Arc::new(Shared {
+                sock,
+                cfg,
+                demux: Mutex::new(Demux {
+                    peers: HashMap::new(),
+                    backlog: VecDeque::new(),
+                }),
+                rx: Mutex::new(RxScratch::new()),
+                accept_notify: Notify::new(),
+                stats: Stats::default(),
+                listener_open: AtomicBool::new(true),
+            }),
+        }
+    }
+
+    /// The socket underneath (e.g. for its local address).
+    pub fn get_ref(&self) -> &S {
+        &self.shared.sock
+    }
+
+    /// Peers with live state on this listener (accepted or waiting to be accepted).
+    pub fn peer_count(&self) -> usize {
+        lock(&self.shared.demux).peers.len()
+    }
+
+    /// Datagrams dropped so far: (over `max_payload`, peer queue full, backlog full).
+    pub fn dropped(&self) -> (u64, u64, u64) {
+        let s = &self.shared.stats;
+        (
+            s.dropped_oversize.load(Ordering::Relaxed),
+            s.dropped_queue_full.load(Ordering::Relaxed),
+            s.dropped_backlog_full.load(Ordering::Relaxed),
+        )
+    }
+}
+
+impl<S: DgramSocket> Drop for Listener<S> {
+    fn drop(&mut self) {
+        // Connections already accepted keep working; new peers are no longer admitted, and
+        // peers nobody accepted are forgotten.
+        self.shared.listener_open.store(false, Ordering::Release);
+        let mut d = lock(&self.shared.demux);
+        let pending: Vec<_> = d.backlog.drain(..).collect();
+        for (addr, _) in pending {
+            d.peers.remove(&addr);
+        }
+    }
+}
+
+impl<S: DgramSocket> chunnel::Listener for Listener<S> {
+    type Connection = ServerConnection<S>;
+
+    async fn accept(&mut self) -> Result<ServerConnection<S>, Error> {
+        let sh = &self.shared;
+        loop {
+            let notified = sh.accept_notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some((addr, peer)) = lock(&sh.demux).backlog.pop_front() {
+                return Ok(ServerConnection {
+                    shared: sh.clone(),
+                    addr,
+                    peer,
+                    last_rx: Mutex::new(Instant::now()),
+                });
+            }
+            match sh.pump() {
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    tokio::select! {
+                        r = sh.sock.ready(Interest::READABLE) => {
+                            r.map_err(|e| Error::Io { op: "accept", source: e })?
+                        }
+                        () = &mut notified => {}
+                    }
+                }
+                // An error for one peer (e.g. a refused earlier send) must not stop the
+                // listener: it is consumed and the loop goes on.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                Err(e) => {
+                    return Err(Error::Io {
+                        op: "accept",
+                        source: e,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// A server-side connection to one peer of a [`Listener`].
+#[derive(Debug)]
+pub struct ServerConnection<S: DgramSocket> {
+    shared: Arc<Shared<S>>,
+    addr: S::Addr,
+    peer: Arc<Peer>,
+    last_rx: Mutex<Instant>,
+}
+
+impl<S: DgramSocket> ServerConnection<S> {
+    /// The peer this connection talks to.
+    pub fn peer_addr(&self) -> &S::Addr {
+        &self.addr
+    }
+
+    /// Closes the connection and frees its state on the listener; later calls fail with
+    /// [`Error::Closed`]. A datagram the same peer sends afterwards starts a new connection.
+    pub fn close(&self) {
+        let mut d = lock(&self.shared.demux);
+        self.leave(&mut d);
+        drop(d);
+        self.peer.notify.notify_waiters();
+    }
+
+    /// Removes this peer from the listener (demux lock held).
+    fn leave(&self, d: &mut Demux<S::Addr>) {
+        if !self.peer.closed.swap(true, Ordering::AcqRel)
+            && d.peers
+                .get(&self.addr)
+                .is_some_and(|p| Arc::ptr_eq(p, &self.peer))
+        {
+            d.peers.remove(&self.addr);
+        }
+    }
+
+    /// Ends the connection for idleness, unless a message slipped in meanwhile.
+    fn close_if_idle(&self) -> bool {
+        let mut d = lock(&self.shared.demux);
+        if !lock(&self.peer.queue).is_empty() {
+            return false;
+        }
+        self.leave(&mut d);
+        true
+    }
+
+    fn drain(&self, slots: &mut [Option<Bytes>]) -> usize {
+        let mut q = lock(&self.peer.queue);
+        let n = q.len().min(slots.len());
+        for (s, m) in slots.iter_mut().zip(q.drain(..n)) {
+            *s = Some(m);
+        }
+        n
+    }
+}
+
+impl<S: DgramSocket> Drop for ServerConnection<S> {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
+    type Data = Bytes;
+
+    async fn send<B>(&self, burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes> + Send,
+        B::IntoIter: Send,
+    {
+        if self.peer.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let dest = self.addr.to_raw();
+        send_burst(
+            &self.shared.sock,
+            &self.shared.cfg,
+            Some(&dest),
+            &self.addr,
+            burst,
+        )
+        .await
+    }
+
+    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
+        if slots.is_empty() {
+            return Ok(0);
+        }
+        let sh = &self.shared;
+        loop {
+            let notified = self.peer.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let n = self.drain(slots);
+            if n > 0 {
+                *lock(&self.last_rx) = Instant::now();
+                return Ok(n);
+            }
+            if self.peer.closed.load(Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
+            match sh.pump() {
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                Err(e) => return Err(conn_err("recv", &self.addr, e)),
+            }
+            let idle = async {
+                match sh.cfg.idle_timeout {
+                    Some(t) => {
+                        let deadline = *lock(&self.last_rx) + t;
+                        tokio::time::sleep_until(deadline).await
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = sh.sock.ready(Interest::READABLE) => {
+                    r.map_err(|e| conn_err("recv", &self.addr, e))?
+                }
+                () = &mut notified => {}
+                () = idle => {
+                    if self.close_if_idle() {
+                        return Err(Error::PeerClosed);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! Batched datagram system calls (`sendmmsg(2)` / `recvmmsg(2)`) and socket-address
+//! conversions. This is the only module with `unsafe` code.
+
+use std::hash::Hash;
+use std::io;
+use std::mem::{self, MaybeUninit};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::RawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+
+/// The most messages one system call moves. Arrays of this size live on the stack.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// A raw socket address as the kernel reads and writes it.
+#[derive(Clone, Copy)]
+pub(crate) struct RawAddr {
+    pub(crate) storage: libc::sockaddr_storage,
+    pub(crate) len: libc::socklen_t,
+}
+
+impl RawAddr {
+    fn zeroed() -> Self {
+        // SAFETY: sockaddr_storage is plain old data; all-zero is a valid (AF_UNSPEC) value.
+        RawAddr {
+            storage: unsafe { mem::zeroed() },
+            len: mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t,
+        }
+    }
+}
+
+/// An address type a datagram socket can be demultiplexed by.
+pub(crate) trait DgramAddr:
+    Clone + Eq + Hash + Send + Sync + std::fmt::Debug + 'static
+{
+    /// Parses a kernel address; `None` for a family or form this socket type does not use.
+    fn from_raw(raw: &RawAddr) -> Option<Self>;
+    /// Encodes for the kernel.
+    fn to_raw(&self) -> RawAddr;
+}
+
+impl DgramAddr for SocketAddr {
+    fn from_raw(raw: &RawAddr) -> Option<Self> {
+        match raw.storage.ss_family as libc::c_int {
+            libc::AF_INET if raw.len as usize >= mem::size_of::<libc::sockaddr_in>() => {
+                // SAFETY: the family says the storage holds a sockaddr_in, and it is long enough.
+                let sin: &libc::sockaddr_in =
+                    unsafe { &*(&raw.storage as *const _ as *const libc::sockaddr_in) };
+                Some(SocketAddr::V4(SocketAddrV4::new(
+                    Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+                    u16::from_be(sin.sin_port),
+                )))
+            }
+            libc::AF_INET6 if raw.len as usize >= mem::size_of::<libc::sockaddr_in6>() => {
+                // SAFETY: as above, for sockaddr_in6.
+                let sin6: &libc::sockaddr_in6 =
+                    unsafe { &*(&raw.storage as *const _ as *const libc::sockaddr_in6) };
+                Some(SocketAddr::V6(SocketAddrV6::new(
+                    Ipv6Addr::from(sin6.sin6_addr.s6_addr),
+                    u16::from_be(sin6.sin6_port),
+                    sin6.sin6_flowinfo,
+                    sin6.sin6_scope_id,
+                )))
+            }
+            _ => None,
+        }
+    }
+
+    fn to_raw(&self) -> RawAddr {
+        let mut raw = RawAddr::zeroed();
+        match self {
+            SocketAddr::V4(a) => {
+                // SAFETY: sockaddr_storage is large and aligned enough for any sockaddr type.
+                let sin = unsafe { &mut *(&mut raw.storage as *mut _ as *mut libc::sockaddr_in) };
+                sin.sin_family = libc::AF_INET as libc::sa_family_t;
+                sin.sin_port = a.port().to_be();
+                sin.sin_addr.s_addr = u32::from(*a.ip()).to_be();
+                raw.len = mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            }
+            SocketAddr::V6(a) => {
+                // SAFETY: as above.
+                let sin6 = unsafe { &mut *(&mut raw.storage as *mut _ as *mut libc::sockaddr_in6) };
+                sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                sin6.sin6_port = a.port().to_be();
+                sin6.sin6_addr.s6_addr = a.ip().octets();
+                sin6.sin6_flowinfo = a.flowinfo();
+                sin6.sin6_scope_id = a.scope_id();
+                raw.len = mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
+            }
+        }
+        raw
+    }
+}
+
+/// A Unix-domain socket address: a filesystem path or a Linux abstract name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum UnixAddr {
+    /// A socket file.
+    Path(PathBuf),
+    /// A Linux abstract-namespace name (no file; scoped to the network namespace).
+    Abstract(Vec<u8>),
+}
+
+impl std::fmt::Display for UnixAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UnixAddr::Path(p) => write!(f, "{}", p.display()),
+            UnixAddr::Abstract(n) => write!(f, "@{}", String::from_utf8_lossy(n)),
+        }
+    }
+}
+
+impl From<PathBuf> for UnixAddr {
+    fn from(p: PathBuf) -> Self {
+        UnixAddr::Path(p)
+    }
+}
+
+impl From<&std::path::Path> for UnixAddr {
+    fn from(p: &std::path::Path) -> Self {
+        UnixAddr::Path(p.to_path_buf())
+    }
+}
+
+const SUN_PATH_OFFSET: usize = mem::offset_of!(libc::sockaddr_un, sun_path);
+
+impl UnixAddr {
+    /// Longest name the kernel accepts (`sun_path` is 108 bytes; paths need a NUL).
+    pub(crate) fn check(&self) -> io::Result<()> {
+        let (len, max) = match self {
+            UnixAddr::Path(p) => (p.as_os_str().len(), 107),
+            UnixAddr::Abstract(n) => (n.len(), 107),
+        };
+        if len == 0 || len > max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("unix socket name must be 1..={max} bytes, got {len}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl DgramAddr for UnixAddr {
+    fn from_raw(raw: &RawAddr) -> Option<Self> {
+        if raw.storage.ss_family as libc::c_int != libc::AF_UNIX {
+            return None;
+        }
+        let len = (raw.len as usize).checked_sub(SUN_PATH_OFFSET)?;
+        // SAFETY: the family says the storage holds a sockaddr_un.
+        let sun: &libc::sockaddr_un =
+            unsafe { &*(&raw.storage as *const _ as *const libc::sockaddr_un) };
+        let path: &[u8] =
+            // SAFETY: c_char and u8 have the same size and alignment.
+            unsafe { std::slice::from_raw_parts(sun.sun_path.as_ptr().cast(), sun.sun_path.len()) };
+        let path = &path[..len.min(path.len())];
+        match path.split_first() {
+            None => None, // unnamed peer: it cannot receive replies
+            Some((0, name)) => Some(UnixAddr::Abstract(name.to_vec())),
+            Some(_) => {
+                let end = path.iter().position(|&b| b == 0).unwrap_or(path.len());
+                Some(UnixAddr::Path(PathBuf::from(std::ffi::OsStr::from_bytes(
+                    &path[..end],
+                ))))
+            }
+        }
+    }
+
+    fn to_raw(&self) -> RawAddr {
+        let mut raw = RawAddr::zeroed();
+        // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_un.
+        let sun = unsafe { &mut *(&mut raw.storage as *mut _ as *mut libc::sockaddr_un) };
+        sun.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let (bytes, lead): (&[u8], usize) = match self {
+            UnixAddr::Path(p) => (p.as_os_str().as_bytes(), 0),
+            UnixAddr::Abstract(n) => (n.as_slice(), 1),
+        };
+        let n = bytes.len().min(sun.sun_path.len() - 1 - lead);
+        for (dst, &src) in sun.sun_path[lead..lead + n].iter_mut().zip(bytes) {
+            *dst = src as libc::c_char;
+        }
+        raw.len = (SUN_PATH_OFFSET + lead + n + usize::from(lead == 0)) as libc::socklen_t;
+        raw
+    }
+}
+
+/// One received datagram's metadata.
+#[derive(Clone, Copy)]
+pub(crate) struct RecvMeta {
+    pub(crate) len: usize,
+    pub(crate) truncated: bool,
+    pub(crate) addr: RawAddr,
+}
+
+/// Receives up to `metas.len()` datagrams with one `recvmmsg` call. Datagram `i` lands in
+/// `scratch[i * slot ..][.. slot]`. Non-blocking: returns `WouldBlock` when none is queued.
+pub(crate) fn recv_batch(
+    fd: RawFd,
+    scratch: &mut [u8],
+    slot: usize,
+    metas: &mut [RecvMeta],
+) -> io::Result<usize> {
+    let count = metas.len().min(MAX_BATCH).min(scratch.len() / slot.max(1));
+    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
+    let mut addrs = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
+    let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); MAX_BATCH];
+    for i in 0..count {
+        let base = scratch[i * slot..].as_mut_ptr();
+        iovs[i].write(libc::iovec {
+            iov_base: base.cast(),
+            iov_len: slot,
+        });
+        // SAFETY: mmsghdr is plain old data; zero is a valid starting value.
+        let mut h: libc::mmsghdr = unsafe { mem::zeroed() };
+        h.msg_hdr.msg_name = addrs[i].as_mut_ptr().cast();
+        h.msg_hdr.msg_namelen = mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        h.msg_hdr.msg_iov = iovs[i].as_mut_ptr();
+        h.msg_hdr.msg_iovlen = 1;
+        hdrs[i].write(h);
+    }
+    // SAFETY: the first `count` headers are initialised and point at live, disjoint buffers
+    // (`scratch` slots, `iovs`, `addrs`) that outlive the call.
+    let n = unsafe {
+        libc::recvmmsg(
+            fd,
+            hdrs.as_mut_ptr().cast(),
+            count as libc::c_uint,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = n as usize;
+    for i in 0..n {
+        // SAFETY: the kernel filled the first n headers; the header was initialised above.
+        let h = unsafe { hdrs[i].assume_init_ref() };
+        let mut addr = RawAddr::zeroed();
+        let alen = (h.msg_hdr.msg_namelen as usize).min(mem::size_of::<libc::sockaddr_storage>());
+        // SAFETY: the kernel wrote `alen` bytes of address into addrs[i]; the rest of
+        // `addr.storage` stays zeroed. Copying bytes between two sockaddr_storage is sound.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                addrs[i].as_ptr().cast::<u8>(),
+                (&mut addr.storage as *mut libc::sockaddr_storage).cast::<u8>(),
+                alen,
+            );
+        }
+        addr.len = alen as libc::socklen_t;
+        metas[i] = RecvMeta {
+            len: (h.msg_len as usize).min(slot),
+            truncated: h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0,
+            addr,
+        };
+    }
+    Ok(n)
+}
+
+/// Sends `msgs` with one `sendmmsg` call, to `dest` (or the connected peer when `None`).
+/// Returns how many were sent (a prefix); non-blocking.
+pub(crate) fn send_batch(fd: RawFd, msgs: &[&[u8]], dest: Option<&RawAddr>) -> io::Result<usize> {
+    let count = msgs.len().min(MAX_BATCH);
+    if count == 0 {
+        return Ok(0);
+    }
+    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
+    let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); MAX_BATCH];
+    for i in 0..count {
+        iovs[i].write(libc::iovec {
+            iov_base: msgs[i].as_ptr() as *mut libc::c_void,
+            iov_len: msgs[i].len(),
+        });
+        // SAFETY: plain old data.
+        let mut h: libc::mmsghdr = unsafe { mem::zeroed() };
+        if let Some(d) = dest {
+            h.msg_hdr.msg_name = &d.storage as *const _ as *mut libc::c_void;
+            h.msg_hdr.msg_namelen = d.len;
+        }
+        h.msg_hdr.msg_iov = iovs[i].as_mut_ptr();
+        h.msg_hdr.msg_iovlen = 1;
+        hdrs[i].write(h);
+    }
+    // SAFETY: the first `count` headers are initialised and point at buffers that outlive the
+    // call; the kernel only reads the message bytes and address.
+    let n = unsafe {
+        libc::sendmmsg(
+            fd,
+            hdrs.as_mut_ptr().cast(),
+            count as libc::c_uint,
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inet_round_trip() {
+        for a in ["127.0.0.1:9", "[::1]:65535", "10.1.2.3:0"] {
+            let a: SocketAddr = a.parse().unwrap();
+            assert_eq!(SocketAddr::from_raw(&a.to_raw()), Some(a));
+        }
+    }
+
+    #[test]
+    fn unix_round_trip() {
+        for a in [
+            UnixAddr::Path("/tmp/x.sock".into()),
+            UnixAddr::Abstract(b"chunnel-test".to_vec()),
+        ] {
+            assert_eq!(UnixAddr::from_raw(&a.to_raw()), Some(a));
+        }
+    }
+
+    #[test]
+    fn unix_rejects_other_families() {
+        let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        assert_eq!(UnixAddr::from_raw(&a.to_raw()), None);
+        assert!(UnixAddr::Path(PathBuf::new()).check().is_err());
+        assert!(UnixAddr::Abstract(vec![b'x'; 200]).check().is_err());
+    }
+}

@@ -1,0 +1,121 @@
+//! Kernel UDP: addressed datagrams, batched with `sendmmsg`/`recvmmsg`.
+//!
+//! * Client: [`Connect`] is a `Chunnel<()>`; its connection is a socket connected to the
+//!   server.
+//! * Server: [`Listener::bind`] gives a [`chunnel::Listener`] handing out one
+//!   [`ServerConnection`] per peer address.
+//!
+//! ```no_run
+//! use chunnel::{Chunnel, ConnectionExt, Listener as _};
+//! use chunnel_net::udp;
+//! # async fn demo() -> Result<(), chunnel::Error> {
+//! let mut listener = udp::Listener::bind("127.0.0.1:0".parse().unwrap()).await?;
+//! let addr = listener.local_addr()?;
+//! let client = udp::Connect::new(addr).connect_wrap(()).await?;
+//! client.send_one("hello".into()).await?;
+//! let server = listener.accept().await?;
+//! assert_eq!(server.recv_one().await?, "hello");
+//! # Ok(()) }
+//! ```
+
+use std::net::SocketAddr;
+
+use chunnel::{Chunnel, Error, Negotiate};
+use tokio::net::UdpSocket;
+
+use crate::datagram;
+pub use crate::datagram::Config;
+
+/// Largest UDP payload over IPv4 (65,535 − 8 UDP − 20 IP header bytes).
+pub const MAX_PAYLOAD: usize = 65_507;
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::with_max_payload(MAX_PAYLOAD)
+    }
+}
+
+/// A client-side UDP connection.
+pub type Connection = datagram::Connection<UdpSocket>;
+/// A server-side UDP connection (one peer of a [`Listener`]).
+pub type ServerConnection = datagram::ServerConnection<UdpSocket>;
+
+/// The base Chunnel of a UDP client: `connect_wrap(())` binds an ephemeral port and connects
+/// it to `addr`.
+#[derive(Clone, Debug)]
+pub struct Connect {
+    addr: SocketAddr,
+    cfg: Config,
+}
+
+impl Connect {
+    /// Connects to `addr` with the default [`Config`].
+    pub fn new(addr: SocketAddr) -> Self {
+        Connect {
+            addr,
+            cfg: Config::default(),
+        }
+    }
+
+    /// Uses `cfg` instead of the default.
+    pub fn with_config(mut self, cfg: Config) -> Self {
+        self.cfg = cfg;
+        self
+    }
+
+    /// The server address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Negotiate for Connect {
+    fn id(&self) -> &'static str {
+        "chunnel/udp/1"
+    }
+}
+
+impl Chunnel<()> for Connect {
+    type Connection = Connection;
+
+    async fn connect_wrap(&mut self, (): ()) -> Result<Connection, Error> {
+        let local: SocketAddr = if self.addr.is_ipv4() {
+            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        };
+        let sock = UdpSocket::bind(local)
+            .await
+            .map_err(|e| Error::from_io("bind", local, e))?;
+        sock.connect(self.addr)
+            .await
+            .map_err(|e| Error::from_io("connect", self.addr, e))?;
+        Ok(datagram::Connection::new(sock, self.addr, self.cfg.clone()))
+    }
+}
+
+/// A UDP server socket; see [`datagram`](crate::datagram) for how peers are demultiplexed.
+pub type Listener = datagram::Listener<UdpSocket>;
+
+impl Listener {
+    /// Binds `addr` with the default [`Config`].
+    pub async fn bind(addr: SocketAddr) -> Result<Self, Error> {
+        Self::bind_with(addr, Config::default()).await
+    }
+
+    /// Binds `addr` with `cfg`.
+    pub async fn bind_with(addr: SocketAddr, cfg: Config) -> Result<Self, Error> {
+        let sock = UdpSocket::bind(addr)
+            .await
+            .map_err(|e| Error::from_io("bind", addr, e))?;
+        Ok(datagram::Listener::new(sock, cfg))
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr, Error> {
+        self.get_ref().local_addr().map_err(|e| Error::Io {
+            op: "local_addr",
+            source: e,
+        })
+    }
+}
