@@ -80,13 +80,17 @@ impl<C: ChunnelConnection> ChunnelConnection for NoopConnection<C> {
         B: IntoIterator<Item = Self::Data> + Send,
         B::IntoIter: Send,
     {
-        self.inner.send(burst.into_iter().map(black_box))
+        // `black_box(&m)` makes the compiler assume this layer reads every message, without
+        // moving the message itself through an opaque call.
+        self.inner.send(burst.into_iter().inspect(|m| {
+            black_box(m);
+        }))
     }
 
     #[inline]
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Self::Data>]) -> Result<usize, Error> {
         let n = self.inner.recv(slots).await?;
-        for s in slots.iter_mut().take(n) {
+        for s in slots.get(..n).unwrap_or(slots) {
             black_box(s);
         }
         Ok(n)

@@ -1,0 +1,58 @@
+//! `chunnel-bench`: every subcommand prints a human-readable account on stderr and exactly one
+//! JSON line of results on stdout, last.
+//!
+//! * `overhead`: loopback echo through 0, 1, 3 and 5 no-op Chunnels over kernel UDP and Unix
+//!   datagram sockets, beside a raw tokio baseline; plus callgrind instruction counts per
+//!   message and a count of heap allocations per message.
+//! * `probe` (internal): the deterministic loop that `overhead` runs under callgrind.
+
+mod alloc;
+mod overhead;
+mod probe;
+mod stats;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[global_allocator]
+static ALLOC: alloc::Counting = alloc::Counting;
+
+#[derive(Parser)]
+#[command(
+    name = "chunnel-bench",
+    about = "Chunnel measurements; one JSON line on stdout"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Marginal cost of no-op Chunnels over kernel UDP and Unix datagrams vs. raw sockets.
+    Overhead(overhead::Args),
+    /// Internal: one deterministic run for callgrind / the allocation counter.
+    #[command(hide = true)]
+    Probe(probe::Args),
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Overhead(a) => overhead::run(a),
+        Cmd::Probe(a) => probe::run(a),
+    }
+}
+
+/// Pins the calling thread to `cpu` (client and server then share one core: on this kind of VM
+/// a cross-core wake-up costs ~45 us and makes latency bimodal).
+pub(crate) fn pin_to(cpu: usize) -> Result<()> {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            anyhow::bail!("pinning to cpu {cpu}: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
