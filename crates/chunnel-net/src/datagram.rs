@@ -321,11 +321,6 @@ impl<S: DgramSocket> Connection<S> {
         }
     }
 
-    /// The peer this connection talks to.
-    pub fn peer_addr(&self) -> &S::Addr {
-        &self.peer
-    }
-
     /// The socket underneath.
     pub fn get_ref(&self) -> &S {
         &self.sock
@@ -599,11 +594,6 @@ pub struct ServerConnection<S: DgramSocket> {
 }
 
 impl<S: DgramSocket> ServerConnection<S> {
-    /// The peer this connection talks to.
-    pub fn peer_addr(&self) -> &S::Addr {
-        &self.addr
-    }
-
     /// Closes the connection and frees its state on the listener; later calls fail with
     /// [`Error::Closed`]. A datagram the same peer sends afterwards starts a new connection.
     pub fn close(&self) {
@@ -718,3 +708,27 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         }
     }
 }
+
+macro_rules! peer_addr {
+    ($sock:ty, $addr:ty, $($conn:ident . $field:ident),+) => {$(
+        impl $conn<$sock> {
+            /// The peer this connection talks to.
+            pub fn peer_addr(&self) -> &$addr {
+                &self.$field
+            }
+        }
+    )+};
+}
+
+peer_addr!(
+    tokio::net::UdpSocket,
+    std::net::SocketAddr,
+    Connection.peer,
+    ServerConnection.addr
+);
+peer_addr!(
+    tokio::net::UnixDatagram,
+    sys::UnixAddr,
+    Connection.peer,
+    ServerConnection.addr
+);

@@ -2,8 +2,10 @@
 //! [`crate::uds`].
 //!
 //! Frame: a 4-byte big-endian length `n`, then `n` bytes of message. `n` above the
-//! connection's `max_payload` is a protocol error: the receiver reports
-//! [`Error::Malformed`] and closes, since the stream cannot be resynchronised.
+//! connection's `max_payload` is a protocol error: after delivering the frames before it, the
+//! receiver reports [`Error::Malformed`] and every later `recv` fails with [`Error::Closed`],
+//! since the stream cannot be resynchronised. Sending still works until the connection is
+//! dropped or closed.
 
 use std::fmt;
 
@@ -128,6 +130,10 @@ where
         while n < slots.len() && st.buf.len() >= HEADER_LEN {
             let len = u32::from_be_bytes([st.buf[0], st.buf[1], st.buf[2], st.buf[3]]) as usize;
             if len > self.max_payload {
+                if n > 0 {
+                    // Deliver the good frames first; the next call reports the bad header.
+                    break;
+                }
                 let e = Error::Malformed {
                     what: "frame length exceeds max_payload",
                 };

@@ -175,7 +175,8 @@ impl DgramAddr for UnixAddr {
             UnixAddr::Path(p) => (p.as_os_str().as_bytes(), 0),
             UnixAddr::Abstract(n) => (n.as_slice(), 1),
         };
-        let n = bytes.len().min(sun.sun_path.len() - 1 - lead);
+        // Paths need a terminating NUL; abstract names use the leading NUL instead.
+        let n = bytes.len().min(sun.sun_path.len() - 1);
         for (dst, &src) in sun.sun_path[lead..lead + n].iter_mut().zip(bytes) {
             *dst = src as libc::c_char;
         }
