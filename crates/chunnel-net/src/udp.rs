@@ -94,7 +94,7 @@ impl Chunnel<()> for Connect {
     }
 }
 
-/// A UDP server socket; see [`datagram`](crate::datagram) for how peers are demultiplexed.
+/// A UDP server socket; see [`datagram`] for how peers are demultiplexed.
 pub type Listener = datagram::Listener<UdpSocket>;
 
 impl Listener {
