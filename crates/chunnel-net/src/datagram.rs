@@ -166,11 +166,7 @@ impl RxScratch {
             metas: [RecvMeta {
                 len: 0,
                 truncated: false,
-                addr: sys::RawAddr {
-                    // SAFETY: plain old data, zero is valid.
-                    storage: unsafe { std::mem::zeroed() },
-                    len: 0,
-                },
+                addr: sys::RawAddr::zeroed(),
             }; MAX_BATCH],
         }
     }

@@ -20,7 +20,7 @@ pub(crate) struct RawAddr {
 }
 
 impl RawAddr {
-    fn zeroed() -> Self {
+    pub(crate) fn zeroed() -> Self {
         // SAFETY: sockaddr_storage is plain old data; all-zero is a valid (AF_UNSPEC) value.
         RawAddr {
             storage: unsafe { mem::zeroed() },

@@ -72,10 +72,16 @@ fn unique_abstract_name() -> UnixAddr {
     )
 }
 
+fn bind_std_dgram(addr: &UnixAddr) -> Result<std::os::unix::net::UnixDatagram, Error> {
+    std::os::unix::net::UnixDatagram::bind_addr(&to_std(addr)?)
+        .map_err(|e| Error::from_io("bind", addr, e))
+}
+
 fn bind_dgram(addr: &UnixAddr) -> Result<UnixDatagram, Error> {
-    let std_addr = to_std(addr)?;
-    let s = std::os::unix::net::UnixDatagram::bind_addr(&std_addr)
-        .map_err(|e| Error::from_io("bind", addr, e))?;
+    register_dgram(bind_std_dgram(addr)?)
+}
+
+fn register_dgram(s: std::os::unix::net::UnixDatagram) -> Result<UnixDatagram, Error> {
     s.set_nonblocking(true).map_err(|e| Error::Io {
         op: "set_nonblocking",
         source: e,
@@ -124,30 +130,12 @@ impl Chunnel<()> for DatagramConnect {
     type Connection = DatagramConnection;
 
     async fn connect_wrap(&mut self, (): ()) -> Result<DatagramConnection, Error> {
-        let sock = bind_dgram(&unique_abstract_name())?;
         let peer = to_std(&self.addr)?;
-        // Connect through std (tokio's `connect` takes only paths, not abstract names).
-        {
-            use std::os::fd::{AsFd, BorrowedFd};
-            let fd: BorrowedFd<'_> = sock.as_fd();
-            let raw = crate::sys::DgramAddr::to_raw(&self.addr);
-            // SAFETY: `raw` is a valid sockaddr_un of `raw.len` bytes; fd is a live socket.
-            let rc = unsafe {
-                libc::connect(
-                    std::os::fd::AsRawFd::as_raw_fd(&fd),
-                    (&raw.storage as *const libc::sockaddr_storage).cast(),
-                    raw.len,
-                )
-            };
-            if rc != 0 {
-                return Err(Error::from_io(
-                    "connect",
-                    &self.addr,
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            let _ = peer;
-        }
+        let sock = bind_std_dgram(&unique_abstract_name())?;
+        // std connects to abstract names too (tokio's `connect` takes only paths).
+        sock.connect_addr(&peer)
+            .map_err(|e| Error::from_io("connect", &self.addr, e))?;
+        let sock = register_dgram(sock)?;
         Ok(datagram::Connection::new(
             sock,
             self.addr.clone(),
