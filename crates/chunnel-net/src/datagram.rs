@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use chunnel::{ChunnelConnection, Error};
+use chunnel::{ChunnelConnection, Error, SendHeader};
 use tokio::io::Interest;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -234,18 +234,20 @@ async fn send_burst<S: DgramSocket, B>(
     cfg: &Config,
     dest: Option<&sys::RawAddr>,
     peer: &(dyn std::fmt::Debug + Sync),
+    header: &[u8],
     burst: B,
 ) -> Result<(), Error>
 where
     B: IntoIterator<Item = Bytes>,
 {
+    let max = cfg.max_payload.saturating_sub(header.len());
     let mut it = burst.into_iter();
     let mut batch: [Bytes; MAX_BATCH] = [const { Bytes::new() }; MAX_BATCH];
     loop {
         let mut n = 0;
         let mut too_large = None;
         for m in it.by_ref() {
-            if m.len() > cfg.max_payload {
+            if m.len() > max {
                 too_large = Some(m.len());
                 break;
             }
@@ -263,7 +265,7 @@ where
             }
             let fd = sock.as_raw_fd();
             match sock.try_io_with(Interest::WRITABLE, || {
-                sys::send_batch(fd, &views[..n - sent], dest)
+                sys::send_batch(fd, header, &views[..n - sent], dest)
             }) {
                 Ok(k) => sent += k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => sock
@@ -277,10 +279,7 @@ where
             *b = Bytes::new();
         }
         if let Some(len) = too_large {
-            return Err(Error::MessageTooLarge {
-                len,
-                max: cfg.max_payload,
-            });
+            return Err(Error::MessageTooLarge { len, max });
         }
         if n < cfg.batch {
             return Ok(());
@@ -342,6 +341,30 @@ impl<S: DgramSocket> Connection<S> {
     }
 }
 
+impl<S: DgramSocket> Connection<S> {
+    async fn send_hdr<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes>,
+    {
+        self.check_open()?;
+        send_burst(&self.sock, &self.cfg, None, &self.peer, header, burst).await
+    }
+}
+
+impl<S: DgramSocket> SendHeader for Connection<S> {
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
+    where
+        B: IntoIterator<Item = Bytes> + Send + 'a,
+        B::IntoIter: Send,
+    {
+        self.send_hdr(header, burst)
+    }
+}
+
 impl<S: DgramSocket> ChunnelConnection for Connection<S> {
     type Data = Bytes;
 
@@ -350,8 +373,7 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        self.check_open()?;
-        send_burst(&self.sock, &self.cfg, None, &self.peer, burst).await
+        self.send_hdr(&[], burst).await
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
@@ -636,6 +658,34 @@ impl<S: DgramSocket> Drop for ServerConnection<S> {
     }
 }
 
+impl<S: DgramSocket> ServerConnection<S> {
+    async fn send_hdr<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes>,
+    {
+        if self.peer.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let dest = self.addr.to_raw();
+        let sh = &self.shared;
+        send_burst(&sh.sock, &sh.cfg, Some(&dest), &self.addr, header, burst).await
+    }
+}
+
+impl<S: DgramSocket> SendHeader for ServerConnection<S> {
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
+    where
+        B: IntoIterator<Item = Bytes> + Send + 'a,
+        B::IntoIter: Send,
+    {
+        self.send_hdr(header, burst)
+    }
+}
+
 impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
     type Data = Bytes;
 
@@ -644,18 +694,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        if self.peer.closed.load(Ordering::Acquire) {
-            return Err(Error::Closed);
-        }
-        let dest = self.addr.to_raw();
-        send_burst(
-            &self.shared.sock,
-            &self.shared.cfg,
-            Some(&dest),
-            &self.addr,
-            burst,
-        )
-        .await
+        self.send_hdr(&[], burst).await
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {

@@ -10,7 +10,7 @@
 use std::fmt;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use chunnel::{ChunnelConnection, Error};
+use chunnel::{ChunnelConnection, Error, SendHeader};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Mutex;
 
@@ -152,6 +152,62 @@ where
     }
 }
 
+impl<R, W> Connection<R, W>
+where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send,
+{
+    async fn send_hdr<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes>,
+    {
+        let max = self.max_payload.saturating_sub(header.len());
+        let mut w = self.wr.lock().await;
+        if w.shut {
+            return Err(Error::Closed);
+        }
+        let mut too_large = None;
+        for m in burst {
+            if m.len() > max {
+                too_large = Some(m.len());
+                break;
+            }
+            w.buf.reserve(HEADER_LEN + header.len() + m.len());
+            w.buf.put_u32((header.len() + m.len()) as u32);
+            w.buf.put_slice(header);
+            w.buf.put_slice(&m);
+        }
+        let WriteState { io, buf, .. } = &mut *w;
+        while buf.has_remaining() {
+            io.write_buf(buf)
+                .await
+                .map_err(|e| self.io_err("send", e))?;
+        }
+        match too_large {
+            Some(len) => Err(Error::MessageTooLarge { len, max }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<R, W> SendHeader for Connection<R, W>
+where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send,
+{
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + 'a
+    where
+        B: IntoIterator<Item = Bytes> + Send + 'a,
+        B::IntoIter: Send,
+    {
+        self.send_hdr(header, burst)
+    }
+}
+
 impl<R, W> ChunnelConnection for Connection<R, W>
 where
     R: AsyncRead + Unpin + Send,
@@ -166,33 +222,7 @@ where
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        let mut w = self.wr.lock().await;
-        if w.shut {
-            return Err(Error::Closed);
-        }
-        let mut too_large = None;
-        for m in burst {
-            if m.len() > self.max_payload {
-                too_large = Some(m.len());
-                break;
-            }
-            w.buf.reserve(HEADER_LEN + m.len());
-            w.buf.put_u32(m.len() as u32);
-            w.buf.put_slice(&m);
-        }
-        let WriteState { io, buf, .. } = &mut *w;
-        while buf.has_remaining() {
-            io.write_buf(buf)
-                .await
-                .map_err(|e| self.io_err("send", e))?;
-        }
-        match too_large {
-            Some(len) => Err(Error::MessageTooLarge {
-                len,
-                max: self.max_payload,
-            }),
-            None => Ok(()),
-        }
+        self.send_hdr(&[], burst).await
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {

@@ -260,15 +260,30 @@ pub(crate) fn recv_batch(
 
 /// Sends `msgs` with one `sendmmsg` call, to `dest` (or the connected peer when `None`).
 /// Returns how many were sent (a prefix); non-blocking.
-pub(crate) fn send_batch(fd: RawFd, msgs: &[&[u8]], dest: Option<&RawAddr>) -> io::Result<usize> {
+pub(crate) fn send_batch(
+    fd: RawFd,
+    header: &[u8],
+    msgs: &[&[u8]],
+    dest: Option<&RawAddr>,
+) -> io::Result<usize> {
     let count = msgs.len().min(MAX_BATCH);
     if count == 0 {
         return Ok(0);
     }
-    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
+    // Each message is gathered from up to two iovecs: the shared header, then the payload.
+    let parts = if header.is_empty() { 1 } else { 2 };
+    let mut iovs = [[MaybeUninit::<libc::iovec>::uninit(); 2]; MAX_BATCH];
     let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); MAX_BATCH];
     for i in 0..count {
-        iovs[i].write(libc::iovec {
+        let mut k = 0;
+        if parts == 2 {
+            iovs[i][0].write(libc::iovec {
+                iov_base: header.as_ptr() as *mut libc::c_void,
+                iov_len: header.len(),
+            });
+            k = 1;
+        }
+        iovs[i][k].write(libc::iovec {
             iov_base: msgs[i].as_ptr() as *mut libc::c_void,
             iov_len: msgs[i].len(),
         });
@@ -278,8 +293,8 @@ pub(crate) fn send_batch(fd: RawFd, msgs: &[&[u8]], dest: Option<&RawAddr>) -> i
             h.msg_hdr.msg_name = &d.storage as *const _ as *mut libc::c_void;
             h.msg_hdr.msg_namelen = d.len;
         }
-        h.msg_hdr.msg_iov = iovs[i].as_mut_ptr();
-        h.msg_hdr.msg_iovlen = 1;
+        h.msg_hdr.msg_iov = iovs[i].as_mut_ptr().cast();
+        h.msg_hdr.msg_iovlen = parts;
         hdrs[i].write(h);
     }
     // SAFETY: the first `count` headers are initialised and point at buffers that outlive the

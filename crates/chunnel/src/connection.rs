@@ -95,3 +95,36 @@ impl<C: ChunnelConnection + ?Sized> ChunnelConnection for std::sync::Arc<C> {
         (**self).recv(slots)
     }
 }
+
+/// A byte connection that can put a short header in front of every message of a burst
+/// without copying the messages: a second `iovec` per datagram on datagram sockets, the
+/// frame's first bytes on stream sockets.
+///
+/// Layers that tag messages (negotiation, reconfiguration control) use this so that tagging
+/// costs no allocation and no copy of the payload. The header counts against the datapath's
+/// maximum message size.
+pub trait SendHeader: ChunnelConnection<Data = bytes::Bytes> {
+    /// Sends every message of `burst` with `header` in front of it.
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
+    where
+        B: IntoIterator<Item = bytes::Bytes> + Send + 'a,
+        B::IntoIter: Send;
+}
+
+impl<C: SendHeader + ?Sized> SendHeader for std::sync::Arc<C> {
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
+    where
+        B: IntoIterator<Item = bytes::Bytes> + Send + 'a,
+        B::IntoIter: Send,
+    {
+        (**self).send_with_header(header, burst)
+    }
+}

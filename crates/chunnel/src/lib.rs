@@ -95,9 +95,11 @@ mod stack;
 
 pub use crate::boxed::{BoxChunnel, BoxConnection};
 pub use crate::chunnel::{Chunnel, ChunnelExt, Listener, Serve};
-pub use crate::connection::{ChunnelConnection, ConnectionExt};
+pub use crate::connection::{ChunnelConnection, ConnectionExt, SendHeader};
 pub use crate::error::{BoxError, Error};
-pub use crate::negotiate::{Capability, Match, Negotiate, Offers, Pick, StackOption};
+pub use crate::negotiate::{
+    Capability, ChunnelInfo, End, Match, Mismatch, Negotiate, Offers, Pick, StackOption,
+};
 pub use crate::noop::{Identity, Noop, NoopConnection};
 pub use crate::payload::{LendBuffer, Payload};
 pub use crate::select::{Either, Select, Side, select};

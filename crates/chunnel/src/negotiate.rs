@@ -23,12 +23,21 @@ pub enum Match {
     Compositional,
 }
 
+/// A compatibility rule for a custom capability type: `ours` is the local capability (the one
+/// that carries the rule), `theirs` the peer's of the same kind.
+pub type Rule = fn(ours: &Capability, theirs: &Capability) -> bool;
+
 /// One capability of a Chunnel: a typed, opaque set of labels with a matching rule.
 ///
 /// `kind` names the capability type (`"serialize"`, `"shard"`...). Two capabilities are
 /// compared only when their kinds are equal, with the rule of that kind (see
-/// [`Capability::compatible`]). Chunnel authors define new kinds freely.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// [`Capability::compatible`]). Chunnel authors define new kinds freely, and may give a kind
+/// its own compatibility rule with [`Capability::with_rule`] (version ranges, minimum sizes).
+///
+/// The rule is local behaviour, not data: it never crosses the wire, and equality and hashing
+/// look at `kind`, `matching` and `labels` only. The endpoint that decides (the server in
+/// point-to-point negotiation) applies its own capability's rule.
+#[derive(Clone, Debug)]
 pub struct Capability {
     /// The capability type, e.g. `"serialize"`.
     pub kind: Cow<'static, str>,
@@ -37,6 +46,24 @@ pub struct Capability {
     /// The labels; for an exact capability the sets must be equal, for a compositional one
     /// they must intersect (or the capability be present on one side only).
     pub labels: Vec<Cow<'static, str>>,
+    /// A custom compatibility rule replacing the default set comparison.
+    pub rule: Option<Rule>,
+}
+
+impl PartialEq for Capability {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.matching == other.matching && self.labels == other.labels
+    }
+}
+
+impl Eq for Capability {}
+
+impl std::hash::Hash for Capability {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.kind.hash(state);
+        self.matching.hash(state);
+        self.labels.hash(state);
+    }
 }
 
 impl Capability {
@@ -49,6 +76,7 @@ impl Capability {
             kind: kind.into(),
             matching: Match::Exact,
             labels: labels.into_iter().map(Into::into).collect(),
+            rule: None,
         }
     }
 
@@ -61,14 +89,25 @@ impl Capability {
             kind: kind.into(),
             matching: Match::Compositional,
             labels: labels.into_iter().map(Into::into).collect(),
+            rule: None,
         }
     }
 
-    /// The default compatibility rule between two capabilities of the same kind: equal label
-    /// sets for [`Match::Exact`], a non-empty intersection for [`Match::Compositional`].
+    /// Gives this capability a custom compatibility rule (see [`Rule`]).
+    pub fn with_rule(mut self, rule: Rule) -> Self {
+        self.rule = Some(rule);
+        self
+    }
+
+    /// Whether `self` (local) accepts `other` (the peer's). Kinds and matching modes must be
+    /// equal; then the custom [`Rule`] decides if `self` has one, else the default: equal
+    /// label sets for [`Match::Exact`], a non-empty intersection for [`Match::Compositional`].
     pub fn compatible(&self, other: &Capability) -> bool {
         if self.kind != other.kind || self.matching != other.matching {
             return false;
+        }
+        if let Some(rule) = self.rule {
+            return rule(self, other);
         }
         match self.matching {
             // Label lists are compared as sets: order and repeats do not matter.
@@ -79,6 +118,173 @@ impl Capability {
             Match::Compositional => self.labels.iter().any(|l| other.labels.contains(l)),
         }
     }
+}
+
+/// Which end of a negotiation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum End {
+    /// The endpoint that offers (connects).
+    Client,
+    /// The endpoint that picks (listens).
+    Server,
+}
+
+impl std::fmt::Display for End {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            End::Client => "client",
+            End::Server => "server",
+        })
+    }
+}
+
+/// Why one client option and one server option are not compatible: the first capability
+/// that failed to match.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mismatch {
+    /// Index of the client's option (its preference order).
+    pub client_option: u16,
+    /// Index of the server's option.
+    pub server_option: u16,
+    /// The capability kind that failed.
+    pub kind: String,
+    /// Its matching mode (as the side that has it declares it).
+    pub matching: Match,
+    /// The client's labels for this kind, `None` if the client's option lacks the kind.
+    pub client: Option<Vec<String>>,
+    /// The server's labels for this kind, `None` if the server's option lacks the kind.
+    pub server: Option<Vec<String>>,
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = match self.matching {
+            Match::Exact => "exact",
+            Match::Compositional => "compositional",
+        };
+        write!(f, "{how} capability `{}` ", self.kind)?;
+        match (&self.client, &self.server) {
+            (Some(c), None) => write!(
+                f,
+                "{{{}}} at the client is missing at the server",
+                c.join(",")
+            ),
+            (None, Some(s)) => write!(
+                f,
+                "{{{}}} at the server is missing at the client",
+                s.join(",")
+            ),
+            (Some(c), Some(s)) => write!(
+                f,
+                "differs: {{{}}} at the client, {{{}}} at the server",
+                c.join(","),
+                s.join(",")
+            ),
+            (None, None) => f.write_str("is missing at both ends"),
+        }?;
+        write!(
+            f,
+            " (client option {}, server option {})",
+            self.client_option, self.server_option
+        )
+    }
+}
+
+fn labels(c: &Capability) -> Vec<String> {
+    c.labels.iter().map(|l| l.to_string()).collect()
+}
+
+/// Checks one server option against one client option with the paper's rules (§5.2): an
+/// exact-match capability must be present at both ends and compatible; a compositional one
+/// may be present at either end, and must be compatible where both carry it. The server's
+/// capabilities are `ours` and their custom [`Rule`]s apply.
+pub fn check_compatible(
+    server: &[ChunnelInfo],
+    client: &[ChunnelInfo],
+    server_option: u16,
+    client_option: u16,
+) -> Result<(), Mismatch> {
+    let ours: Vec<&Capability> = server.iter().flat_map(|c| &c.capabilities).collect();
+    let theirs: Vec<&Capability> = client.iter().flat_map(|c| &c.capabilities).collect();
+    let mismatch = |cap: &Capability, client_has: Option<Vec<String>>, server_has| Mismatch {
+        client_option,
+        server_option,
+        kind: cap.kind.to_string(),
+        matching: cap.matching,
+        client: client_has,
+        server: server_has,
+    };
+    let same_kind = |list: &[&Capability], kind: &str| -> Vec<Capability> {
+        list.iter()
+            .filter(|c| c.kind == kind)
+            .map(|c| (*c).clone())
+            .collect()
+    };
+    for o in &ours {
+        let peer = same_kind(&theirs, &o.kind);
+        if peer.is_empty() {
+            if o.matching == Match::Exact {
+                return Err(mismatch(o, None, Some(labels(o))));
+            }
+            continue;
+        }
+        if !peer.iter().any(|t| o.compatible(t)) {
+            return Err(mismatch(o, Some(labels(&peer[0])), Some(labels(o))));
+        }
+    }
+    for t in &theirs {
+        let local = same_kind(&ours, &t.kind);
+        if local.is_empty() {
+            if t.matching == Match::Exact {
+                return Err(mismatch(t, Some(labels(t)), None));
+            }
+            continue;
+        }
+        // Judged by the local (server) capability, whose rule applies.
+        if !local.iter().any(|o| o.compatible(t)) {
+            return Err(mismatch(t, Some(labels(t)), Some(labels(&local[0]))));
+        }
+    }
+    Ok(())
+}
+
+/// The outcome of [`choose`]: which server option serves which client option.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    /// Index into the server's options.
+    pub server_option: usize,
+    /// Index into the client's options.
+    pub client_option: usize,
+}
+
+/// The server's decision: the first server option (server preference order) that is
+/// compatible with some client option, taking the client's most preferred such option. On
+/// failure, the first mismatch of every pair tried, bounded to `max_reported`.
+pub fn choose(
+    server: &[StackOption],
+    client: &[StackOption],
+    max_reported: usize,
+) -> Result<Choice, Vec<Mismatch>> {
+    let mut why = Vec::new();
+    for (si, s) in server.iter().enumerate() {
+        for (ci, c) in client.iter().enumerate() {
+            match check_compatible(&s.chunnels, &c.chunnels, idx(si), idx(ci)) {
+                Ok(()) => {
+                    return Ok(Choice {
+                        server_option: si,
+                        client_option: ci,
+                    });
+                }
+                Err(m) if why.len() < max_reported => why.push(m),
+                Err(_) => {}
+            }
+        }
+    }
+    Err(why)
+}
+
+fn idx(i: usize) -> u16 {
+    u16::try_from(i).unwrap_or(u16::MAX)
 }
 
 /// What a leaf Chunnel tells the negotiator about itself.

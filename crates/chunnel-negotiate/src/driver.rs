@@ -1,0 +1,431 @@
+//! Thin async drivers around [`crate::proto`]: [`Client::connect`], [`Client::connect_0rtt`]
+//! and [`listen`].
+
+use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use chunnel::negotiate::ChunnelInfo;
+use chunnel::{Chunnel, ChunnelConnection, Listener, Offers, Pick, SendHeader};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::proto::{ClientHandshake, Decision, Outcome, Server, Timing};
+use crate::tagged::Tagged;
+use crate::wire::{Tag, ZeroRtt};
+
+/// Negotiation settings shared by clients and servers.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    /// Retransmission and size limits of the client's hello.
+    pub timing: Timing,
+    /// How long a server waits for the hello on a new base connection.
+    pub hello_timeout: Duration,
+    /// Negotiated connections (or per-client errors) a server queues for `accept`.
+    pub backlog: usize,
+    /// Remembered picks (0-RTT) per client.
+    pub cache_entries: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            timing: Timing::default(),
+            hello_timeout: Duration::from_secs(10),
+            backlog: 128,
+            cache_entries: 4096,
+        }
+    }
+}
+
+/// What negotiation decided for one connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Info {
+    /// The pick applied to the client's stack.
+    pub client_pick: Pick,
+    /// The pick applied to the server's stack.
+    pub server_pick: Pick,
+    /// The server's chosen stack, top first.
+    pub server_stack: Vec<ChunnelInfo>,
+    /// What happened to a 0-RTT attempt.
+    pub zero_rtt: ZeroRtt,
+    /// Hellos the client sent (more than 1 means some were lost); 0 on the server.
+    pub hellos_sent: u32,
+}
+
+/// A negotiated connection: the picked stack's connection plus what was decided.
+#[derive(Debug)]
+pub struct Negotiated<C> {
+    conn: C,
+    info: Info,
+}
+
+impl<C> Negotiated<C> {
+    /// What negotiation decided.
+    pub fn info(&self) -> &Info {
+        &self.info
+    }
+
+    /// The stack's connection.
+    pub fn get_ref(&self) -> &C {
+        &self.conn
+    }
+
+    /// Splits into the stack's connection and the decision.
+    pub fn into_parts(self) -> (C, Info) {
+        (self.conn, self.info)
+    }
+}
+
+impl<C: ChunnelConnection> ChunnelConnection for Negotiated<C> {
+    type Data = C::Data;
+
+    #[inline]
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), chunnel::Error>> + Send
+    where
+        B: IntoIterator<Item = Self::Data> + Send,
+        B::IntoIter: Send,
+    {
+        self.conn.send(burst)
+    }
+
+    #[inline]
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Self::Data>],
+    ) -> impl Future<Output = Result<usize, chunnel::Error>> + Send + 'a {
+        self.conn.recv(slots)
+    }
+}
+
+fn new_conn_id() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    // 0 means "unknown" in a reject.
+    h.finish().max(1)
+}
+
+/// Runs a client handshake over `base` to its outcome.
+async fn drive<C: SendHeader>(base: &C, hs: &mut ClientHandshake) -> Result<Outcome, Error> {
+    let mut slots: [Option<Bytes>; 8] = Default::default();
+    loop {
+        if let Some(r) = hs.poll_outcome() {
+            return r;
+        }
+        let now = Instant::now();
+        if let Some(m) = hs.poll_transmit(now.into_std()) {
+            base.send_with_header(&[], [m]).await?;
+            continue;
+        }
+        let Some(deadline) = hs.poll_timeout() else {
+            continue;
+        };
+        tokio::select! {
+            r = base.recv(&mut slots) => {
+                let n = r?;
+                for s in slots[..n].iter_mut() {
+                    if let Some(m) = s.take() {
+                        hs.handle_message(m);
+                    }
+                }
+            }
+            () = tokio::time::sleep_until(Instant::from_std(deadline)) => {
+                hs.handle_timeout(Instant::now().into_std());
+            }
+        }
+    }
+}
+
+/// The client side: negotiates stacks and remembers, per server, the last pick for 0-RTT.
+#[derive(Debug, Default)]
+pub struct Client {
+    cfg: Config,
+    cache: Mutex<HashMap<String, Pick>>,
+}
+
+impl Client {
+    /// A client with `cfg`.
+    pub fn new(cfg: Config) -> Self {
+        Client {
+            cfg,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The pick remembered for `server`, if any.
+    pub fn remembered(&self, server: &str) -> Option<Pick> {
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(server)
+            .cloned()
+    }
+
+    /// Forgets every remembered pick.
+    pub fn forget_all(&self) {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    fn remember(&self, server: &str, pick: &Pick) {
+        let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if c.len() >= self.cfg.cache_entries.max(1) && !c.contains_key(server) {
+            // Bounded: evict an arbitrary entry.
+            if let Some(k) = c.keys().next().cloned() {
+                c.remove(&k);
+            }
+        }
+        c.insert(server.to_owned(), pick.clone());
+    }
+
+    /// 1-RTT: offers `stack`'s options over `base` (connected to the server named `server`,
+    /// the key under which the pick is remembered), waits for the pick, builds that stack.
+    pub async fn connect<S, C>(
+        &self,
+        server: &str,
+        mut stack: S,
+        base: C,
+    ) -> Result<Negotiated<S::Connection>, Error>
+    where
+        C: SendHeader,
+        S: Chunnel<Tagged<C>> + Offers,
+    {
+        let offers = stack.offers();
+        if offers.is_empty() {
+            return Err(Error::NoOptions(stack.available().err().unwrap_or(
+                chunnel::Error::BadPick {
+                    what: "the stack offers no option",
+                },
+            )));
+        }
+        let mut hs = ClientHandshake::new(
+            offers,
+            None,
+            new_conn_id(),
+            self.cfg.timing,
+            Instant::now().into_std(),
+        )?;
+        let out = drive(&base, &mut hs).await?;
+        stack.apply(&out.accept.client_pick)?;
+        let tagged = Tagged::client(base);
+        tagged.push_pending(out.early_replies);
+        let conn = stack.connect_wrap(tagged).await?;
+        self.remember(server, &out.accept.client_pick);
+        Ok(Negotiated {
+            conn,
+            info: info(out.accept, out.hellos_sent),
+        })
+    }
+
+    /// 0-RTT: if a pick for `server` is remembered, builds that stack at once, sends `early`
+    /// through it inside the hello (the first flight), and returns when the server answers:
+    /// either it accepted (the early messages were delivered once) or it picked another
+    /// stack (nothing was delivered; they are re-sent on the new stack). Without a remembered
+    /// pick this is [`Client::connect`] followed by sending `early`.
+    pub async fn connect_0rtt<S, C, I>(
+        &self,
+        server: &str,
+        stack: S,
+        base: C,
+        early: I,
+    ) -> Result<Negotiated<S::Connection>, Error>
+    where
+        C: SendHeader,
+        S: Chunnel<Tagged<C>> + Offers + Clone,
+        I: IntoIterator<Item = <S::Connection as ChunnelConnection>::Data>,
+        <S::Connection as ChunnelConnection>::Data: Clone,
+    {
+        let early: Vec<_> = early.into_iter().collect();
+        let remembered = self.remembered(server);
+        let mut first = stack.clone();
+        let Some(pick) = remembered.filter(|p| first.apply(p).is_ok()) else {
+            let conn = self.connect(server, stack, base).await?;
+            conn.send(early).await?;
+            return Ok(conn);
+        };
+        let offers = stack.offers();
+        let tagged = Tagged::client(base);
+        tagged.start_capture();
+        let conn = first.connect_wrap(tagged.clone()).await?;
+        let sent = conn.send(early.clone()).await;
+        let captured = tagged.take_capture();
+        sent?;
+        let mut hs = ClientHandshake::new(
+            offers,
+            Some((pick, captured)),
+            new_conn_id(),
+            self.cfg.timing,
+            Instant::now().into_std(),
+        )?;
+        let out = drive(tagged.get_ref(), &mut hs).await?;
+        tagged.push_pending(out.early_replies);
+        self.remember(server, &out.accept.client_pick);
+        let hellos = out.hellos_sent;
+        match out.accept.zero_rtt {
+            ZeroRtt::Accepted => Ok(Negotiated {
+                conn,
+                info: info(out.accept, hellos),
+            }),
+            _ => {
+                // Rejected: the server discarded the early data. Build the stack it picked
+                // and send the messages again, once.
+                drop(conn);
+                let mut again = stack;
+                again.apply(&out.accept.client_pick)?;
+                let conn = again.connect_wrap(tagged).await?;
+                conn.send(early).await?;
+                Ok(Negotiated {
+                    conn,
+                    info: info(out.accept, hellos),
+                })
+            }
+        }
+    }
+}
+
+fn info(a: crate::wire::Accept, hellos_sent: u32) -> Info {
+    Info {
+        client_pick: a.client_pick,
+        server_pick: a.server_pick,
+        server_stack: a.server_stack,
+        zero_rtt: a.zero_rtt,
+        hellos_sent,
+    }
+}
+
+/// A listener whose connections are negotiated: each accepted base connection negotiates
+/// independently and concurrently (a slow or silent client delays no one else).
+///
+/// `accept` yields either a negotiated connection or the error of one client (incompatible
+/// offers, a malformed hello, no hello in time); after a per-client error the listener keeps
+/// working. Only `Error::Chunnel(Closed)` (the base listener ended) is final.
+#[derive(Debug)]
+pub struct NegotiatedListener<C> {
+    rx: mpsc::Receiver<Result<Negotiated<C>, Error>>,
+    task: JoinHandle<()>,
+}
+
+impl<C> Drop for NegotiatedListener<C> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl<C> NegotiatedListener<C> {
+    /// The next negotiated connection, or one client's failure.
+    pub async fn accept(&mut self) -> Result<Negotiated<C>, Error> {
+        match self.rx.recv().await {
+            Some(r) => r,
+            None => Err(Error::Chunnel(chunnel::Error::Closed)),
+        }
+    }
+}
+
+/// Serves `stack` on `listener`: every accepted base connection negotiates its own copy of
+/// the stack. Must be called within a tokio runtime (it spawns the accept loop and one task
+/// per handshake).
+pub fn listen<S, L>(stack: S, mut listener: L, cfg: Config) -> NegotiatedListener<S::Connection>
+where
+    L: Listener + 'static,
+    L::Connection: SendHeader + 'static,
+    S: Chunnel<Tagged<L::Connection>> + Offers + Clone + Send + Sync + 'static,
+    S::Connection: 'static,
+{
+    let (tx, rx) = mpsc::channel(cfg.backlog.max(1));
+    let server = Arc::new(Server::new(stack.offers()));
+    let task = tokio::spawn(async move {
+        loop {
+            let base = match listener.accept().await {
+                Ok(b) => b,
+                Err(e) => {
+                    let fatal = e.is_closed();
+                    if tx.send(Err(Error::Chunnel(e))).await.is_err() || fatal {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let (tx, server, stack) = (tx.clone(), Arc::clone(&server), stack.clone());
+            tokio::spawn(async move {
+                let r = serve_one(base, &server, stack, cfg).await;
+                let _ = tx.send(r).await;
+            });
+        }
+    });
+    NegotiatedListener { rx, task }
+}
+
+async fn serve_one<C, S>(
+    base: C,
+    server: &Server,
+    mut stack: S,
+    cfg: Config,
+) -> Result<Negotiated<S::Connection>, Error>
+where
+    C: SendHeader,
+    S: Chunnel<Tagged<C>> + Offers,
+{
+    let hello = tokio::time::timeout(cfg.hello_timeout, async {
+        let mut slot = [None];
+        loop {
+            if base.recv(&mut slot).await? == 0 {
+                continue;
+            }
+            match slot[0].take() {
+                Some(m) if m.first() == Some(&(Tag::Hello as u8)) => return Ok(m),
+                // Stale data or answers from an earlier connection of this address.
+                _ => continue,
+            }
+        }
+    })
+    .await
+    .map_err(|_| Error::NoHello(cfg.hello_timeout))?
+    .map_err(Error::Chunnel)?;
+    match server.handle_hello(&hello) {
+        Decision::Accept {
+            accept,
+            early,
+            response,
+            ..
+        } => {
+            base.send_with_header(&[], [response.clone()]).await?;
+            stack.apply(&accept.server_pick)?;
+            let tagged = Tagged::server(base, accept.conn_id, response);
+            tagged.push_pending(early);
+            let conn = stack.connect_wrap(tagged).await?;
+            Ok(Negotiated {
+                conn,
+                info: info(accept, 0),
+            })
+        }
+        Decision::Reject { reject, response } => {
+            // Best effort: the client retransmits if this is lost and gets the same answer.
+            let _ = base.send_with_header(&[], [response]).await;
+            Err(match reject.reason {
+                crate::wire::RejectReason::Incompatible => Error::Incompatible {
+                    found_by: chunnel::End::Server,
+                    mismatches: reject.mismatches,
+                },
+                crate::wire::RejectReason::Version => Error::Version {
+                    ours: crate::wire::VERSION,
+                    theirs: hello.get(1).copied().unwrap_or(0),
+                },
+                crate::wire::RejectReason::Malformed => Error::BadHello {
+                    message: reject.message,
+                },
+            })
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! # chunnel-negotiate: peers agree on one stack when they connect
+//!
+//! A client offers every concrete stack its `select`s allow, in preference order, with each
+//! Chunnel's capabilities; the server picks the first compatible pair by its own preference
+//! (exact-match capabilities present and equal at both ends, compositional ones at either
+//! end — paper §5.2) and answers with the pick; both build the picked stack with
+//! `connect_wrap`. One request, one response: **1 RTT**. A client that remembers the pick
+//! for a server builds it at once and sends its first messages inside the hello: **0 RTT**
+//! (the server accepts them, or refuses and names another stack, and the client re-sends on
+//! it; nothing is lost or delivered twice).
+//!
+//! ## A short tour
+//!
+//! * [`wire`]: the version-1 messages and their decoders (`docs/wire.md` specifies them).
+//! * [`proto`]: the protocol as sans-IO state machines ([`proto::Server`],
+//!   [`proto::ClientHandshake`]); deterministic to test, no sockets or clocks inside.
+//! * [`Client::connect`], [`Client::connect_0rtt`] and [`listen`]: thin tokio drivers over any
+//!   base connection that implements [`chunnel::SendHeader`] (every `chunnel-net` datapath).
+//! * [`Tagged`]: the connection the picked stack is built on; one tag byte per message, sent
+//!   without copying the payload.
+//!
+//! ## Example
+//!
+//! ```
+//! use chunnel::{select, stack, ChunnelConnection, ConnectionExt, Noop, Identity, Chunnel};
+//! use chunnel_negotiate::{listen, Client, Config};
+//! use chunnel_net::udp;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> anyhow::Result<()> {
+//! let listener = udp::Listener::bind("127.0.0.1:0".parse()?).await?;
+//! let addr = listener.local_addr()?;
+//! // The server offers only the plain stack; the client prefers Noop but can do without.
+//! let mut server = listen(Identity, listener, Config::default());
+//! tokio::spawn(async move {
+//!     while let Ok(conn) = server.accept().await {
+//!         tokio::spawn(async move {
+//!             while let Ok(m) = conn.recv_one().await {
+//!                 let _ = conn.send_one(m).await;
+//!             }
+//!         });
+//!     }
+//! });
+//!
+//! let client = Client::new(Config::default());
+//! let base = udp::Connect::new(addr).connect_wrap(()).await?;
+//! let conn = client.connect(&addr.to_string(), select(Noop, Identity), base).await?;
+//! conn.send_one("hi".into()).await?;
+//! assert_eq!(conn.recv_one().await?, "hi");
+//! assert_eq!(conn.info().client_pick.branches(), &[0]); // Noop is one-sided: it fits
+//! # Ok(()) }
+//! ```
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+
+mod driver;
+mod error;
+pub mod proto;
+mod tagged;
+pub mod wire;
+
+pub use crate::driver::{Client, Config, Info, Negotiated, NegotiatedListener, listen};
+pub use crate::error::Error;
+pub use crate::tagged::Tagged;
+pub use crate::wire::ZeroRtt;

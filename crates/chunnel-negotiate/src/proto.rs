@@ -1,0 +1,383 @@
+//! The negotiation protocol as sans-IO state machines: bytes and time in, bytes to send,
+//! timers and outcomes out. The async drivers in [`crate::driver`] only move bytes.
+//!
+//! * [`Server`] is stateless per hello: [`Server::handle_hello`] maps one hello to one
+//!   response (accept or reject). The response is cached by the connection so a
+//!   retransmitted hello gets the same answer and its early data is not delivered twice.
+//! * [`ClientHandshake`] sends a hello, retransmits it with exponential backoff, and ends in
+//!   an [`Outcome`] or an [`Error`].
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes};
+use chunnel::negotiate::{End, check_compatible, choose};
+use chunnel::{Pick, StackOption};
+
+use crate::Error;
+use crate::wire::{Accept, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt};
+
+/// Retransmission and size limits of a handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timing {
+    /// Wait before the first retransmission; doubles after each.
+    pub initial_rto: Duration,
+    /// Hellos sent before giving up.
+    pub attempts: u32,
+    /// The largest hello the base connection carries in one message.
+    pub max_message: usize,
+    /// How many data messages that arrive before the accept are kept (the rest dropped).
+    pub max_early_replies: usize,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            initial_rto: Duration::from_millis(100),
+            attempts: 7,
+            max_message: 65_507,
+            max_early_replies: 1024,
+        }
+    }
+}
+
+/// The server's answer to one hello.
+#[derive(Debug)]
+pub enum Decision {
+    /// Build the server stack `server_option` (apply `accept.server_pick`) and send
+    /// `response`. If `accept.zero_rtt` is [`ZeroRtt::Accepted`], deliver `early` first.
+    Accept {
+        /// The accept message.
+        accept: Accept,
+        /// Index into the server's options.
+        server_option: usize,
+        /// Early data to deliver (empty unless the 0-RTT pick was accepted).
+        early: Vec<Bytes>,
+        /// The encoded accept, to send and to re-send to a retransmitted hello.
+        response: Bytes,
+    },
+    /// Send `response`; the client is refused.
+    Reject {
+        /// The reject message.
+        reject: Reject,
+        /// The encoded reject.
+        response: Bytes,
+    },
+}
+
+/// The server side: its options and how many mismatches to report.
+#[derive(Clone, Debug)]
+pub struct Server {
+    offers: Vec<StackOption>,
+    max_reported: usize,
+}
+
+impl Server {
+    /// A server choosing among `offers` (its own options, most preferred first).
+    pub fn new(offers: Vec<StackOption>) -> Self {
+        Server {
+            offers,
+            max_reported: 16,
+        }
+    }
+
+    /// The server's options.
+    pub fn offers(&self) -> &[StackOption] {
+        &self.offers
+    }
+
+    /// Decides on one message that should be a hello (tag included).
+    pub fn handle_hello(&self, msg: &[u8]) -> Decision {
+        let body = match msg.split_first() {
+            Some((&t, body)) if t == Tag::Hello as u8 => body,
+            _ => return reject(0, RejectReason::Malformed, Vec::new(), "not a hello".into()),
+        };
+        let conn_id = Hello::peek_conn_id(body).unwrap_or(0);
+        if let Some(&v) = body.first()
+            && v != VERSION
+        {
+            return reject(
+                conn_id,
+                RejectReason::Version,
+                Vec::new(),
+                format!("server speaks version {VERSION}, hello has {v}"),
+            );
+        }
+        let hello = match Hello::decode(body) {
+            Ok(h) => h,
+            Err(e) => return reject(conn_id, RejectReason::Malformed, Vec::new(), e.to_string()),
+        };
+        self.decide(hello)
+    }
+
+    fn decide(&self, hello: Hello) -> Decision {
+        // 0-RTT: keep the client's remembered stack if it is one of its offers and some
+        // server option is compatible with it.
+        if let Some(p) = &hello.zero_rtt
+            && let Some(ci) = hello.offers.iter().position(|o| &o.pick == p)
+            && let Some(si) = self.offers.iter().enumerate().position(|(si, s)| {
+                check_compatible(
+                    &s.chunnels,
+                    &hello.offers[ci].chunnels,
+                    si as u16,
+                    ci as u16,
+                )
+                .is_ok()
+            })
+        {
+            return self.accept(&hello, si, ci, ZeroRtt::Accepted);
+        }
+        match choose(&self.offers, &hello.offers, self.max_reported) {
+            Ok(c) => {
+                let z = if hello.zero_rtt.is_some() {
+                    ZeroRtt::Rejected
+                } else {
+                    ZeroRtt::NotOffered
+                };
+                self.accept(&hello, c.server_option, c.client_option, z)
+            }
+            Err(mismatches) => {
+                let message = Error::Incompatible {
+                    found_by: End::Server,
+                    mismatches: mismatches.clone(),
+                }
+                .to_string();
+                reject(
+                    hello.conn_id,
+                    RejectReason::Incompatible,
+                    mismatches,
+                    message,
+                )
+            }
+        }
+    }
+
+    fn accept(&self, hello: &Hello, si: usize, ci: usize, zero_rtt: ZeroRtt) -> Decision {
+        let accept = Accept {
+            version: VERSION,
+            conn_id: hello.conn_id,
+            zero_rtt,
+            client_pick: hello.offers[ci].pick.clone(),
+            server_pick: self.offers[si].pick.clone(),
+            server_stack: self.offers[si].chunnels.clone(),
+        };
+        let response = accept.encode();
+        let early = if zero_rtt == ZeroRtt::Accepted {
+            hello.early.clone()
+        } else {
+            Vec::new()
+        };
+        Decision::Accept {
+            accept,
+            server_option: si,
+            early,
+            response,
+        }
+    }
+}
+
+fn reject(
+    conn_id: u64,
+    reason: RejectReason,
+    mismatches: Vec<chunnel::Mismatch>,
+    message: String,
+) -> Decision {
+    let reject = Reject {
+        version: VERSION,
+        conn_id,
+        reason,
+        mismatches,
+        message,
+    };
+    let response = reject.encode();
+    Decision::Reject { reject, response }
+}
+
+/// A finished client handshake.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The server's accept.
+    pub accept: Accept,
+    /// The client option it names.
+    pub option: StackOption,
+    /// Data messages (tag stripped) that arrived before the accept, in arrival order.
+    pub early_replies: Vec<Bytes>,
+    /// Hellos sent (1 unless some were lost).
+    pub hellos_sent: u32,
+}
+
+/// The client side of one handshake.
+#[derive(Debug)]
+pub struct ClientHandshake {
+    timing: Timing,
+    conn_id: u64,
+    offers: Vec<StackOption>,
+    hello: Bytes,
+    started: Instant,
+    sent: u32,
+    next_send: Option<Instant>,
+    early_replies: VecDeque<Bytes>,
+    result: Option<Result<Outcome, Error>>,
+    finished: bool,
+}
+
+impl ClientHandshake {
+    /// Starts a handshake offering `offers`; with `zero_rtt`, the pick already built and the
+    /// early messages it produced travel in the hello.
+    pub fn new(
+        offers: Vec<StackOption>,
+        zero_rtt: Option<(Pick, Vec<Bytes>)>,
+        conn_id: u64,
+        timing: Timing,
+        now: Instant,
+    ) -> Result<Self, Error> {
+        let (zero_rtt, early) = match zero_rtt {
+            Some((p, e)) => (Some(p), e),
+            None => (None, Vec::new()),
+        };
+        let hello = Hello {
+            version: VERSION,
+            conn_id,
+            offers,
+            zero_rtt,
+            early,
+        };
+        let encoded = hello.encode();
+        if encoded.len() > timing.max_message {
+            return Err(Error::OffersTooLarge {
+                len: encoded.len(),
+                max: timing.max_message,
+            });
+        }
+        Ok(ClientHandshake {
+            timing,
+            conn_id,
+            offers: hello.offers,
+            hello: encoded,
+            started: now,
+            sent: 0,
+            next_send: Some(now),
+            early_replies: VecDeque::new(),
+            result: None,
+            finished: false,
+        })
+    }
+
+    /// The hello, if one is due now (the first one, or a retransmission).
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<Bytes> {
+        if self.done() {
+            return None;
+        }
+        match self.next_send {
+            Some(t) if t <= now => {
+                self.sent += 1;
+                let shift = (self.sent - 1).min(16);
+                self.next_send = Some(now + self.timing.initial_rto * (1u32 << shift));
+                Some(self.hello.clone())
+            }
+            _ => None,
+        }
+    }
+
+    /// When [`ClientHandshake::handle_timeout`] should next be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.done() { None } else { self.next_send }
+    }
+
+    /// Advances time: past the last attempt's wait, the handshake fails.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if !self.done()
+            && self.sent >= self.timing.attempts
+            && self.next_send.is_some_and(|t| t <= now)
+        {
+            self.result = Some(Err(Error::Timeout {
+                attempts: self.sent,
+                waited: now - self.started,
+            }));
+        }
+    }
+
+    /// Feeds one message received on the base connection (tag included).
+    pub fn handle_message(&mut self, mut msg: Bytes) {
+        if self.done() {
+            return;
+        }
+        let Some(&tag) = msg.first() else { return };
+        match Tag::from_u8(tag) {
+            Some(Tag::Data) => {
+                // The server answered an accepted 0-RTT hello with data that overtook the
+                // accept; keep it (bounded) for the application.
+                if self.early_replies.len() < self.timing.max_early_replies {
+                    msg.advance(1);
+                    self.early_replies.push_back(msg);
+                }
+            }
+            Some(Tag::Accept) => match Accept::decode(&msg[1..]) {
+                Ok(a) if a.conn_id == self.conn_id => self.on_accept(a),
+                // A stale answer to an earlier attempt, or garbage: not ours.
+                _ => {}
+            },
+            Some(Tag::Reject) => match Reject::decode(&msg[1..]) {
+                Ok(r) if r.conn_id == self.conn_id || r.conn_id == 0 => self.on_reject(r),
+                Err(WireError("unsupported protocol version")) => {
+                    self.result = Some(Err(Error::Version {
+                        ours: VERSION,
+                        theirs: msg.get(1).copied().unwrap_or(0),
+                    }))
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+
+    fn on_accept(&mut self, a: Accept) {
+        let Some(option) = self
+            .offers
+            .iter()
+            .find(|o| o.pick == a.client_pick)
+            .cloned()
+        else {
+            self.result = Some(Err(Error::Wire(WireError(
+                "the accept names a pick we did not offer",
+            ))));
+            return;
+        };
+        self.result = Some(Ok(Outcome {
+            accept: a,
+            option,
+            early_replies: self.early_replies.drain(..).collect(),
+            hellos_sent: self.sent,
+        }));
+    }
+
+    fn on_reject(&mut self, r: Reject) {
+        self.result = Some(Err(match r.reason {
+            RejectReason::Incompatible => Error::Incompatible {
+                found_by: End::Server,
+                mismatches: r.mismatches,
+            },
+            RejectReason::Version => Error::Version {
+                ours: VERSION,
+                theirs: r.version,
+            },
+            RejectReason::Malformed => Error::Refused { message: r.message },
+        }));
+    }
+
+    /// The outcome, once there is one (taken once).
+    pub fn poll_outcome(&mut self) -> Option<Result<Outcome, Error>> {
+        let r = self.result.take();
+        self.finished |= r.is_some();
+        r
+    }
+
+    fn done(&self) -> bool {
+        self.finished || self.result.is_some()
+    }
+
+    /// This handshake's connection id.
+    pub fn conn_id(&self) -> u64 {
+        self.conn_id
+    }
+}

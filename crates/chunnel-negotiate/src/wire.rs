@@ -1,0 +1,555 @@
+//! The negotiation wire format, version 1. `docs/wire.md` is the normative description;
+//! this module is its implementation.
+//!
+//! Every datagram (or stream frame) on a negotiated connection starts with a one-byte
+//! [`Tag`]. `DATA` messages carry the picked stack's bytes unchanged after the tag; the
+//! control messages ([`Hello`], [`Accept`], [`Reject`]) follow the layouts below. All
+//! integers are big-endian; strings are a `u16` byte length and UTF-8; lists are a `u16`
+//! count and their elements. Decoders return [`WireError`] on any input they cannot parse
+//! and never panic.
+
+use std::borrow::Cow;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
+use chunnel::{Capability, Pick, StackOption};
+
+/// The protocol version this implementation speaks.
+pub const VERSION: u8 = 1;
+
+/// The first byte of every message on a negotiated connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Tag {
+    /// Application data of the picked stack.
+    Data = 0x00,
+    /// Client offer (optionally with a 0-RTT pick and early data).
+    Hello = 0x01,
+    /// Server pick.
+    Accept = 0x02,
+    /// Server refusal.
+    Reject = 0x03,
+}
+
+impl Tag {
+    /// Parses a tag byte. Bytes `0x10..=0x1f` are reserved for reconfiguration control.
+    pub fn from_u8(b: u8) -> Option<Tag> {
+        match b {
+            0x00 => Some(Tag::Data),
+            0x01 => Some(Tag::Hello),
+            0x02 => Some(Tag::Accept),
+            0x03 => Some(Tag::Reject),
+            _ => None,
+        }
+    }
+}
+
+/// A decoding failure: what was being read when the input ran out or broke a rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("malformed negotiation message: {0}")]
+pub struct WireError(pub &'static str);
+
+/// `HELLO` flags.
+const HELLO_ZERO_RTT: u8 = 0b0000_0001;
+const HELLO_KNOWN_FLAGS: u8 = HELLO_ZERO_RTT;
+
+/// The client's offer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Protocol version of the sender.
+    pub version: u8,
+    /// A random identifier of this connection attempt; responses echo it.
+    pub conn_id: u64,
+    /// The client's options, most preferred first.
+    pub offers: Vec<StackOption>,
+    /// 0-RTT: the pick (of the client's tree) the client already built and sent data with.
+    pub zero_rtt: Option<Pick>,
+    /// 0-RTT: the picked stack's first messages (its bottom layer's bytes).
+    pub early: Vec<Bytes>,
+}
+
+/// What the server did with a 0-RTT pick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ZeroRtt {
+    /// The hello carried no 0-RTT pick.
+    NotOffered = 0,
+    /// The 0-RTT pick was accepted; the early data was delivered.
+    Accepted = 1,
+    /// The 0-RTT pick was refused; the early data was discarded and the client must re-send
+    /// it on the stack this accept names.
+    Rejected = 2,
+}
+
+/// The server's pick.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Accept {
+    /// Protocol version of the sender.
+    pub version: u8,
+    /// The hello's `conn_id`.
+    pub conn_id: u64,
+    /// The fate of the hello's 0-RTT pick.
+    pub zero_rtt: ZeroRtt,
+    /// The picked option of the client's tree (one of the hello's offers).
+    pub client_pick: Pick,
+    /// The picked option of the server's tree.
+    pub server_pick: Pick,
+    /// The server's chosen stack, top first: what other endpoints can be told (paper §5.1).
+    pub server_stack: Vec<ChunnelInfo>,
+}
+
+/// Why the server refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RejectReason {
+    /// No server option is compatible with any client option.
+    Incompatible = 1,
+    /// The server does not speak the hello's version.
+    Version = 2,
+    /// The server could not parse the hello.
+    Malformed = 3,
+}
+
+/// The server's refusal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reject {
+    /// Protocol version of the sender.
+    pub version: u8,
+    /// The hello's `conn_id` (0 if it could not be read).
+    pub conn_id: u64,
+    /// Why.
+    pub reason: RejectReason,
+    /// For `Incompatible`: the first mismatch of each option pair tried (bounded).
+    pub mismatches: Vec<Mismatch>,
+    /// A human-readable summary.
+    pub message: String,
+}
+
+/// A decoded control message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// See [`Hello`].
+    Hello(Hello),
+    /// See [`Accept`].
+    Accept(Accept),
+    /// See [`Reject`].
+    Reject(Reject),
+}
+
+// ---------------------------------------------------------------------------------------
+// Encoding.
+
+fn put_str(b: &mut BytesMut, s: &str) {
+    let bytes = s.as_bytes();
+    // Strings are bounded by construction (ids, capability kinds, labels); longer ones are
+    // cut at a character boundary so the encoder never produces a frame it cannot describe.
+    let mut end = bytes.len().min(u16::MAX as usize);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    b.put_u16(end as u16);
+    b.put_slice(&bytes[..end]);
+}
+
+fn put_count(b: &mut BytesMut, n: usize) -> usize {
+    let n = n.min(u16::MAX as usize);
+    b.put_u16(n as u16);
+    n
+}
+
+fn put_pick(b: &mut BytesMut, p: &Pick) {
+    let n = put_count(b, p.branches().len());
+    b.put_slice(&p.branches()[..n]);
+}
+
+fn put_capability(b: &mut BytesMut, c: &Capability) {
+    put_str(b, &c.kind);
+    b.put_u8(match c.matching {
+        Match::Exact => 0,
+        Match::Compositional => 1,
+    });
+    let n = put_count(b, c.labels.len());
+    for l in &c.labels[..n] {
+        put_str(b, l);
+    }
+}
+
+fn put_chunnels(b: &mut BytesMut, list: &[ChunnelInfo]) {
+    let n = put_count(b, list.len());
+    for c in &list[..n] {
+        put_str(b, &c.id);
+        let k = put_count(b, c.capabilities.len());
+        for cap in &c.capabilities[..k] {
+            put_capability(b, cap);
+        }
+    }
+}
+
+fn put_labels(b: &mut BytesMut, labels: &Option<Vec<String>>) {
+    match labels {
+        None => b.put_u8(0),
+        Some(l) => {
+            b.put_u8(1);
+            let n = put_count(b, l.len());
+            for s in &l[..n] {
+                put_str(b, s);
+            }
+        }
+    }
+}
+
+impl Hello {
+    /// Encodes the message, tag included.
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(256);
+        b.put_u8(Tag::Hello as u8);
+        b.put_u8(self.version);
+        b.put_u8(if self.zero_rtt.is_some() {
+            HELLO_ZERO_RTT
+        } else {
+            0
+        });
+        b.put_u64(self.conn_id);
+        let n = put_count(&mut b, self.offers.len());
+        for o in &self.offers[..n] {
+            put_pick(&mut b, &o.pick);
+            put_chunnels(&mut b, &o.chunnels);
+        }
+        if let Some(p) = &self.zero_rtt {
+            put_pick(&mut b, p);
+            let n = put_count(&mut b, self.early.len());
+            for m in &self.early[..n] {
+                b.put_u32(m.len() as u32);
+                b.put_slice(m);
+            }
+        }
+        b.freeze()
+    }
+}
+
+impl Accept {
+    /// Encodes the message, tag included.
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(128);
+        b.put_u8(Tag::Accept as u8);
+        b.put_u8(self.version);
+        b.put_u64(self.conn_id);
+        b.put_u8(self.zero_rtt as u8);
+        put_pick(&mut b, &self.client_pick);
+        put_pick(&mut b, &self.server_pick);
+        put_chunnels(&mut b, &self.server_stack);
+        b.freeze()
+    }
+}
+
+impl Reject {
+    /// Encodes the message, tag included.
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(128);
+        b.put_u8(Tag::Reject as u8);
+        b.put_u8(self.version);
+        b.put_u64(self.conn_id);
+        b.put_u8(self.reason as u8);
+        let n = put_count(&mut b, self.mismatches.len());
+        for m in &self.mismatches[..n] {
+            b.put_u16(m.client_option);
+            b.put_u16(m.server_option);
+            put_str(&mut b, &m.kind);
+            b.put_u8(match m.matching {
+                Match::Exact => 0,
+                Match::Compositional => 1,
+            });
+            put_labels(&mut b, &m.client);
+            put_labels(&mut b, &m.server);
+        }
+        put_str(&mut b, &self.message);
+        b.freeze()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decoding.
+
+/// A bounds-checked reader over one message.
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn need(&self, n: usize, what: &'static str) -> Result<(), WireError> {
+        if self.buf.remaining() < n {
+            Err(WireError(what))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn u8(&mut self, what: &'static str) -> Result<u8, WireError> {
+        self.need(1, what)?;
+        Ok(self.buf.get_u8())
+    }
+
+    fn u16(&mut self, what: &'static str) -> Result<u16, WireError> {
+        self.need(2, what)?;
+        Ok(self.buf.get_u16())
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, WireError> {
+        self.need(4, what)?;
+        Ok(self.buf.get_u32())
+    }
+
+    fn u64(&mut self, what: &'static str) -> Result<u64, WireError> {
+        self.need(8, what)?;
+        Ok(self.buf.get_u64())
+    }
+
+    fn bytes(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], WireError> {
+        self.need(n, what)?;
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    fn str(&mut self, what: &'static str) -> Result<String, WireError> {
+        let n = self.u16(what)? as usize;
+        let b = self.bytes(n, what)?;
+        std::str::from_utf8(b)
+            .map(str::to_owned)
+            .map_err(|_| WireError("string is not UTF-8"))
+    }
+
+    /// A list count; each element takes at least `min_elem` bytes, so a count the rest of
+    /// the message cannot hold is rejected before anything is allocated for it.
+    fn count(&mut self, min_elem: usize, what: &'static str) -> Result<usize, WireError> {
+        let n = self.u16(what)? as usize;
+        if n.saturating_mul(min_elem) > self.buf.remaining() {
+            return Err(WireError(what));
+        }
+        Ok(n)
+    }
+
+    fn matching(&mut self) -> Result<Match, WireError> {
+        match self.u8("capability matching")? {
+            0 => Ok(Match::Exact),
+            1 => Ok(Match::Compositional),
+            _ => Err(WireError("capability matching is neither 0 nor 1")),
+        }
+    }
+
+    fn pick(&mut self) -> Result<Pick, WireError> {
+        let n = self.count(1, "pick length")?;
+        let b = self.bytes(n, "pick branches")?;
+        if b.iter().any(|&x| x > 1) {
+            return Err(WireError("pick branch is neither 0 nor 1"));
+        }
+        Ok(Pick::from_branches(b.to_vec()))
+    }
+
+    fn capability(&mut self) -> Result<Capability, WireError> {
+        let kind = self.str("capability kind")?;
+        let matching = self.matching()?;
+        let n = self.count(2, "label count")?;
+        let mut labels = Vec::with_capacity(n);
+        for _ in 0..n {
+            labels.push(Cow::Owned(self.str("label")?));
+        }
+        Ok(Capability {
+            kind: Cow::Owned(kind),
+            matching,
+            labels,
+            rule: None,
+        })
+    }
+
+    fn chunnels(&mut self) -> Result<Vec<ChunnelInfo>, WireError> {
+        let n = self.count(4, "chunnel count")?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = self.str("chunnel id")?;
+            let k = self.count(5, "capability count")?;
+            let mut capabilities = Vec::with_capacity(k);
+            for _ in 0..k {
+                capabilities.push(self.capability()?);
+            }
+            out.push(ChunnelInfo {
+                id: Cow::Owned(id),
+                capabilities,
+            });
+        }
+        Ok(out)
+    }
+
+    fn labels(&mut self) -> Result<Option<Vec<String>>, WireError> {
+        match self.u8("labels presence")? {
+            0 => Ok(None),
+            1 => {
+                let n = self.count(2, "label count")?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(self.str("label")?);
+                }
+                Ok(Some(v))
+            }
+            _ => Err(WireError("labels presence is neither 0 nor 1")),
+        }
+    }
+
+    fn finish(&self) -> Result<(), WireError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError("trailing bytes after the message"))
+        }
+    }
+}
+
+/// Reads the version byte and checks it before anything else is parsed: a peer of another
+/// version may lay out the rest differently.
+fn version(r: &mut Reader<'_>) -> Result<u8, WireError> {
+    let v = r.u8("version")?;
+    if v != VERSION {
+        return Err(WireError("unsupported protocol version"));
+    }
+    Ok(v)
+}
+
+impl Hello {
+    /// Decodes a hello body (the bytes after the tag).
+    pub fn decode(body: &[u8]) -> Result<Hello, WireError> {
+        let mut r = Reader { buf: body };
+        let version = version(&mut r)?;
+        let flags = r.u8("flags")?;
+        if flags & !HELLO_KNOWN_FLAGS != 0 {
+            return Err(WireError("unknown hello flags"));
+        }
+        let conn_id = r.u64("conn_id")?;
+        let n = r.count(4, "offer count")?;
+        let mut offers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let pick = r.pick()?;
+            let chunnels = r.chunnels()?;
+            offers.push(StackOption { chunnels, pick });
+        }
+        let (zero_rtt, early) = if flags & HELLO_ZERO_RTT != 0 {
+            let pick = r.pick()?;
+            let n = r.count(4, "early message count")?;
+            let mut early = Vec::with_capacity(n);
+            for _ in 0..n {
+                let len = r.u32("early message length")? as usize;
+                early.push(Bytes::copy_from_slice(r.bytes(len, "early message")?));
+            }
+            (Some(pick), early)
+        } else {
+            (None, Vec::new())
+        };
+        r.finish()?;
+        Ok(Hello {
+            version,
+            conn_id,
+            offers,
+            zero_rtt,
+            early,
+        })
+    }
+
+    /// Reads only the `conn_id` of a hello body (to answer a retransmission cheaply).
+    /// Works for any version byte.
+    pub fn peek_conn_id(body: &[u8]) -> Result<u64, WireError> {
+        let mut r = Reader { buf: body };
+        r.u8("version")?;
+        r.u8("flags")?;
+        r.u64("conn_id")
+    }
+}
+
+impl Accept {
+    /// Decodes an accept body (the bytes after the tag).
+    pub fn decode(body: &[u8]) -> Result<Accept, WireError> {
+        let mut r = Reader { buf: body };
+        let version = version(&mut r)?;
+        let conn_id = r.u64("conn_id")?;
+        let zero_rtt = match r.u8("zero_rtt")? {
+            0 => ZeroRtt::NotOffered,
+            1 => ZeroRtt::Accepted,
+            2 => ZeroRtt::Rejected,
+            _ => return Err(WireError("unknown zero_rtt value")),
+        };
+        let client_pick = r.pick()?;
+        let server_pick = r.pick()?;
+        let server_stack = r.chunnels()?;
+        r.finish()?;
+        Ok(Accept {
+            version,
+            conn_id,
+            zero_rtt,
+            client_pick,
+            server_pick,
+            server_stack,
+        })
+    }
+}
+
+impl Reject {
+    /// Decodes a reject body (the bytes after the tag).
+    pub fn decode(body: &[u8]) -> Result<Reject, WireError> {
+        let mut r = Reader { buf: body };
+        let version = version(&mut r)?;
+        let conn_id = r.u64("conn_id")?;
+        let reason = match r.u8("reason")? {
+            1 => RejectReason::Incompatible,
+            2 => RejectReason::Version,
+            3 => RejectReason::Malformed,
+            _ => return Err(WireError("unknown reject reason")),
+        };
+        let n = r.count(10, "mismatch count")?;
+        let mut mismatches = Vec::with_capacity(n);
+        for _ in 0..n {
+            let client_option = r.u16("client option")?;
+            let server_option = r.u16("server option")?;
+            let kind = r.str("mismatch kind")?;
+            let matching = r.matching()?;
+            let client = r.labels()?;
+            let server = r.labels()?;
+            mismatches.push(Mismatch {
+                client_option,
+                server_option,
+                kind,
+                matching,
+                client,
+                server,
+            });
+        }
+        let message = r.str("message")?;
+        r.finish()?;
+        Ok(Reject {
+            version,
+            conn_id,
+            reason,
+            mismatches,
+            message,
+        })
+    }
+}
+
+/// Decodes one control message, tag included. `DATA` and unknown tags are errors here (the
+/// connection layer handles `DATA` itself).
+pub fn decode_control(msg: &[u8]) -> Result<Control, WireError> {
+    let (&tag, body) = msg.split_first().ok_or(WireError("empty message"))?;
+    match Tag::from_u8(tag) {
+        Some(Tag::Hello) => Hello::decode(body).map(Control::Hello),
+        Some(Tag::Accept) => Accept::decode(body).map(Control::Accept),
+        Some(Tag::Reject) => Reject::decode(body).map(Control::Reject),
+        Some(Tag::Data) => Err(WireError("a data message is not a control message")),
+        None => Err(WireError("unknown message tag")),
+    }
+}
+
+/// Encodes a control message, tag included.
+pub fn encode_control(c: &Control) -> Bytes {
+    match c {
+        Control::Hello(h) => h.encode(),
+        Control::Accept(a) => a.encode(),
+        Control::Reject(r) => r.encode(),
+    }
+}
