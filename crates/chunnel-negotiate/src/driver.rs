@@ -192,7 +192,22 @@ impl Client {
 
     /// 1-RTT: offers `stack`'s options over `base` (connected to the server named `server`,
     /// the key under which the pick is remembered), waits for the pick, builds that stack.
-    pub async fn connect<S, C>(
+    ///
+    /// The returned future is `Send` (spawnable) whenever the stack is.
+    pub fn connect<'a, S, C>(
+        &'a self,
+        server: &'a str,
+        stack: S,
+        base: C,
+    ) -> impl Future<Output = Result<Negotiated<S::Connection>, Error>> + Send + 'a
+    where
+        C: SendHeader + 'a,
+        S: Chunnel<Tagged<C>> + Offers + Send + 'a,
+    {
+        self.connect_inner(server, stack, base)
+    }
+
+    async fn connect_inner<S, C>(
         &self,
         server: &str,
         mut stack: S,
@@ -200,7 +215,7 @@ impl Client {
     ) -> Result<Negotiated<S::Connection>, Error>
     where
         C: SendHeader,
-        S: Chunnel<Tagged<C>> + Offers,
+        S: Chunnel<Tagged<C>> + Offers + Send,
     {
         let offers = stack.offers();
         if offers.is_empty() {
@@ -234,24 +249,39 @@ impl Client {
     /// either it accepted (the early messages were delivered once) or it picked another
     /// stack (nothing was delivered; they are re-sent on the new stack). Without a remembered
     /// pick this is [`Client::connect`] followed by sending `early`.
-    pub async fn connect_0rtt<S, C, I>(
-        &self,
-        server: &str,
+    pub fn connect_0rtt<'a, S, C, I>(
+        &'a self,
+        server: &'a str,
         stack: S,
         base: C,
         early: I,
-    ) -> Result<Negotiated<S::Connection>, Error>
+    ) -> impl Future<Output = Result<Negotiated<S::Connection>, Error>> + Send + 'a
     where
-        C: SendHeader,
-        S: Chunnel<Tagged<C>> + Offers + Clone,
+        C: SendHeader + 'a,
+        S: Chunnel<Tagged<C>> + Offers + Clone + Send + 'a,
         I: IntoIterator<Item = <S::Connection as ChunnelConnection>::Data>,
         <S::Connection as ChunnelConnection>::Data: Clone,
     {
         let early: Vec<_> = early.into_iter().collect();
+        self.connect_0rtt_inner(server, stack, base, early)
+    }
+
+    async fn connect_0rtt_inner<S, C>(
+        &self,
+        server: &str,
+        stack: S,
+        base: C,
+        early: Vec<<S::Connection as ChunnelConnection>::Data>,
+    ) -> Result<Negotiated<S::Connection>, Error>
+    where
+        C: SendHeader,
+        S: Chunnel<Tagged<C>> + Offers + Clone + Send,
+        <S::Connection as ChunnelConnection>::Data: Clone,
+    {
         let remembered = self.remembered(server);
         let mut first = stack.clone();
         let Some(pick) = remembered.filter(|p| first.apply(p).is_ok()) else {
-            let conn = self.connect(server, stack, base).await?;
+            let conn = self.connect_inner(server, stack, base).await?;
             conn.send(early).await?;
             return Ok(conn);
         };

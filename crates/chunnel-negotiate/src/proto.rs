@@ -299,18 +299,19 @@ impl ClientHandshake {
 
     /// Feeds one message received on the base connection (tag included).
     pub fn handle_message(&mut self, mut msg: Bytes) {
-        if self.done() {
+        if self.finished {
             return;
         }
         let Some(&tag) = msg.first() else { return };
+        if tag != Tag::Data as u8 && self.result.is_some() {
+            return;
+        }
         match Tag::from_u8(tag) {
-            Some(Tag::Data) => {
-                // The server answered an accepted 0-RTT hello with data that overtook the
-                // accept; keep it (bounded) for the application.
-                if self.early_replies.len() < self.timing.max_early_replies {
-                    msg.advance(1);
-                    self.early_replies.push_back(msg);
-                }
+            // The server answered an accepted 0-RTT hello with data that overtook the accept
+            // or came in the same batch; keep it (bounded) for the application.
+            Some(Tag::Data) if self.early_replies.len() < self.timing.max_early_replies => {
+                msg.advance(1);
+                self.early_replies.push_back(msg);
             }
             Some(Tag::Accept) => match Accept::decode(&msg[1..]) {
                 Ok(a) if a.conn_id == self.conn_id => self.on_accept(a),
@@ -346,7 +347,7 @@ impl ClientHandshake {
         self.result = Some(Ok(Outcome {
             accept: a,
             option,
-            early_replies: self.early_replies.drain(..).collect(),
+            early_replies: Vec::new(),
             hellos_sent: self.sent,
         }));
     }
@@ -367,7 +368,10 @@ impl ClientHandshake {
 
     /// The outcome, once there is one (taken once).
     pub fn poll_outcome(&mut self) -> Option<Result<Outcome, Error>> {
-        let r = self.result.take();
+        let mut r = self.result.take();
+        if let Some(Ok(out)) = &mut r {
+            out.early_replies = self.early_replies.drain(..).collect();
+        }
         self.finished |= r.is_some();
         r
     }

@@ -4,7 +4,6 @@
 //! retransmitted hello is answered with the cached accept; a duplicate accept is ignored).
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -186,18 +185,14 @@ impl<C: SendHeader> ChunnelConnection for Tagged<C> {
 }
 
 impl<C: SendHeader> SendHeader for Tagged<C> {
-    fn send_with_header<'a, B>(
-        &'a self,
-        header: &'a [u8],
-        burst: B,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
+    // Layers above may tag too; their header goes after ours. That needs a copy of the two
+    // headers only (never of the payload), once per burst.
+    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
-        // Layers above may tag too; their header goes after ours. That needs a copy of the
-        // two headers only (never of the payload) — done once per burst.
-        async move {
+        {
             let sh = &*self.shared;
             if sh.capturing.load(Ordering::Acquire) {
                 // Rare (0-RTT early data of a tagging layer): copy header and payload once.

@@ -12,6 +12,9 @@
 use std::future::Future;
 use std::time::Duration;
 
+pub mod fault;
+pub use fault::{FaultInjector, FaultStats, Faulty};
+
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, ChunnelExt, Error, Listener};
 
