@@ -4,9 +4,12 @@
 //! * `overhead`: loopback echo through 0, 1, 3 and 5 no-op Chunnels over kernel UDP and Unix
 //!   datagram sockets, beside a raw tokio baseline; plus callgrind instruction counts per
 //!   message and a count of heap allocations per message.
+//! * `negotiate`: connection set-up cost (connect + first echo) for a raw UDP exchange, 1-RTT
+//!   negotiation and 0-RTT reconnect.
 //! * `probe` (internal): the deterministic loop that `overhead` runs under callgrind.
 
 mod alloc;
+mod negotiate;
 mod overhead;
 mod probe;
 mod stats;
@@ -31,6 +34,8 @@ struct Cli {
 enum Cmd {
     /// Marginal cost of no-op Chunnels over kernel UDP and Unix datagrams vs. raw sockets.
     Overhead(overhead::Args),
+    /// Connection set-up cost: raw UDP exchange vs. 1-RTT and 0-RTT negotiation.
+    Negotiate(negotiate::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -39,6 +44,7 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Overhead(a) => overhead::run(a),
+        Cmd::Negotiate(a) => negotiate::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }

@@ -3,6 +3,10 @@
 //! demo lists the concrete stacks the select offers, builds each one in turn by applying its
 //! pick (what negotiation will do), exchanges messages and prints what happened.
 //!
+//! Then the negotiation part ([`negotiation`]): a server and clients agree on a stack over
+//! the wire, fall back to the option they share, reconnect with 0-RTT, and refuse an
+//! incompatible client with a clear error on both ends.
+//!
 //! Run: `cargo run --release -p chunnel-demo` (add `-- --messages N` to change the count).
 
 use std::time::{Duration, Instant};
@@ -14,6 +18,8 @@ use chunnel::{
 };
 use chunnel_net::{udp, uds};
 
+mod negotiation;
+
 const MSG_LEN: usize = 64;
 const BURST: usize = 16;
 
@@ -23,7 +29,10 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(tour(messages))
+    rt.block_on(async {
+        tour(messages).await?;
+        negotiation::tour().await
+    })
 }
 
 fn parse_messages() -> Result<usize> {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chunnel::negotiate::ChunnelInfo;
-use chunnel::{Chunnel, ChunnelConnection, Listener, Offers, Pick, SendHeader};
+use chunnel::{Chunnel, ChunnelConnection, Listener, Offers, PeerHandoff, Pick, SendHeader};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -201,7 +201,7 @@ impl Client {
         base: C,
     ) -> impl Future<Output = Result<Negotiated<S::Connection>, Error>> + Send + 'a
     where
-        C: SendHeader + 'a,
+        C: SendHeader + PeerHandoff + 'a,
         S: Chunnel<Tagged<C>> + Offers + Send + 'a,
     {
         self.connect_inner(server, stack, base)
@@ -214,7 +214,7 @@ impl Client {
         base: C,
     ) -> Result<Negotiated<S::Connection>, Error>
     where
-        C: SendHeader,
+        C: SendHeader + PeerHandoff,
         S: Chunnel<Tagged<C>> + Offers + Send,
     {
         let offers = stack.offers();
@@ -257,7 +257,7 @@ impl Client {
         early: I,
     ) -> impl Future<Output = Result<Negotiated<S::Connection>, Error>> + Send + 'a
     where
-        C: SendHeader + 'a,
+        C: SendHeader + PeerHandoff + 'a,
         S: Chunnel<Tagged<C>> + Offers + Clone + Send + 'a,
         I: IntoIterator<Item = <S::Connection as ChunnelConnection>::Data>,
         <S::Connection as ChunnelConnection>::Data: Clone,
@@ -274,7 +274,7 @@ impl Client {
         early: Vec<<S::Connection as ChunnelConnection>::Data>,
     ) -> Result<Negotiated<S::Connection>, Error>
     where
-        C: SendHeader,
+        C: SendHeader + PeerHandoff,
         S: Chunnel<Tagged<C>> + Offers + Clone + Send,
         <S::Connection as ChunnelConnection>::Data: Clone,
     {
@@ -294,7 +294,7 @@ impl Client {
         sent?;
         let mut hs = ClientHandshake::new(
             offers,
-            Some((pick, captured)),
+            Some((pick.clone(), captured)),
             new_conn_id(),
             self.cfg.timing,
             Instant::now().into_std(),
@@ -304,6 +304,10 @@ impl Client {
         self.remember(server, &out.accept.client_pick);
         let hellos = out.hellos_sent;
         match out.accept.zero_rtt {
+            // An accept must name the stack we built and sent the early data with.
+            ZeroRtt::Accepted if out.accept.client_pick != pick => Err(Error::Wire(
+                crate::wire::WireError("0-RTT accepted for a pick other than the one we sent"),
+            )),
             ZeroRtt::Accepted => Ok(Negotiated {
                 conn,
                 info: info(out.accept, hellos),
@@ -369,7 +373,7 @@ impl<C> NegotiatedListener<C> {
 pub fn listen<S, L>(stack: S, mut listener: L, cfg: Config) -> NegotiatedListener<S::Connection>
 where
     L: Listener + 'static,
-    L::Connection: SendHeader + 'static,
+    L::Connection: SendHeader + PeerHandoff + 'static,
     S: Chunnel<Tagged<L::Connection>> + Offers + Clone + Send + Sync + 'static,
     S::Connection: 'static,
 {
@@ -404,7 +408,7 @@ async fn serve_one<C, S>(
     cfg: Config,
 ) -> Result<Negotiated<S::Connection>, Error>
 where
-    C: SendHeader,
+    C: SendHeader + PeerHandoff,
     S: Chunnel<Tagged<C>> + Offers,
 {
     let hello = tokio::time::timeout(cfg.hello_timeout, async {

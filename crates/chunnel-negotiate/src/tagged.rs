@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::{Buf, Bytes};
-use chunnel::{ChunnelConnection, Error, SendHeader};
+use chunnel::{ChunnelConnection, Error, PeerHandoff, SendHeader};
 
 use crate::wire::{Hello, Tag};
 
@@ -39,6 +39,8 @@ struct Shared<C> {
     has_pending: AtomicBool,
     pending: Mutex<VecDeque<Bytes>>,
     ignored: AtomicU64,
+    /// A new client took over this peer address (server side); the connection is over.
+    superseded: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -57,6 +59,7 @@ impl<C> Tagged<C> {
                 has_pending: AtomicBool::new(false),
                 pending: Mutex::new(VecDeque::new()),
                 ignored: AtomicU64::new(0),
+                superseded: AtomicBool::new(false),
             }),
         }
     }
@@ -104,7 +107,7 @@ impl<C> Tagged<C> {
     }
 }
 
-impl<C: SendHeader> ChunnelConnection for Tagged<C> {
+impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
     type Data = Bytes;
 
     #[inline]
@@ -127,6 +130,9 @@ impl<C: SendHeader> ChunnelConnection for Tagged<C> {
         }
         let sh = &*self.shared;
         loop {
+            if sh.superseded.load(Ordering::Acquire) {
+                return Err(Error::PeerClosed);
+            }
             // Answer a retransmitted hello here, before taking any data, so cancelling this
             // future never loses a received message.
             if sh.reply_due.swap(false, Ordering::AcqRel)
@@ -172,6 +178,17 @@ impl<C: SendHeader> ChunnelConnection for Tagged<C> {
                     {
                         sh.reply_due.store(true, Ordering::Release);
                     }
+                    // A hello with another connection id on a server connection: a new
+                    // client reuses this peer's address. Hand the hello to the listener as
+                    // a new connection and end this one (after the data already taken).
+                    Some(t)
+                        if t == Tag::Hello as u8
+                            && sh.answer.is_some()
+                            && Hello::peek_conn_id(&m[1..]).is_ok()
+                            && sh.inner.hand_off(m.clone()) =>
+                    {
+                        sh.superseded.store(true, Ordering::Release);
+                    }
                     _ => {
                         sh.ignored.fetch_add(1, Ordering::Relaxed);
                     }
@@ -184,7 +201,7 @@ impl<C: SendHeader> ChunnelConnection for Tagged<C> {
     }
 }
 
-impl<C: SendHeader> SendHeader for Tagged<C> {
+impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
     // Layers above may tag too; their header goes after ours. That needs a copy of the two
     // headers only (never of the payload), once per burst.
     async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>

@@ -502,7 +502,7 @@ impl Reject {
             3 => RejectReason::Malformed,
             _ => return Err(WireError("unknown reject reason")),
         };
-        let n = r.count(10, "mismatch count")?;
+        let n = r.count(9, "mismatch count")?;
         let mut mismatches = Vec::with_capacity(n);
         for _ in 0..n {
             let client_option = r.u16("client option")?;

@@ -356,7 +356,17 @@ async fn incompatible_pair_errors_on_both_sides_and_server_keeps_serving() -> Re
     // The server still serves a compatible client.
     let c = client.connect("s", Xor(2), base(addr).await?).await?;
     echo(&c, "still here").await?;
-    assert_eq!(next_seen(&mut seen).await?, Ok(vec![1]));
+    // A retransmitted hello of the refused client (the reject may be slower than the
+    // retransmission timer under load) is refused again: skip those reports.
+    loop {
+        match next_seen(&mut seen).await? {
+            Err(e) if e.contains("`xor` differs") => continue,
+            other => {
+                assert_eq!(other, Ok(vec![1]));
+                break;
+            }
+        }
+    }
     Ok(())
 }
 
@@ -491,7 +501,23 @@ async fn negotiation_completes_over_a_base_that_drops_every_third_datagram() -> 
     let faults = FaultInjector::drop_every(3);
     let stats = Arc::clone(&faults.stats);
     let mut retransmitted = 0;
-    for i in 0..12 {
+    let dropped_accepts = || {
+        stats
+            .log()
+            .iter()
+            .filter(|s| !s.outgoing && s.dropped && s.first == Some(Tag::Accept as u8))
+            .count()
+    };
+    // The drop pattern meets hellos and accepts at different phases depending on how many
+    // data retries each connection needed: connect until both kinds were lost (bounded).
+    let mut conns = 0;
+    while conns < 8 || retransmitted == 0 || dropped_accepts() == 0 {
+        ensure!(
+            conns < 60,
+            "60 connections without losing both a hello and an accept"
+        );
+        let i = conns;
+        conns += 1;
         let b = faults.clone().connect_wrap(base(addr).await?).await?;
         let c = client
             .connect(&format!("s{i}"), select(Xor(3), Xor(2)), b)
@@ -500,30 +526,23 @@ async fn negotiation_completes_over_a_base_that_drops_every_third_datagram() -> 
         if c.info().hellos_sent > 1 {
             retransmitted += 1;
         }
-        // Data is best effort on this base: retry until one echo gets through.
-        let mut ok = false;
-        for _ in 0..10 {
+        // Data is best effort on this base: retry until the echoes get through. 1 to 3
+        // echoes per connection, so the drop phase shifts between connections.
+        let mut echoed = 0;
+        for _ in 0..30 {
+            if echoed > i % 3 {
+                break;
+            }
             c.send_one(Bytes::from_static(b"ping")).await?;
             if let Ok(r) = timeout(Duration::from_millis(200), c.recv_one()).await {
                 assert_eq!(r?, "ping");
-                ok = true;
-                break;
+                echoed += 1;
             }
         }
-        ensure!(ok, "connection {i} never echoed");
+        ensure!(echoed > i % 3, "connection {i} did not echo");
     }
-    ensure!(stats.dropped_sent() > 0 && stats.dropped_received() > 0);
-    ensure!(
-        retransmitted > 0,
-        "no hello was lost, the test proved nothing"
-    );
-    // A lost accept is answered again: the server re-sent it to the retransmitted hello.
-    let log = stats.log();
-    let dropped_accepts = log
-        .iter()
-        .filter(|s| !s.outgoing && s.dropped && s.first == Some(Tag::Accept as u8))
-        .count();
-    ensure!(dropped_accepts > 0, "no accept was lost: {log:?}");
+    // Every 3rd datagram really was dropped, in both directions.
+    ensure!(stats.dropped_sent() >= stats.sent() / 3 && stats.dropped_received() > 0);
     Ok(())
 }
 
@@ -647,5 +666,37 @@ async fn negotiates_over_tcp_too() -> Result<()> {
     );
     echo(&c, "over tcp").await?;
     assert_eq!(served.load(Ordering::SeqCst), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_new_client_on_a_reused_address_is_handed_to_the_listener_at_once() -> Result<()> {
+    use chunnel::negotiate::Offers;
+    use chunnel_negotiate::wire::{Accept, VERSION};
+    let (addr, mut seen, _) = echo_server(Xor(1)).await?;
+    // One socket plays two clients in turn, as a reused ephemeral port would.
+    let raw = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+    raw.connect(addr).await?;
+    let hello = |conn_id| {
+        Hello {
+            version: VERSION,
+            conn_id,
+            offers: Xor(1).offers(),
+            zero_rtt: None,
+            early: Vec::new(),
+        }
+        .encode()
+    };
+    let mut buf = [0u8; 2048];
+    for conn_id in [11u64, 22, 33] {
+        raw.send(&hello(conn_id)).await?;
+        // Answered within one echo-loop wake-up, not after the server's idle timeout.
+        let n = timeout(Duration::from_secs(2), raw.recv(&mut buf))
+            .await
+            .with_context(|| format!("hello {conn_id} on a reused address went unanswered"))??;
+        assert_eq!(buf[0], Tag::Accept as u8);
+        assert_eq!(Accept::decode(&buf[1..n])?.conn_id, conn_id);
+        assert_eq!(next_seen(&mut seen).await?, Ok(vec![]));
+    }
     Ok(())
 }

@@ -151,7 +151,7 @@ impl DgramSocket for tokio::net::UnixDatagram {
 /// compact buffer that hands out `Bytes` slices. `out` is reclaimed in place (no allocation)
 /// once the application has dropped the messages it handed out.
 struct RxScratch {
-    scratch: Vec<u8>,
+    scratch: sys::Scratch,
     out: BytesMut,
     metas: [RecvMeta; MAX_BATCH],
 }
@@ -161,7 +161,7 @@ const OUT_BLOCK: usize = 64 * 1024;
 impl RxScratch {
     fn new() -> Self {
         RxScratch {
-            scratch: Vec::new(),
+            scratch: sys::Scratch::default(),
             out: BytesMut::new(),
             metas: [RecvMeta {
                 len: 0,
@@ -184,10 +184,9 @@ impl RxScratch {
         // One spare byte per slot tells an exactly-max datagram from an oversize one.
         let slot = cfg.max_payload + 1;
         let want = want.clamp(1, cfg.batch);
-        if self.scratch.len() < cfg.batch * slot {
-            self.scratch.resize(cfg.batch * slot, 0);
-        }
-        let n = sys::recv_batch(fd, &mut self.scratch, slot, &mut self.metas[..want])?;
+        // Sized to what callers ask for, never zeroed (see `sys::Scratch`).
+        self.scratch.ensure(want, slot);
+        let n = sys::recv_batch(fd, &mut self.scratch, &mut self.metas[..want])?;
         for i in 0..n {
             let m = self.metas[i];
             if m.truncated || m.len > cfg.max_payload {
@@ -197,8 +196,7 @@ impl RxScratch {
             if self.out.capacity() - self.out.len() < m.len {
                 self.out.reserve(m.len.max(OUT_BLOCK));
             }
-            self.out
-                .extend_from_slice(&self.scratch[i * slot..i * slot + m.len]);
+            self.out.extend_from_slice(self.scratch.filled(i, m.len));
             let payload = self.out.split().freeze();
             deliver(A::from_raw(&m.addr), payload);
         }
@@ -351,6 +349,13 @@ impl<S: DgramSocket> Connection<S> {
     }
 }
 
+impl<S: DgramSocket> chunnel::PeerHandoff for Connection<S> {
+    /// A client socket is connected to one peer: there is nothing to hand off to.
+    fn hand_off(&self, _first: Bytes) -> bool {
+        false
+    }
+}
+
 impl<S: DgramSocket> SendHeader for Connection<S> {
     fn send_with_header<'a, B>(
         &'a self,
@@ -450,9 +455,57 @@ pub(crate) struct Shared<S: DgramSocket> {
     accept_notify: Notify,
     stats: Stats,
     listener_open: AtomicBool,
+    /// Whether one task is waiting for the socket to become readable. Only that task waits
+    /// on the socket; the others wait on their own queue's notification (or for the reader's
+    /// place to fall vacant), so a datagram wakes one task, not every connection.
+    reader: AtomicBool,
+    reader_vacant: Notify,
+}
+
+/// Held by the task that waits on the socket; gives the place up on drop (also when the
+/// waiting future is cancelled) and wakes one other waiter to take it.
+struct ReaderGuard<'a> {
+    reader: &'a AtomicBool,
+    vacant: &'a Notify,
+}
+
+impl Drop for ReaderGuard<'_> {
+    fn drop(&mut self) {
+        self.reader.store(false, Ordering::Release);
+        self.vacant.notify_one();
+    }
 }
 
 impl<S: DgramSocket> Shared<S> {
+    /// Waits until the socket may be readable — if no other task is already waiting for
+    /// that — or until `other` completes, whichever comes first. Returns `other`'s output if
+    /// it completed.
+    async fn wait_readable<T>(&self, other: impl Future<Output = T>) -> io::Result<Option<T>> {
+        let vacant = self.reader_vacant.notified();
+        tokio::pin!(vacant);
+        vacant.as_mut().enable();
+        tokio::pin!(other);
+        if self
+            .reader
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let _guard = ReaderGuard {
+                reader: &self.reader,
+                vacant: &self.reader_vacant,
+            };
+            tokio::select! {
+                r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
+                t = &mut other => Ok(Some(t)),
+            }
+        } else {
+            tokio::select! {
+                () = &mut vacant => Ok(None),
+                t = &mut other => Ok(Some(t)),
+            }
+        }
+    }
+
     /// Reads one batch from the socket and sorts it into peer queues.
     fn pump(&self) -> io::Result<usize> {
         let mut rx = lock(&self.rx);
@@ -523,6 +576,8 @@ impl<S: DgramSocket> Listener<S> {
                 accept_notify: Notify::new(),
                 stats: Stats::default(),
                 listener_open: AtomicBool::new(true),
+                reader: AtomicBool::new(false),
+                reader_vacant: Notify::new(),
             }),
         }
     }
@@ -581,12 +636,12 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
             match sh.pump() {
                 Ok(_) => continue,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    tokio::select! {
-                        r = sh.sock.ready(Interest::READABLE) => {
-                            r.map_err(|e| Error::Io { op: "accept", source: e })?
-                        }
-                        () = &mut notified => {}
-                    }
+                    sh.wait_readable(notified.as_mut())
+                        .await
+                        .map_err(|e| Error::Io {
+                            op: "accept",
+                            source: e,
+                        })?;
                 }
                 // An error for one peer (e.g. a refused earlier send) must not stop the
                 // listener: it is consumed and the loop goes on.
@@ -619,6 +674,30 @@ impl<S: DgramSocket> ServerConnection<S> {
         self.leave(&mut d);
         drop(d);
         self.peer.notify.notify_waiters();
+    }
+
+    /// Hands `first` to the listener as a new peer's first datagram and ends this
+    /// connection (see [`chunnel::PeerHandoff`]).
+    fn hand_off_inner(&self, first: Bytes) -> bool {
+        let sh = &self.shared;
+        let mut d = lock(&sh.demux);
+        self.leave(&mut d);
+        let admitted = sh.listener_open.load(Ordering::Acquire)
+            && d.backlog.len() < sh.cfg.backlog
+            && !d.peers.contains_key(&self.addr);
+        if admitted {
+            let p = Arc::new(Peer {
+                queue: Mutex::new(VecDeque::from([first])),
+                notify: Notify::new(),
+                closed: AtomicBool::new(false),
+            });
+            d.peers.insert(self.addr.clone(), p.clone());
+            d.backlog.push_back((self.addr.clone(), p));
+            sh.accept_notify.notify_one();
+        }
+        drop(d);
+        self.peer.notify.notify_waiters();
+        admitted
     }
 
     /// Removes this peer from the listener (demux lock held).
@@ -669,6 +748,12 @@ impl<S: DgramSocket> ServerConnection<S> {
         let dest = self.addr.to_raw();
         let sh = &self.shared;
         send_burst(&sh.sock, &sh.cfg, Some(&dest), &self.addr, header, burst).await
+    }
+}
+
+impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
+    fn hand_off(&self, first: Bytes) -> bool {
+        self.hand_off_inner(first)
     }
 }
 
@@ -729,16 +814,19 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                     None => std::future::pending().await,
                 }
             };
-            tokio::select! {
-                r = sh.sock.ready(Interest::READABLE) => {
-                    r.map_err(|e| conn_err("recv", &self.addr, e))?
+            tokio::pin!(idle);
+            let woken = async {
+                tokio::select! {
+                    () = &mut notified => false,
+                    () = &mut idle => true,
                 }
-                () = &mut notified => {}
-                () = idle => {
-                    if self.close_if_idle() {
-                        return Err(Error::PeerClosed);
-                    }
-                }
+            };
+            let idle_fired = sh
+                .wait_readable(woken)
+                .await
+                .map_err(|e| conn_err("recv", &self.addr, e))?;
+            if idle_fired == Some(true) && self.close_if_idle() {
+                return Err(Error::PeerClosed);
             }
         }
     }

@@ -190,6 +190,13 @@ where
     }
 }
 
+impl<R, W> chunnel::PeerHandoff for Connection<R, W> {
+    /// A stream connection owns its transport: an address is never shared, so never needed.
+    fn hand_off(&self, _first: Bytes) -> bool {
+        false
+    }
+}
+
 impl<R, W> SendHeader for Connection<R, W>
 where
     R: AsyncRead + Unpin + Send,

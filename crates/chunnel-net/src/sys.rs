@@ -193,14 +193,48 @@ pub(crate) struct RecvMeta {
     pub(crate) addr: RawAddr,
 }
 
-/// Receives up to `metas.len()` datagrams with one `recvmmsg` call. Datagram `i` lands in
-/// `scratch[i * slot ..][.. slot]`. Non-blocking: returns `WouldBlock` when none is queued.
-pub(crate) fn recv_batch(
-    fd: RawFd,
-    scratch: &mut [u8],
+/// Receive memory the kernel writes into. It is never zeroed (a fresh client socket would
+/// otherwise pay a memset of `batch * max_payload` bytes); only bytes the kernel reported
+/// writing are ever read, through [`Scratch::filled`].
+#[derive(Default)]
+pub(crate) struct Scratch {
+    buf: Vec<MaybeUninit<u8>>,
+    /// Per slot, how many leading bytes the last `recv_batch` wrote.
+    written: Vec<usize>,
     slot: usize,
-    metas: &mut [RecvMeta],
-) -> io::Result<usize> {
+}
+
+impl Scratch {
+    /// Makes room for `slots` slots of `slot` bytes.
+    pub(crate) fn ensure(&mut self, slots: usize, slot: usize) {
+        if self.slot != slot {
+            self.buf.clear();
+            self.slot = slot;
+        }
+        if self.buf.len() < slots * slot {
+            self.buf.resize(slots * slot, MaybeUninit::uninit());
+        }
+        self.written.clear();
+    }
+
+    /// The bytes the kernel wrote into slot `i` (at most `len`).
+    pub(crate) fn filled(&self, i: usize, len: usize) -> &[u8] {
+        let len = len.min(self.written.get(i).copied().unwrap_or(0));
+        let start = i * self.slot;
+        let part = &self.buf[start..start + len];
+        // SAFETY: `written[i]` bytes at the start of slot `i` were written by `recvmmsg` (it
+        // reported that length), so they are initialised; `len` never exceeds that.
+        unsafe { &*(part as *const [MaybeUninit<u8>] as *const [u8]) }
+    }
+}
+
+/// Receives up to `metas.len()` datagrams with one `recvmmsg` call. Datagram `i` lands in
+/// slot `i` of `scratch` (see [`Scratch::ensure`]). Non-blocking: returns `WouldBlock` when
+/// none is queued.
+pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) -> io::Result<usize> {
+    sc.written.clear();
+    let slot = sc.slot;
+    let scratch = &mut sc.buf[..];
     let count = metas.len().min(MAX_BATCH).min(scratch.len() / slot.max(1));
     let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
     let mut addrs = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
@@ -249,6 +283,7 @@ pub(crate) fn recv_batch(
             );
         }
         addr.len = alen as libc::socklen_t;
+        sc.written.push((h.msg_len as usize).min(slot));
         metas[i] = RecvMeta {
             len: (h.msg_len as usize).min(slot),
             truncated: h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0,

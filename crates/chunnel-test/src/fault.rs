@@ -183,6 +183,12 @@ impl<C: SendHeader> ChunnelConnection for Faulty<C> {
     }
 }
 
+impl<C: chunnel::PeerHandoff> chunnel::PeerHandoff for Faulty<C> {
+    fn hand_off(&self, first: Bytes) -> bool {
+        self.inner.hand_off(first)
+    }
+}
+
 impl<C: SendHeader> SendHeader for Faulty<C> {
     fn send_with_header<'a, B>(
         &'a self,

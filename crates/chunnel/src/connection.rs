@@ -128,3 +128,24 @@ impl<C: SendHeader + ?Sized> SendHeader for std::sync::Arc<C> {
         (**self).send_with_header(header, burst)
     }
 }
+
+/// A server-side connection demultiplexed from a shared listener socket by peer address
+/// (UDP, Unix datagrams), where one address can be reused by a new, unrelated client (a
+/// reused ephemeral port) while the old connection's state still lives.
+///
+/// A layer that can tell the new client apart (negotiation sees a new connection id) calls
+/// [`PeerHandoff::hand_off`]: this connection ends and `first` is presented to the listener
+/// as the first message of a new connection, so the new client is not starved until an idle
+/// timeout frees the address. Connections that own their transport (TCP, Unix streams)
+/// never need this and return `false`.
+pub trait PeerHandoff {
+    /// Ends this connection and hands `first` to the listener as a new connection's first
+    /// message. Returns whether that happened.
+    fn hand_off(&self, first: bytes::Bytes) -> bool;
+}
+
+impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
+    fn hand_off(&self, first: bytes::Bytes) -> bool {
+        (**self).hand_off(first)
+    }
+}

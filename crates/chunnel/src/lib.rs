@@ -95,7 +95,7 @@ mod stack;
 
 pub use crate::boxed::{BoxChunnel, BoxConnection};
 pub use crate::chunnel::{Chunnel, ChunnelExt, Listener, Serve};
-pub use crate::connection::{ChunnelConnection, ConnectionExt, SendHeader};
+pub use crate::connection::{ChunnelConnection, ConnectionExt, PeerHandoff, SendHeader};
 pub use crate::error::{BoxError, Error};
 pub use crate::negotiate::{
     Capability, ChunnelInfo, End, Match, Mismatch, Negotiate, Offers, Pick, StackOption,

@@ -1,0 +1,223 @@
+//! `chunnel-bench negotiate`: connection set-up cost on loopback — a fresh client socket,
+//! connect, and the first echo of one message — for a raw UDP exchange, 1-RTT negotiation
+//! and 0-RTT reconnect. Client and server share one pinned core and one current-thread
+//! runtime (as in `overhead`), so the figures are CPU cost plus kernel loopback, without
+//! cross-core wake-ups.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use bytes::Bytes;
+use chunnel::{Chunnel, ConnectionExt, Identity, Noop, select};
+use chunnel_negotiate::{Client, Config, ZeroRtt, listen};
+use chunnel_net::udp;
+use serde_json::json;
+
+use crate::stats::{quantile, spread};
+
+#[derive(clap::Args, Clone)]
+pub(crate) struct Args {
+    /// Repetitions (each measures every variant, interleaved).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Connections per variant per repetition.
+    #[arg(long, default_value_t = 2000)]
+    conns: usize,
+    /// Payload of the first message.
+    #[arg(long, default_value_t = 64)]
+    size: usize,
+    /// CPU to pin to; negative to leave unpinned.
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+    cpu: i64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Variant {
+    Raw,
+    OneRtt,
+    ZeroRtt,
+}
+
+const VARIANTS: [Variant; 3] = [Variant::Raw, Variant::OneRtt, Variant::ZeroRtt];
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Raw => "raw_udp",
+            Variant::OneRtt => "one_rtt",
+            Variant::ZeroRtt => "zero_rtt",
+        }
+    }
+}
+
+/// The stack both ends use: a select, so there is something to negotiate.
+fn stack() -> chunnel::Select<Noop, Identity> {
+    select(Noop, Identity)
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    if a.cpu >= 0 {
+        crate::pin_to(a.cpu as usize)?;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let started = Instant::now();
+    let (p50s, p99s) = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(600), measure_all(&a))
+            .await
+            .context("negotiate benchmark stalled")?
+    })?;
+    let wall = started.elapsed();
+
+    let mut variants = serde_json::Map::new();
+    for (i, v) in VARIANTS.iter().enumerate() {
+        let ratio = |xs: &[Vec<f64>]| -> Vec<f64> {
+            xs[i].iter().zip(&xs[0]).map(|(x, r)| x / r).collect()
+        };
+        variants.insert(
+            v.name().into(),
+            json!({
+                "p50_us": spread(&p50s[i]),
+                "p99_us": spread(&p99s[i]),
+                "p50_ratio_vs_raw": spread(&ratio(&p50s)),
+                "p99_ratio_vs_raw": spread(&ratio(&p99s)),
+            }),
+        );
+    }
+    let med = |i: usize| {
+        let r: Vec<f64> = p50s[i].iter().zip(&p50s[0]).map(|(x, r)| x / r).collect();
+        let mut r = r;
+        r.sort_by(f64::total_cmp);
+        crate::stats::median(&r)
+    };
+    let (one, zero) = (med(1), med(2));
+    let out = json!({
+        "bench": "negotiate",
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "what": "fresh client socket + connect + first echo of one message, loopback UDP",
+        "cpu": a.cpu,
+        "reps": a.reps,
+        "conns_per_rep": a.conns,
+        "size": a.size,
+        "wall_seconds": wall.as_secs_f64(),
+        "variants": variants,
+        "checks": {
+            "one_rtt_p50_ratio": one,
+            "one_rtt_within_2_2x": one <= 2.2,
+            "zero_rtt_p50_ratio": zero,
+            "zero_rtt_within_1_2x": zero <= 1.2,
+        },
+    });
+    println!("{out}");
+    Ok(())
+}
+
+type PerVariant = Vec<Vec<f64>>;
+
+async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
+    // Servers: a raw echo socket, and a negotiating echo server.
+    let raw = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+    let raw_addr = raw.local_addr()?;
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        while let Ok((n, from)) = raw.recv_from(&mut buf).await {
+            let _ = raw.send_to(&buf[..n], from).await;
+        }
+    });
+    let cfg = udp::Config::default().with_idle_timeout(Some(Duration::from_secs(2)));
+    let l = udp::Listener::bind_with("127.0.0.1:0".parse()?, cfg).await?;
+    let addr = l.local_addr()?;
+    let mut server = listen(stack(), l, Config::default());
+    tokio::spawn(async move {
+        while let Ok(conn) = server.accept().await {
+            tokio::spawn(async move {
+                while let Ok(m) = conn.recv_one().await {
+                    if conn.send_one(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+
+    let client = Client::new(Config::default());
+    let key = addr.to_string();
+    let msg = Bytes::from(vec![7u8; a.size]);
+    // Warm up every path (and teach the client a pick for 0-RTT).
+    for v in VARIANTS {
+        for _ in 0..50 {
+            one(v, &client, &key, raw_addr, addr, &msg).await?;
+        }
+    }
+    ensure!(client.remembered(&key).is_some(), "no pick remembered");
+
+    let mut p50s: PerVariant = vec![Vec::new(); VARIANTS.len()];
+    let mut p99s: PerVariant = vec![Vec::new(); VARIANTS.len()];
+    for rep in 0..a.reps {
+        for (i, v) in VARIANTS.iter().enumerate() {
+            let mut us = Vec::with_capacity(a.conns);
+            for _ in 0..a.conns {
+                us.push(one(*v, &client, &key, raw_addr, addr, &msg).await?);
+            }
+            us.sort_by(f64::total_cmp);
+            let (p50, p99) = (quantile(&us, 0.5), quantile(&us, 0.99));
+            eprintln!(
+                "rep {rep} {:>8}: connect + first echo p50 {p50:>6.1} us  p99 {p99:>6.1} us",
+                v.name()
+            );
+            p50s[i].push(p50);
+            p99s[i].push(p99);
+        }
+    }
+    Ok((p50s, p99s))
+}
+
+/// One connection set-up plus first echo, in microseconds.
+async fn one(
+    v: Variant,
+    client: &Client,
+    key: &str,
+    raw_addr: SocketAddr,
+    addr: SocketAddr,
+    msg: &Bytes,
+) -> Result<f64> {
+    let t = Instant::now();
+    match v {
+        Variant::Raw => {
+            let s = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+            s.connect(raw_addr).await?;
+            s.send(msg).await?;
+            let mut buf = [0u8; 2048];
+            let n = s.recv(&mut buf).await?;
+            ensure!(n == msg.len(), "raw echo of {n} bytes");
+        }
+        Variant::OneRtt => {
+            let base = udp::Connect::new(addr).connect_wrap(()).await?;
+            let t1 = t.elapsed();
+            let c = client.connect(key, stack(), base).await?;
+            let t2 = t.elapsed();
+            c.send_one(msg.clone()).await?;
+            let r = c.recv_one().await?;
+            if std::env::var_os("PHASES").is_some() {
+                eprintln!(
+                    "base {t1:?} connect {t2:?} echo {:?} hellos {}",
+                    t.elapsed(),
+                    c.info().hellos_sent
+                );
+            }
+            ensure!(r.len() == msg.len(), "echo of {} bytes", r.len());
+        }
+        Variant::ZeroRtt => {
+            let base = udp::Connect::new(addr).connect_wrap(()).await?;
+            let c = client
+                .connect_0rtt(key, stack(), base, [msg.clone()])
+                .await?;
+            let r = c.recv_one().await?;
+            ensure!(r.len() == msg.len(), "echo of {} bytes", r.len());
+            ensure!(c.info().zero_rtt == ZeroRtt::Accepted, "0-RTT not accepted");
+        }
+    }
+    Ok(t.elapsed().as_secs_f64() * 1e6)
+}

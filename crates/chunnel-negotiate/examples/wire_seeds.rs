@@ -1,0 +1,202 @@
+//! Writes the seed corpus of the fuzz targets in `fuzz/`: a few valid encodings of each
+//! negotiation message.
+//!
+//! ```text
+//! cargo run -p chunnel-negotiate --example wire_seeds -- fuzz/seeds
+//! ```
+//!
+//! writes `<dir>/hello/*`, `<dir>/accept/*` and `<dir>/reject/*` (message bodies: the bytes
+//! after the tag, which is what those targets decode) and `<dir>/server/*` (whole hellos, tag
+//! included, as `Server::handle_hello` takes them). The output is deterministic, so
+//! re-running it leaves an up-to-date corpus unchanged.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
+use chunnel::{Capability, Pick, StackOption};
+use chunnel_negotiate::wire::{Accept, Hello, Reject, RejectReason, VERSION, ZeroRtt};
+
+fn info(id: &'static str, capabilities: Vec<Capability>) -> ChunnelInfo {
+    ChunnelInfo {
+        id: id.into(),
+        capabilities,
+    }
+}
+
+fn option(branches: &[u8], chunnels: Vec<ChunnelInfo>) -> StackOption {
+    StackOption {
+        chunnels,
+        pick: Pick::from_branches(branches.to_vec()),
+    }
+}
+
+/// Client offers resembling a real `select(serialize json | bincode) + shard` tree.
+fn offers() -> Vec<StackOption> {
+    vec![
+        option(
+            &[0],
+            vec![
+                info("ser/json/1", vec![Capability::exact("serialize", ["json"])]),
+                info(
+                    "shard/client/1",
+                    vec![Capability::compositional("shard", ["a", "b"])],
+                ),
+            ],
+        ),
+        option(
+            &[1, 0],
+            vec![info(
+                "ser/bincode/1",
+                vec![Capability::exact("serialize", ["bincode"])],
+            )],
+        ),
+        option(&[1, 1], vec![info("chunnel/noop/1", Vec::new())]),
+    ]
+}
+
+fn hellos() -> Vec<(&'static str, Hello)> {
+    let plain = Hello {
+        version: VERSION,
+        conn_id: 0x0123_4567_89ab_cdef,
+        offers: offers(),
+        zero_rtt: None,
+        early: Vec::new(),
+    };
+    let zero_rtt = Hello {
+        zero_rtt: Some(Pick::from_branches(vec![1, 0])),
+        early: vec![Bytes::from_static(b"hello"), Bytes::from_static(b"")],
+        ..plain.clone()
+    };
+    let incompatible = Hello {
+        conn_id: 42,
+        offers: vec![option(
+            &[],
+            vec![info(
+                "ser/cbor/1",
+                vec![Capability::exact("serialize", ["cbor"])],
+            )],
+        )],
+        ..plain.clone()
+    };
+    let empty = Hello {
+        conn_id: 0,
+        offers: Vec::new(),
+        ..plain.clone()
+    };
+    vec![
+        ("plain", plain),
+        ("zero-rtt", zero_rtt),
+        ("incompatible", incompatible),
+        ("empty", empty),
+    ]
+}
+
+fn accepts() -> Vec<(&'static str, Accept)> {
+    let o = offers();
+    let base = Accept {
+        version: VERSION,
+        conn_id: 0x0123_4567_89ab_cdef,
+        zero_rtt: ZeroRtt::NotOffered,
+        client_pick: o[0].pick.clone(),
+        server_pick: Pick::from_branches(vec![0]),
+        server_stack: o[0].chunnels.clone(),
+    };
+    vec![
+        ("not-offered", base.clone()),
+        (
+            "accepted",
+            Accept {
+                zero_rtt: ZeroRtt::Accepted,
+                client_pick: o[1].pick.clone(),
+                server_stack: o[1].chunnels.clone(),
+                ..base.clone()
+            },
+        ),
+        (
+            "rejected",
+            Accept {
+                zero_rtt: ZeroRtt::Rejected,
+                server_pick: Pick::default(),
+                server_stack: Vec::new(),
+                ..base
+            },
+        ),
+    ]
+}
+
+fn rejects() -> Vec<(&'static str, Reject)> {
+    let incompatible = Reject {
+        version: VERSION,
+        conn_id: 42,
+        reason: RejectReason::Incompatible,
+        mismatches: vec![
+            Mismatch {
+                client_option: 0,
+                server_option: 0,
+                kind: "serialize".into(),
+                matching: Match::Exact,
+                client: Some(vec!["cbor".into()]),
+                server: Some(vec!["json".into()]),
+            },
+            Mismatch {
+                client_option: 0,
+                server_option: 1,
+                kind: "shard".into(),
+                matching: Match::Compositional,
+                client: None,
+                server: Some(vec!["a".into(), "b".into()]),
+            },
+        ],
+        message: "no compatible stack".into(),
+    };
+    let version = Reject {
+        conn_id: 7,
+        reason: RejectReason::Version,
+        mismatches: Vec::new(),
+        message: "server speaks version 1, hello has 2".into(),
+        ..incompatible.clone()
+    };
+    let malformed = Reject {
+        conn_id: 0,
+        reason: RejectReason::Malformed,
+        mismatches: Vec::new(),
+        message: String::new(),
+        ..incompatible.clone()
+    };
+    vec![
+        ("incompatible", incompatible),
+        ("version", version),
+        ("malformed", malformed),
+    ]
+}
+
+fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) -> Result<()> {
+    let d = dir.join(target);
+    fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+    let f = d.join(name);
+    fs::write(&f, bytes).with_context(|| format!("writing {}", f.display()))?;
+    println!("{} ({} bytes)", f.display(), bytes.len());
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let dir: PathBuf = std::env::args_os()
+        .nth(1)
+        .context("usage: wire_seeds <output directory>")?
+        .into();
+    for (name, h) in hellos() {
+        let enc = h.encode();
+        write(&dir, "hello", name, &enc[1..])?;
+        write(&dir, "server", name, &enc)?;
+    }
+    for (name, a) in accepts() {
+        write(&dir, "accept", name, &a.encode()[1..])?;
+    }
+    for (name, r) in rejects() {
+        write(&dir, "reject", name, &r.encode()[1..])?;
+    }
+    Ok(())
+}

@@ -1,0 +1,591 @@
+//! Property tests of the version-1 wire format and the sans-IO protocol on untrusted input:
+//! every message round-trips through its encoder and decoder, every truncation and every
+//! extension of a valid encoding is refused, and no input — random bytes, mutated
+//! encodings — makes a decoder, the server or the client handshake panic.
+//!
+//! Strings are at most 16 characters and lists at most 4 elements so a run stays fast in a
+//! debug build. Strings are biased towards the empty string and lists towards short ones:
+//! the smallest encodings are where length bounds go wrong.
+
+use std::borrow::Cow;
+use std::time::Instant;
+
+use bytes::Bytes;
+use chunnel::negotiate::{ChunnelInfo, Match, Mismatch, check_compatible, choose};
+use chunnel::{Capability, Pick, StackOption};
+use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
+use chunnel_negotiate::wire::{
+    Accept, Control, Hello, Reject, RejectReason, Tag, VERSION, ZeroRtt, decode_control,
+    encode_control,
+};
+use proptest::collection::vec;
+use proptest::prelude::*;
+
+const CASES: u32 = 256;
+
+// ---------------------------------------------------------------------------------------
+// Strategies.
+
+/// A string of at most 16 characters: often empty, often short ASCII, sometimes any
+/// printable Unicode (multi-byte UTF-8).
+fn small_string() -> impl Strategy<Value = String> {
+    prop_oneof![
+        2 => Just(String::new()),
+        4 => "[a-z0-9/._-]{1,16}",
+        2 => "\\PC{1,16}",
+    ]
+}
+
+fn matching() -> impl Strategy<Value = Match> {
+    prop_oneof![Just(Match::Exact), Just(Match::Compositional)]
+}
+
+fn pick() -> impl Strategy<Value = Pick> {
+    vec(0u8..=1, 0..=4).prop_map(Pick::from_branches)
+}
+
+fn capability() -> impl Strategy<Value = Capability> {
+    (small_string(), matching(), vec(small_string(), 0..=4)).prop_map(|(kind, matching, labels)| {
+        Capability {
+            kind: Cow::Owned(kind),
+            matching,
+            labels: labels.into_iter().map(Cow::Owned).collect(),
+            rule: None,
+        }
+    })
+}
+
+fn chunnel_info() -> impl Strategy<Value = ChunnelInfo> {
+    (small_string(), vec(capability(), 0..=4)).prop_map(|(id, capabilities)| ChunnelInfo {
+        id: Cow::Owned(id),
+        capabilities,
+    })
+}
+
+fn chunnels() -> impl Strategy<Value = Vec<ChunnelInfo>> {
+    vec(chunnel_info(), 0..=4)
+}
+
+fn stack_option() -> impl Strategy<Value = StackOption> {
+    (chunnels(), pick()).prop_map(|(chunnels, pick)| StackOption { chunnels, pick })
+}
+
+fn early_data() -> impl Strategy<Value = Vec<Bytes>> {
+    vec(vec(any::<u8>(), 0..=32).prop_map(Bytes::from), 0..=4)
+}
+
+/// A hello with or without a 0-RTT pick; early data only with one (the encoder writes
+/// early data only after a 0-RTT pick).
+fn hello() -> impl Strategy<Value = Hello> {
+    (
+        any::<u64>(),
+        vec(stack_option(), 0..=4),
+        prop::option::of((pick(), early_data())),
+    )
+        .prop_map(|(conn_id, offers, zero_rtt)| {
+            let (zero_rtt, early) = match zero_rtt {
+                Some((p, e)) => (Some(p), e),
+                None => (None, Vec::new()),
+            };
+            Hello {
+                version: VERSION,
+                conn_id,
+                offers,
+                zero_rtt,
+                early,
+            }
+        })
+}
+
+fn zero_rtt() -> impl Strategy<Value = ZeroRtt> {
+    prop_oneof![
+        Just(ZeroRtt::NotOffered),
+        Just(ZeroRtt::Accepted),
+        Just(ZeroRtt::Rejected),
+    ]
+}
+
+fn accept() -> impl Strategy<Value = Accept> {
+    (any::<u64>(), zero_rtt(), pick(), pick(), chunnels()).prop_map(
+        |(conn_id, zero_rtt, client_pick, server_pick, server_stack)| Accept {
+            version: VERSION,
+            conn_id,
+            zero_rtt,
+            client_pick,
+            server_pick,
+            server_stack,
+        },
+    )
+}
+
+fn reason() -> impl Strategy<Value = RejectReason> {
+    prop_oneof![
+        Just(RejectReason::Incompatible),
+        Just(RejectReason::Version),
+        Just(RejectReason::Malformed),
+    ]
+}
+
+fn labels() -> impl Strategy<Value = Option<Vec<String>>> {
+    prop::option::of(vec(small_string(), 0..=4))
+}
+
+fn mismatch() -> impl Strategy<Value = Mismatch> {
+    (
+        any::<u16>(),
+        any::<u16>(),
+        small_string(),
+        matching(),
+        labels(),
+        labels(),
+    )
+        .prop_map(
+            |(client_option, server_option, kind, matching, client, server)| Mismatch {
+                client_option,
+                server_option,
+                kind,
+                matching,
+                client,
+                server,
+            },
+        )
+}
+
+fn reject() -> impl Strategy<Value = Reject> {
+    (
+        any::<u64>(),
+        reason(),
+        vec(mismatch(), 0..=4),
+        small_string(),
+    )
+        .prop_map(|(conn_id, reason, mismatches, message)| Reject {
+            version: VERSION,
+            conn_id,
+            reason,
+            mismatches,
+            message,
+        })
+}
+
+fn control() -> impl Strategy<Value = Control> {
+    prop_oneof![
+        hello().prop_map(Control::Hello),
+        accept().prop_map(Control::Accept),
+        reject().prop_map(Control::Reject),
+    ]
+}
+
+/// Random bytes, and random bytes behind each tag and the right version byte (which gets a
+/// decoder past its first checks).
+fn noise() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        vec(any::<u8>(), 0..=256),
+        (0u8..=4, vec(any::<u8>(), 0..=256)).prop_map(|(tag, rest)| {
+            let mut v = vec![tag, VERSION];
+            v.extend(rest);
+            v
+        }),
+    ]
+}
+
+/// A valid encoding with one byte overwritten, one byte removed or one byte inserted.
+fn mutated() -> impl Strategy<Value = Vec<u8>> {
+    (control(), any::<prop::sample::Index>(), any::<u8>(), 0u8..3).prop_map(|(c, at, byte, how)| {
+        let mut v = encode_control(&c).to_vec();
+        let i = at.index(v.len());
+        match how {
+            0 => v[i] = byte,
+            1 => {
+                v.remove(i);
+            }
+            _ => v.insert(i, byte),
+        }
+        v
+    })
+}
+
+// Capabilities drawn from a small pool, so that generated hellos are sometimes compatible
+// with the test server and its accept path is exercised too.
+const KINDS: [&str; 3] = ["serialize", "shard", "frame"];
+const LABELS: [&str; 4] = ["json", "bincode", "a", "b"];
+
+fn pooled_capability() -> impl Strategy<Value = Capability> {
+    (
+        prop::sample::select(&KINDS[..]),
+        matching(),
+        prop::sample::subsequence(&LABELS[..], 0..=2),
+    )
+        .prop_map(|(kind, matching, labels)| Capability {
+            kind: Cow::Borrowed(kind),
+            matching,
+            labels: labels.into_iter().map(Cow::Borrowed).collect(),
+            rule: None,
+        })
+}
+
+fn pooled_hello() -> impl Strategy<Value = Hello> {
+    let option = (
+        vec(
+            (
+                prop::sample::select(&["a/1", "b/1"][..]),
+                vec(pooled_capability(), 0..=2),
+            )
+                .prop_map(|(id, capabilities)| ChunnelInfo {
+                    id: Cow::Borrowed(id),
+                    capabilities,
+                }),
+            0..=2,
+        ),
+        pick(),
+    )
+        .prop_map(|(chunnels, pick)| StackOption { chunnels, pick });
+    (
+        any::<u64>(),
+        vec(option, 0..=4),
+        prop::option::of((pick(), early_data())),
+        any::<prop::sample::Index>(),
+        any::<bool>(),
+    )
+        .prop_map(|(conn_id, offers, zero_rtt, which, reuse)| {
+            let (zero_rtt, early) = match zero_rtt {
+                // Often name one of the offers, so the 0-RTT pick can be accepted.
+                Some((_, e)) if reuse && !offers.is_empty() => {
+                    (Some(offers[which.index(offers.len())].pick.clone()), e)
+                }
+                Some((p, e)) => (Some(p), e),
+                None => (None, Vec::new()),
+            };
+            Hello {
+                version: VERSION,
+                conn_id,
+                offers,
+                zero_rtt,
+                early,
+            }
+        })
+}
+
+// ---------------------------------------------------------------------------------------
+// Fixtures.
+
+fn chunnel(id: &'static str, capabilities: Vec<Capability>) -> ChunnelInfo {
+    ChunnelInfo {
+        id: Cow::Borrowed(id),
+        capabilities,
+    }
+}
+
+/// A server with exact and compositional capabilities over two options and one plain one.
+fn server() -> Server {
+    Server::new(vec![
+        StackOption {
+            chunnels: vec![
+                chunnel("a/1", vec![Capability::exact("serialize", ["json"])]),
+                chunnel("b/1", vec![Capability::compositional("shard", ["a", "b"])]),
+            ],
+            pick: Pick::from_branches(vec![0]),
+        },
+        StackOption {
+            chunnels: vec![chunnel(
+                "a/1",
+                vec![Capability::exact("serialize", ["bincode"])],
+            )],
+            pick: Pick::from_branches(vec![1, 0]),
+        },
+        StackOption {
+            chunnels: vec![chunnel("b/1", Vec::new())],
+            pick: Pick::from_branches(vec![1, 1]),
+        },
+    ])
+}
+
+fn client_offers() -> Vec<StackOption> {
+    vec![
+        StackOption {
+            chunnels: vec![chunnel(
+                "a/1",
+                vec![Capability::exact("serialize", ["json"])],
+            )],
+            pick: Pick::from_branches(vec![0]),
+        },
+        StackOption {
+            chunnels: Vec::new(),
+            pick: Pick::from_branches(vec![1]),
+        },
+    ]
+}
+
+/// Checks everything a server decision on `msg` must satisfy; `Err` names what failed.
+fn check_decision(server: &Server, msg: &[u8]) -> Result<(), TestCaseError> {
+    let decision = server.handle_hello(msg);
+    let response = match &decision {
+        Decision::Accept { response, .. } | Decision::Reject { response, .. } => response,
+    };
+    prop_assert!(
+        matches!(response.first(), Some(&0x02) | Some(&0x03)),
+        "response tag {:?}",
+        response.first()
+    );
+    // The cached response is the encoding of the decision's message, and decodes to it.
+    let expected = match &decision {
+        Decision::Accept { accept, .. } => Control::Accept(accept.clone()),
+        Decision::Reject { reject, .. } => Control::Reject(reject.clone()),
+    };
+    prop_assert_eq!(&encode_control(&expected), response);
+    prop_assert_eq!(decode_control(response), Ok(expected));
+
+    let hello = match msg.split_first() {
+        Some((&t, body)) if t == Tag::Hello as u8 => Hello::decode(body).ok(),
+        _ => None,
+    };
+    let Some(hello) = hello else {
+        // Not a hello: always a reject, never an accept.
+        let Decision::Reject { reject, .. } = &decision else {
+            return Err(TestCaseError::fail(
+                "accepted something that is not a hello",
+            ));
+        };
+        prop_assert!(matches!(
+            reject.reason,
+            RejectReason::Malformed | RejectReason::Version
+        ));
+        return Ok(());
+    };
+    match &decision {
+        Decision::Accept {
+            accept,
+            server_option,
+            early,
+            ..
+        } => {
+            prop_assert_eq!(accept.conn_id, hello.conn_id);
+            prop_assert!(
+                hello.offers.iter().any(|o| o.pick == accept.client_pick),
+                "client_pick is not among the hello's offers"
+            );
+            prop_assert!(
+                *server_option < server.offers().len(),
+                "server_option out of range"
+            );
+            let s = &server.offers()[*server_option];
+            prop_assert_eq!(&accept.server_pick, &s.pick);
+            prop_assert_eq!(&accept.server_stack, &s.chunnels);
+            // An offer with that pick is compatible with the server's option.
+            prop_assert!(hello.offers.iter().any(|o| o.pick == accept.client_pick
+                && check_compatible(&s.chunnels, &o.chunnels, 0, 0).is_ok()));
+            match (&hello.zero_rtt, accept.zero_rtt) {
+                (None, z) => {
+                    prop_assert_eq!(z, ZeroRtt::NotOffered);
+                    prop_assert!(early.is_empty());
+                }
+                (Some(p), ZeroRtt::Accepted) => {
+                    prop_assert_eq!(p, &accept.client_pick);
+                    prop_assert_eq!(early, &hello.early);
+                }
+                (Some(_), ZeroRtt::Rejected) => prop_assert!(early.is_empty()),
+                (Some(_), ZeroRtt::NotOffered) => {
+                    return Err(TestCaseError::fail("0-RTT pick ignored"));
+                }
+            }
+        }
+        Decision::Reject { reject, .. } => {
+            prop_assert_eq!(reject.reason, RejectReason::Incompatible);
+            prop_assert_eq!(reject.conn_id, hello.conn_id);
+            prop_assert!(choose(server.offers(), &hello.offers, usize::MAX).is_err());
+        }
+    }
+    Ok(())
+}
+
+fn fresh_client() -> ClientHandshake {
+    let mut c = ClientHandshake::new(client_offers(), None, 7, Timing::default(), Instant::now())
+        .expect("the test offers fit one message");
+    assert!(c.poll_transmit(Instant::now()).is_some());
+    c
+}
+
+// ---------------------------------------------------------------------------------------
+// Properties.
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    #[test]
+    fn hello_round_trips(h in hello()) {
+        let enc = h.encode();
+        prop_assert_eq!(enc[0], Tag::Hello as u8);
+        prop_assert_eq!(Hello::decode(&enc[1..]), Ok(h.clone()));
+        prop_assert_eq!(Hello::peek_conn_id(&enc[1..]), Ok(h.conn_id));
+    }
+
+    #[test]
+    fn accept_round_trips(a in accept()) {
+        let enc = a.encode();
+        prop_assert_eq!(enc[0], Tag::Accept as u8);
+        prop_assert_eq!(Accept::decode(&enc[1..]), Ok(a));
+    }
+
+    #[test]
+    fn reject_round_trips(r in reject()) {
+        let enc = r.encode();
+        prop_assert_eq!(enc[0], Tag::Reject as u8);
+        prop_assert_eq!(Reject::decode(&enc[1..]), Ok(r));
+    }
+
+    #[test]
+    fn control_round_trips(c in control()) {
+        prop_assert_eq!(decode_control(&encode_control(&c)), Ok(c));
+    }
+
+    #[test]
+    fn every_truncation_is_refused(c in control()) {
+        let enc = encode_control(&c);
+        for len in 0..enc.len() {
+            prop_assert!(decode_control(&enc[..len]).is_err(), "prefix of {} bytes decoded", len);
+        }
+        // The per-message decoders on every proper prefix of the body.
+        let body = &enc[1..];
+        for len in 0..body.len() {
+            let b = &body[..len];
+            let ok = match &c {
+                Control::Hello(_) => Hello::decode(b).is_ok(),
+                Control::Accept(_) => Accept::decode(b).is_ok(),
+                Control::Reject(_) => Reject::decode(b).is_ok(),
+            };
+            prop_assert!(!ok, "body prefix of {} bytes decoded", len);
+        }
+    }
+
+    #[test]
+    fn a_trailing_byte_is_refused(c in control(), extra in any::<u8>()) {
+        let mut enc = encode_control(&c).to_vec();
+        enc.push(extra);
+        prop_assert!(decode_control(&enc).is_err());
+    }
+
+    #[test]
+    fn decoders_never_panic_on_noise(bytes in noise()) {
+        let _ = decode_control(&bytes);
+        let _ = Hello::decode(&bytes);
+        let _ = Hello::peek_conn_id(&bytes);
+        let _ = Accept::decode(&bytes);
+        let _ = Reject::decode(&bytes);
+        if let Some((_, body)) = bytes.split_first() {
+            let _ = Hello::decode(body);
+            let _ = Accept::decode(body);
+            let _ = Reject::decode(body);
+        }
+    }
+
+    #[test]
+    fn decoders_never_panic_on_mutated_encodings(bytes in mutated()) {
+        // Whatever decodes re-encodes to the very same bytes (the encoding is canonical).
+        if let Ok(c) = decode_control(&bytes) {
+            prop_assert_eq!(&encode_control(&c)[..], &bytes[..]);
+        }
+    }
+
+    #[test]
+    fn server_answers_noise_with_accept_or_reject(bytes in noise()) {
+        check_decision(&server(), &bytes)?;
+    }
+
+    #[test]
+    fn server_answers_mutated_hellos_consistently(bytes in mutated()) {
+        check_decision(&server(), &bytes)?;
+    }
+
+    #[test]
+    fn server_decides_consistently_on_valid_hellos(h in pooled_hello()) {
+        check_decision(&server(), &h.encode())?;
+    }
+
+    #[test]
+    fn client_never_panics_on_noise(bytes in noise()) {
+        let mut c = fresh_client();
+        c.handle_message(Bytes::from(bytes));
+        if let Some(Ok(o)) = c.poll_outcome() {
+            prop_assert_eq!(o.option.pick, o.accept.client_pick);
+        }
+    }
+
+    #[test]
+    fn client_never_panics_on_mutated_messages(bytes in mutated()) {
+        let mut c = fresh_client();
+        c.handle_message(Bytes::from(bytes));
+        if let Some(Ok(o)) = c.poll_outcome() {
+            prop_assert_eq!(o.option.pick, o.accept.client_pick);
+            prop_assert_eq!(o.accept.conn_id, c.conn_id());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Fixed cases at the edges of the length bounds.
+
+/// The smallest mismatch encodes to 9 bytes (two `u16` option indices, an empty kind, the
+/// matching byte and two absent label lists). Rejects made only of such mismatches and an
+/// empty message must round-trip.
+#[test]
+fn reject_of_minimal_mismatches_round_trips() {
+    let minimal = Mismatch {
+        client_option: 0,
+        server_option: 0,
+        kind: String::new(),
+        matching: Match::Exact,
+        client: None,
+        server: None,
+    };
+    for n in 0..=8 {
+        let r = Reject {
+            version: VERSION,
+            conn_id: 1,
+            reason: RejectReason::Incompatible,
+            mismatches: vec![minimal.clone(); n],
+            message: String::new(),
+        };
+        let enc = r.encode();
+        assert_eq!(enc.len(), 1 + 1 + 8 + 1 + 2 + 9 * n + 2);
+        assert_eq!(Reject::decode(&enc[1..]), Ok(r), "{n} minimal mismatches");
+    }
+}
+
+/// The smallest element of every other list, repeated, round-trips as well.
+#[test]
+fn minimal_list_elements_round_trip() {
+    let cap = Capability::exact("", Vec::<&'static str>::new());
+    let info = chunnel("", vec![cap; 8]);
+    let option = StackOption {
+        chunnels: vec![info.clone(); 8],
+        pick: Pick::default(),
+    };
+    let h = Hello {
+        version: VERSION,
+        conn_id: 0,
+        offers: vec![option; 8],
+        zero_rtt: Some(Pick::default()),
+        early: vec![Bytes::new(); 8],
+    };
+    assert_eq!(Hello::decode(&h.encode()[1..]), Ok(h));
+    let a = Accept {
+        version: VERSION,
+        conn_id: 0,
+        zero_rtt: ZeroRtt::NotOffered,
+        client_pick: Pick::default(),
+        server_pick: Pick::default(),
+        server_stack: vec![info; 8],
+    };
+    assert_eq!(Accept::decode(&a.encode()[1..]), Ok(a));
+    let labels = Capability::compositional("k", vec![""; 8]);
+    let h = Hello {
+        version: VERSION,
+        conn_id: 0,
+        offers: vec![StackOption {
+            chunnels: vec![chunnel("", vec![labels])],
+            pick: Pick::from_branches(vec![0; 8]),
+        }],
+        zero_rtt: None,
+        early: Vec::new(),
+    };
+    assert_eq!(Hello::decode(&h.encode()[1..]), Ok(h));
+}
