@@ -42,4 +42,8 @@ log "chunnel-bench overhead (short run: checks the tool works end to end)"
 cargo run --release --locked -q -p chunnel-bench -- overhead --reps 1 --pings 300 --millis 50 \
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="overhead" and len(d["results"])==20, d; print("bench JSON ok:", d["checks"])'
 
+log "chunnel-bench negotiate (short run: checks the tool works end to end)"
+cargo run --release --locked -q -p chunnel-bench -- negotiate --reps 1 --conns 200 \
+  | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==3, d; print("bench JSON ok:", d["checks"])'
+
 log "all tests passed"

@@ -153,7 +153,12 @@ impl DgramSocket for tokio::net::UnixDatagram {
 struct RxScratch {
     scratch: sys::Scratch,
     out: BytesMut,
-    metas: [RecvMeta; MAX_BATCH],
+    /// Grown to the largest batch asked for (kept off the struct: moving a connection then
+    /// copies a pointer, not 64 addresses).
+    metas: Vec<RecvMeta>,
+    /// Next reservation for `out`: starts small (a connection that sees one message does not
+    /// fault in 64 KiB) and doubles up to `OUT_BLOCK`.
+    block: usize,
 }
 
 const OUT_BLOCK: usize = 64 * 1024;
@@ -163,11 +168,8 @@ impl RxScratch {
         RxScratch {
             scratch: sys::Scratch::default(),
             out: BytesMut::new(),
-            metas: [RecvMeta {
-                len: 0,
-                truncated: false,
-                addr: sys::RawAddr::zeroed(),
-            }; MAX_BATCH],
+            metas: Vec::new(),
+            block: 2048,
         }
     }
 
@@ -186,6 +188,16 @@ impl RxScratch {
         let want = want.clamp(1, cfg.batch);
         // Sized to what callers ask for, never zeroed (see `sys::Scratch`).
         self.scratch.ensure(want, slot);
+        if self.metas.len() < want {
+            self.metas.resize(
+                want,
+                RecvMeta {
+                    len: 0,
+                    truncated: false,
+                    addr: sys::RawAddr::zeroed(),
+                },
+            );
+        }
         let n = sys::recv_batch(fd, &mut self.scratch, &mut self.metas[..want])?;
         for i in 0..n {
             let m = self.metas[i];
@@ -194,7 +206,8 @@ impl RxScratch {
                 continue;
             }
             if self.out.capacity() - self.out.len() < m.len {
-                self.out.reserve(m.len.max(OUT_BLOCK));
+                self.out.reserve(m.len.max(self.block));
+                self.block = (self.block * 2).min(OUT_BLOCK);
             }
             self.out.extend_from_slice(self.scratch.filled(i, m.len));
             let payload = self.out.split().freeze();
