@@ -64,6 +64,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
         offers: offers(),
         zero_rtt: None,
         early: Vec::new(),
+        dictated: false,
     };
     let zero_rtt = Hello {
         zero_rtt: Some(Pick::from_branches(vec![1, 0])),

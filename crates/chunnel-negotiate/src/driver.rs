@@ -463,3 +463,102 @@ where
         }
     }
 }
+
+/// A byte-to-byte layer built at run time from the server's description of it.
+pub type DynLayer = chunnel::BoxChunnel<chunnel::BoxConnection<Bytes>, Bytes>;
+
+type Factory = Box<dyn Fn(&ChunnelInfo) -> Result<DynLayer, chunnel::Error> + Send + Sync>;
+
+/// The Chunnel implementations a client can build when the server dictates the stack (the
+/// HotNets paper's Listing 5: "the client specifies no Chunnels"). Each entry maps a Chunnel
+/// id to a factory that builds the client's end from the server's [`ChunnelInfo`] (its
+/// capabilities carry the configuration, e.g. the serialization format or shard set).
+#[derive(Default)]
+pub struct Registry {
+    entries: Vec<(&'static str, Factory)>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.entries.iter().map(|(id, _)| id))
+            .finish()
+    }
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Registry::default()
+    }
+
+    /// Registers a factory for the Chunnel with `id`.
+    pub fn register<F>(mut self, id: &'static str, factory: F) -> Self
+    where
+        F: Fn(&ChunnelInfo) -> Result<DynLayer, chunnel::Error> + Send + Sync + 'static,
+    {
+        self.entries.push((id, Box::new(factory)));
+        self
+    }
+
+    fn offer(&self) -> Vec<ChunnelInfo> {
+        self.entries
+            .iter()
+            .map(|(id, _)| ChunnelInfo {
+                id: std::borrow::Cow::Borrowed(id),
+                capabilities: Vec::new(),
+            })
+            .collect()
+    }
+
+    fn build(&self, info: &ChunnelInfo) -> Result<DynLayer, Error> {
+        let (_, f) = self
+            .entries
+            .iter()
+            .find(|(id, _)| *id == info.id)
+            .ok_or(Error::Wire(crate::wire::WireError(
+                "the server picked a Chunnel we did not register",
+            )))?;
+        Ok(f(info)?)
+    }
+}
+
+impl Client {
+    /// Connects with no stack of its own: the server picks, among its options, the first
+    /// whose two-sided Chunnels (those with an exact-match capability) are all in `registry`,
+    /// and the client builds those, top to bottom as the server lists them. One-sided
+    /// Chunnels of the server's stack run at the server only. The connection is type-erased
+    /// (one boxed future per call per layer), as a stack chosen at run time must be.
+    pub async fn connect_dictated<C>(
+        &self,
+        registry: &Registry,
+        base: C,
+    ) -> Result<Negotiated<chunnel::BoxConnection<Bytes>>, Error>
+    where
+        C: SendHeader + PeerHandoff + 'static,
+    {
+        let mut hs = ClientHandshake::new_dictated(
+            registry.offer(),
+            new_conn_id(),
+            self.cfg.timing,
+            Instant::now().into_std(),
+        )?;
+        let out = drive(&base, &mut hs).await?;
+        let tagged = Tagged::client(base);
+        tagged.push_pending(out.early_replies);
+        let mut conn = chunnel::BoxConnection::new(tagged);
+        for info in out
+            .accept
+            .server_stack
+            .iter()
+            .rev()
+            .filter(|c| crate::proto::two_sided(c))
+        {
+            conn = registry.build(info)?.connect_wrap(conn).await?;
+        }
+        Ok(Negotiated {
+            conn,
+            info: info(out.accept, out.hellos_sent),
+        })
+    }
+}

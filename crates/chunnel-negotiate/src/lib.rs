@@ -63,7 +63,9 @@ pub mod proto;
 mod tagged;
 pub mod wire;
 
-pub use crate::driver::{Client, Config, Info, Negotiated, NegotiatedListener, listen};
+pub use crate::driver::{
+    Client, Config, DynLayer, Info, Negotiated, NegotiatedListener, Registry, listen,
+};
 pub use crate::error::Error;
 pub use crate::tagged::Tagged;
 pub use crate::wire::ZeroRtt;

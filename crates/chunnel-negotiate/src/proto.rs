@@ -111,6 +111,9 @@ impl Server {
     }
 
     fn decide(&self, hello: Hello) -> Decision {
+        if hello.dictated {
+            return self.dictate(hello);
+        }
         // 0-RTT: keep the client's remembered stack if it is one of its offers and some
         // server option is compatible with it.
         if let Some(p) = &hello.zero_rtt
@@ -152,6 +155,49 @@ impl Server {
         }
     }
 
+    /// A client without a stack of its own: pick the first server option whose two-sided
+    /// Chunnels (those with an exact-match capability: they need a peer) the client can
+    /// build; one-sided Chunnels run at the server only.
+    fn dictate(&self, hello: Hello) -> Decision {
+        let Some(registry) = hello.offers.first().filter(|_| hello.offers.len() == 1) else {
+            return reject(
+                hello.conn_id,
+                RejectReason::Malformed,
+                Vec::new(),
+                "a dictated hello carries exactly one offer: the client's implementations".into(),
+            );
+        };
+        let mut why = Vec::new();
+        for (si, s) in self.offers.iter().enumerate() {
+            let missing = s
+                .chunnels
+                .iter()
+                .find(|c| two_sided(c) && !registry.chunnels.iter().any(|r| r.id == c.id));
+            match missing {
+                None => {
+                    let mut h = hello.clone();
+                    h.offers[0].pick = Pick::default();
+                    return self.accept(&h, si, 0, ZeroRtt::NotOffered);
+                }
+                Some(c) if why.len() < self.max_reported => why.push(chunnel::Mismatch {
+                    client_option: 0,
+                    server_option: si as u16,
+                    kind: format!("implementation of {}", c.id),
+                    matching: chunnel::Match::Exact,
+                    client: None,
+                    server: Some(vec![c.id.to_string()]),
+                }),
+                Some(_) => {}
+            }
+        }
+        let message = Error::Incompatible {
+            found_by: End::Server,
+            mismatches: why.clone(),
+        }
+        .to_string();
+        reject(hello.conn_id, RejectReason::Incompatible, why, message)
+    }
+
     fn accept(&self, hello: &Hello, si: usize, ci: usize, zero_rtt: ZeroRtt) -> Decision {
         let accept = Accept {
             version: VERSION,
@@ -174,6 +220,13 @@ impl Server {
             response,
         }
     }
+}
+
+/// Whether a Chunnel needs a peer implementation (it has an exact-match capability).
+pub fn two_sided(c: &chunnel::ChunnelInfo) -> bool {
+    c.capabilities
+        .iter()
+        .any(|k| k.matching == chunnel::Match::Exact)
 }
 
 fn reject(
@@ -241,6 +294,7 @@ impl ClientHandshake {
             offers,
             zero_rtt,
             early,
+            dictated: false,
         };
         let encoded = hello.encode();
         if encoded.len() > timing.max_message {
@@ -261,6 +315,36 @@ impl ClientHandshake {
             result: None,
             finished: false,
         })
+    }
+
+    /// Starts a dictated handshake: the client offers the Chunnel implementations it can
+    /// build (`implementations`, one entry each) and lets the server pick the stack.
+    pub fn new_dictated(
+        implementations: Vec<chunnel::ChunnelInfo>,
+        conn_id: u64,
+        timing: Timing,
+        now: Instant,
+    ) -> Result<Self, Error> {
+        let mut hs = Self::new(
+            vec![StackOption {
+                chunnels: implementations,
+                pick: Pick::default(),
+            }],
+            None,
+            conn_id,
+            timing,
+            now,
+        )?;
+        let hello = Hello {
+            version: VERSION,
+            conn_id,
+            offers: hs.offers.clone(),
+            zero_rtt: None,
+            early: Vec::new(),
+            dictated: true,
+        };
+        hs.hello = hello.encode();
+        Ok(hs)
     }
 
     /// The hello, if one is due now (the first one, or a retransmission).

@@ -51,7 +51,8 @@ pub struct WireError(pub &'static str);
 
 /// `HELLO` flags.
 const HELLO_ZERO_RTT: u8 = 0b0000_0001;
-const HELLO_KNOWN_FLAGS: u8 = HELLO_ZERO_RTT;
+const HELLO_DICTATED: u8 = 0b0000_0010;
+const HELLO_KNOWN_FLAGS: u8 = HELLO_ZERO_RTT | HELLO_DICTATED;
 
 /// The client's offer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,6 +67,10 @@ pub struct Hello {
     pub zero_rtt: Option<Pick>,
     /// 0-RTT: the picked stack's first messages (its bottom layer's bytes).
     pub early: Vec<Bytes>,
+    /// The client specifies no stack of its own: its single offer lists the Chunnel
+    /// implementations it can build, and the server dictates the stack (HotNets paper,
+    /// Listing 5).
+    pub dictated: bool,
 }
 
 /// What the server did with a 0-RTT pick.
@@ -204,11 +209,14 @@ impl Hello {
         let mut b = BytesMut::with_capacity(256);
         b.put_u8(Tag::Hello as u8);
         b.put_u8(self.version);
-        b.put_u8(if self.zero_rtt.is_some() {
-            HELLO_ZERO_RTT
-        } else {
-            0
-        });
+        let mut flags = 0;
+        if self.zero_rtt.is_some() {
+            flags |= HELLO_ZERO_RTT;
+        }
+        if self.dictated {
+            flags |= HELLO_DICTATED;
+        }
+        b.put_u8(flags);
         b.put_u64(self.conn_id);
         let n = put_count(&mut b, self.offers.len());
         for o in &self.offers[..n] {
@@ -450,6 +458,7 @@ impl Hello {
             offers,
             zero_rtt,
             early,
+            dictated: flags & HELLO_DICTATED != 0,
         })
     }
 

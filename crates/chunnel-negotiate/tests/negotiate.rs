@@ -16,7 +16,7 @@ use chunnel::{
 };
 use chunnel_negotiate::proto::Timing;
 use chunnel_negotiate::wire::{Hello, Tag, ZeroRtt};
-use chunnel_negotiate::{Client, Config, Error, Negotiated, listen};
+use chunnel_negotiate::{Client, Config, DynLayer, Error, Negotiated, Registry, listen};
 use chunnel_net::{tcp, udp};
 use chunnel_test::FaultInjector;
 use tokio::sync::mpsc;
@@ -684,6 +684,7 @@ async fn a_new_client_on_a_reused_address_is_handed_to_the_listener_at_once() ->
             offers: Xor(1).offers(),
             zero_rtt: None,
             early: Vec::new(),
+            dictated: false,
         }
         .encode()
     };
@@ -698,5 +699,54 @@ async fn a_new_client_on_a_reused_address_is_handed_to_the_listener_at_once() ->
         assert_eq!(Accept::decode(&buf[1..n])?.conn_id, conn_id);
         assert_eq!(next_seen(&mut seen).await?, Ok(vec![]));
     }
+    Ok(())
+}
+
+/// Builds the client's end of `Xor` from the server's description (its key is the label).
+fn xor_factory(info: &chunnel::ChunnelInfo) -> Result<DynLayer, CErr> {
+    let key = info
+        .capabilities
+        .iter()
+        .find(|c| c.kind == "xor")
+        .and_then(|c| c.labels.first())
+        .and_then(|l| l.parse::<u8>().ok())
+        .ok_or(CErr::Malformed {
+            what: "xor capability without a key",
+        })?;
+    Ok(DynLayer::new(Xor(key)))
+}
+
+#[tokio::test]
+async fn a_client_without_chunnels_builds_what_the_server_dictates() -> Result<()> {
+    // The server prefers Xor(3) and runs a one-sided Meter the client never builds.
+    let (addr, mut seen, mut msgs) =
+        echo_server(chunnel::stack![Meter("m"), select(Xor(3), Xor(2))]).await?;
+    let client = Client::new(fast());
+    let registry = Registry::new().register("test/xor/1", xor_factory);
+    let c = client
+        .connect_dictated(&registry, base(addr).await?)
+        .await?;
+    assert_eq!(c.info().server_pick.branches(), &[0]);
+    let ids: Vec<_> = c
+        .info()
+        .server_stack
+        .iter()
+        .map(|c| c.id.to_string())
+        .collect();
+    assert_eq!(ids, ["test/meter/1", "test/xor/1"]);
+    // The echo decodes only if the client built Xor with the server's key.
+    echo(&c, "dictated").await?;
+    expect_exactly(&mut msgs, &["dictated"]).await?;
+    assert_eq!(next_seen(&mut seen).await?, Ok(vec![0]));
+
+    // A client that cannot build the two-sided Chunnel is refused with the reason.
+    let err = client
+        .connect_dictated(&Registry::new(), base(addr).await?)
+        .await
+        .expect_err("no implementation of xor");
+    assert!(
+        err.to_string().contains("implementation of test/xor/1"),
+        "{err}"
+    );
     Ok(())
 }

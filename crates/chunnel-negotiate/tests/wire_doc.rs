@@ -99,6 +99,7 @@ fn hello_1rtt() -> Hello {
         offers: client_tree().offers(),
         zero_rtt: None,
         early: Vec::new(),
+        dictated: false,
     }
 }
 
@@ -109,6 +110,7 @@ fn hello_reject() -> Hello {
         offers: Bincode.offers(),
         zero_rtt: None,
         early: Vec::new(),
+        dictated: false,
     }
 }
 
@@ -119,6 +121,7 @@ fn hello_0rtt() -> Hello {
         offers: client_tree().offers(),
         zero_rtt: Some(pick(&[1])),
         early: vec![Bytes::from_static(EARLY)],
+        dictated: false,
     }
 }
 
@@ -514,7 +517,7 @@ fn decoders_are_strict() {
 
     // Unknown flags.
     let mut flags = hello.to_vec();
-    flags[2] = 0x02;
+    flags[2] = 0x04;
     assert_eq!(
         decode_control(&flags),
         Err(WireError("unknown hello flags"))
@@ -628,6 +631,7 @@ fn server_preference_comes_first() {
         offers: client,
         zero_rtt: Some(pick(&[0])),
         early: Vec::new(),
+        dictated: false,
     };
     let (accept, si, _, _) = expect_accept(srv.handle_hello(&hello.encode()));
     assert_eq!(
