@@ -1,5 +1,6 @@
 //! The negotiation protocol as sans-IO state machines: bytes and time in, bytes to send,
-//! timers and outcomes out. The async drivers in [`crate::driver`] only move bytes.
+//! timers and outcomes out. The async drivers ([`crate::Client`], [`crate::listen`]) only move
+//! bytes.
 //!
 //! * [`Server`] is stateless per hello: [`Server::handle_hello`] maps one hello to one
 //!   response (accept or reject). The response is cached by the connection so a
