@@ -1,13 +1,16 @@
-//! Feeds the input, as one received message (tag included), to `Server::handle_hello` of a
-//! server with exact and compositional capabilities, and checks the decision: the response
-//! is an accept or a reject that decodes to the decision's message; an accept names one of
-//! the hello's offers and a compatible server option, and treats the 0-RTT pick and early
-//! data as specified; a reject of a well-formed hello means no pair was compatible.
+//! Feeds the input, as one received message (tag included), to `Server::handle_hello` of two
+//! servers with exact and compositional capabilities (one with a plain option last, one whose
+//! every option needs a peer implementation), and checks each decision against
+//! `docs/wire.md`: the response is an accept or a reject that decodes to the decision's
+//! message; for a well-formed hello, an accept names one of the hello's offers and a
+//! compatible server option and treats the 0-RTT pick and early data as specified, and a
+//! reject means no pair was compatible; a DICTATED hello gets the first server option whose
+//! two-sided Chunnels the client can build (§7.2).
 #![no_main]
 
 use std::sync::LazyLock;
 
-use chunnel::negotiate::{ChunnelInfo, check_compatible, choose};
+use chunnel::negotiate::{ChunnelInfo, Match, Mismatch, check_compatible, choose};
 use chunnel::{Capability, Pick, StackOption};
 use chunnel_negotiate::proto::{Decision, Server};
 use chunnel_negotiate::wire::{Control, Hello, RejectReason, Tag, ZeroRtt, decode_control};
@@ -20,34 +23,58 @@ fn info(id: &'static str, capabilities: Vec<Capability>) -> ChunnelInfo {
     }
 }
 
-static SERVER: LazyLock<Server> = LazyLock::new(|| {
-    Server::new(vec![
-        StackOption {
-            chunnels: vec![
-                info("ser/json/1", vec![Capability::exact("serialize", ["json"])]),
-                info(
-                    "shard/client/1",
-                    vec![Capability::compositional("shard", ["a", "b"])],
-                ),
-            ],
-            pick: Pick::from_branches(vec![0]),
-        },
-        StackOption {
-            chunnels: vec![info(
-                "ser/bincode/1",
-                vec![Capability::exact("serialize", ["bincode"])],
-            )],
-            pick: Pick::from_branches(vec![1, 0]),
-        },
-        StackOption {
-            chunnels: vec![info("chunnel/noop/1", Vec::new())],
-            pick: Pick::from_branches(vec![1, 1]),
-        },
-    ])
+fn option(branches: &[u8], chunnels: Vec<ChunnelInfo>) -> StackOption {
+    StackOption {
+        chunnels,
+        pick: Pick::from_branches(branches.to_vec()),
+    }
+}
+
+static SERVERS: LazyLock<[Server; 2]> = LazyLock::new(|| {
+    let json = option(
+        &[0],
+        vec![
+            info("ser/json/1", vec![Capability::exact("serialize", ["json"])]),
+            info(
+                "shard/client/1",
+                vec![Capability::compositional("shard", ["a", "b"])],
+            ),
+        ],
+    );
+    let bincode = option(
+        &[1, 0],
+        vec![info(
+            "ser/bincode/1",
+            vec![Capability::exact("serialize", ["bincode"])],
+        )],
+    );
+    [
+        Server::new(vec![
+            json.clone(),
+            bincode.clone(),
+            option(&[1, 1], vec![info("chunnel/noop/1", Vec::new())]),
+        ]),
+        Server::new(vec![
+            json,
+            bincode,
+            option(
+                &[1, 1],
+                vec![
+                    info("chunnel/noop/1", Vec::new()),
+                    info("frame/len/1", vec![Capability::exact("frame", ["u32"])]),
+                ],
+            ),
+        ]),
+    ]
 });
 
 fuzz_target!(|msg: &[u8]| {
-    let server = &*SERVER;
+    for server in SERVERS.iter() {
+        check(server, msg);
+    }
+});
+
+fn check(server: &Server, msg: &[u8]) {
     let decision = server.handle_hello(msg);
     let (response, expected) = match &decision {
         Decision::Accept {
@@ -57,11 +84,10 @@ fuzz_target!(|msg: &[u8]| {
             reject, response, ..
         } => (response, Control::Reject(reject.clone())),
     };
-    assert!(
-        matches!(response.first(), Some(&0x02) | Some(&0x03)),
-        "response tag {:?}",
-        response.first()
-    );
+    match &decision {
+        Decision::Accept { .. } => assert_eq!(response.first(), Some(&0x02)),
+        Decision::Reject { .. } => assert_eq!(response.first(), Some(&0x03)),
+    }
     assert_eq!(decode_control(response), Ok(expected));
 
     let hello = match msg.split_first() {
@@ -82,14 +108,17 @@ fuzz_target!(|msg: &[u8]| {
         }
         return;
     };
+    if hello.dictated {
+        check_dictated(server, &hello, &decision);
+        return;
+    }
     match &decision {
         Decision::Accept {
             accept,
             server_option,
             early,
-            response,
+            ..
         } => {
-            assert_eq!(response[0], 0x02);
             assert_eq!(accept.conn_id, hello.conn_id);
             assert!(
                 hello.offers.iter().any(|o| o.pick == accept.client_pick),
@@ -117,11 +146,82 @@ fuzz_target!(|msg: &[u8]| {
                 (Some(_), ZeroRtt::NotOffered) => panic!("the 0-RTT pick was ignored"),
             }
         }
-        Decision::Reject { reject, response } => {
-            assert_eq!(response[0], 0x03);
+        Decision::Reject { reject, .. } => {
             assert_eq!(reject.reason, RejectReason::Incompatible);
             assert_eq!(reject.conn_id, hello.conn_id);
             assert!(choose(server.offers(), &hello.offers, usize::MAX).is_err());
         }
     }
-});
+}
+
+/// A Chunnel is two-sided (needs a peer implementation) if it has an exact capability.
+fn two_sided(c: &ChunnelInfo) -> bool {
+    c.capabilities.iter().any(|k| k.matching == Match::Exact)
+}
+
+fn check_dictated(server: &Server, hello: &Hello, decision: &Decision) {
+    if hello.offers.len() != 1 {
+        let Decision::Reject { reject, .. } = decision else {
+            panic!("accepted a dictated hello without exactly one offer");
+        };
+        assert_eq!(reject.reason, RejectReason::Malformed);
+        assert_eq!(reject.conn_id, hello.conn_id);
+        assert!(reject.mismatches.is_empty());
+        return;
+    }
+    let registry = &hello.offers[0].chunnels;
+    let missing = |s: &StackOption| -> Option<String> {
+        s.chunnels
+            .iter()
+            .find(|c| two_sided(c) && !registry.iter().any(|r| r.id == c.id))
+            .map(|c| c.id.to_string())
+    };
+    let first = server.offers().iter().position(|s| missing(s).is_none());
+    match (decision, first) {
+        (
+            Decision::Accept {
+                accept,
+                server_option,
+                early,
+                ..
+            },
+            Some(si),
+        ) => {
+            assert_eq!(*server_option, si);
+            assert_eq!(accept.conn_id, hello.conn_id);
+            assert_eq!(accept.client_pick, Pick::default());
+            assert_eq!(accept.server_pick, server.offers()[si].pick);
+            assert_eq!(accept.server_stack, server.offers()[si].chunnels);
+            assert_eq!(accept.zero_rtt, ZeroRtt::NotOffered);
+            assert!(early.is_empty());
+        }
+        (Decision::Reject { reject, .. }, None) => {
+            assert_eq!(reject.reason, RejectReason::Incompatible);
+            assert_eq!(reject.conn_id, hello.conn_id);
+            let expected: Vec<Mismatch> = server
+                .offers()
+                .iter()
+                .enumerate()
+                .take(16)
+                .map(|(si, s)| {
+                    let id = missing(s).unwrap_or_default();
+                    Mismatch {
+                        client_option: 0,
+                        server_option: si as u16,
+                        kind: format!("implementation of {id}"),
+                        matching: Match::Exact,
+                        client: None,
+                        server: Some(vec![id]),
+                    }
+                })
+                .collect();
+            assert_eq!(reject.mismatches, expected);
+        }
+        (Decision::Accept { server_option, .. }, None) => {
+            panic!("dictated hello accepted with server option {server_option}, which does not fit")
+        }
+        (Decision::Reject { .. }, Some(si)) => {
+            panic!("dictated hello refused although server option {si} fits")
+        }
+    }
+}

@@ -87,11 +87,25 @@ fn hellos() -> Vec<(&'static str, Hello)> {
         offers: Vec::new(),
         ..plain.clone()
     };
+    // A client without a stack of its own: one offer listing the implementations it has.
+    let dictated = Hello {
+        conn_id: 9,
+        offers: vec![option(
+            &[],
+            vec![
+                info("ser/json/1", Vec::new()),
+                info("chunnel/noop/1", Vec::new()),
+            ],
+        )],
+        dictated: true,
+        ..plain.clone()
+    };
     vec![
         ("plain", plain),
         ("zero-rtt", zero_rtt),
         ("incompatible", incompatible),
         ("empty", empty),
+        ("dictated", dictated),
     ]
 }
 

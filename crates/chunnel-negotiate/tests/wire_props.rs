@@ -74,15 +74,16 @@ fn early_data() -> impl Strategy<Value = Vec<Bytes>> {
     vec(vec(any::<u8>(), 0..=32).prop_map(Bytes::from), 0..=4)
 }
 
-/// A hello with or without a 0-RTT pick; early data only with one (the encoder writes
-/// early data only after a 0-RTT pick).
+/// A hello with or without a 0-RTT pick (early data only with one: the encoder writes early
+/// data only after a 0-RTT pick), dictated or not.
 fn hello() -> impl Strategy<Value = Hello> {
     (
         any::<u64>(),
         vec(stack_option(), 0..=4),
         prop::option::of((pick(), early_data())),
+        any::<bool>(),
     )
-        .prop_map(|(conn_id, offers, zero_rtt)| {
+        .prop_map(|(conn_id, offers, zero_rtt, dictated)| {
             let (zero_rtt, early) = match zero_rtt {
                 Some((p, e)) => (Some(p), e),
                 None => (None, Vec::new()),
@@ -93,7 +94,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                 offers,
                 zero_rtt,
                 early,
-                dictated: false,
+                dictated,
             }
         })
 }
@@ -209,6 +210,7 @@ fn mutated() -> impl Strategy<Value = Vec<u8>> {
 // with the test server and its accept path is exercised too.
 const KINDS: [&str; 3] = ["serialize", "shard", "frame"];
 const LABELS: [&str; 4] = ["json", "bincode", "a", "b"];
+const IDS: [&str; 4] = ["a/1", "b/1", "c/1", "d/1"];
 
 fn pooled_capability() -> impl Strategy<Value = Capability> {
     (
@@ -228,7 +230,7 @@ fn pooled_hello() -> impl Strategy<Value = Hello> {
     let option = (
         vec(
             (
-                prop::sample::select(&["a/1", "b/1"][..]),
+                prop::sample::select(&IDS[..]),
                 vec(pooled_capability(), 0..=2),
             )
                 .prop_map(|(id, capabilities)| ChunnelInfo {
@@ -246,8 +248,14 @@ fn pooled_hello() -> impl Strategy<Value = Hello> {
         prop::option::of((pick(), early_data())),
         any::<prop::sample::Index>(),
         any::<bool>(),
+        prop::bool::weighted(0.25),
     )
-        .prop_map(|(conn_id, offers, zero_rtt, which, reuse)| {
+        .prop_map(|(conn_id, mut offers, zero_rtt, which, reuse, dictated)| {
+            if dictated && offers.len() > 1 && reuse {
+                // Mostly the one offer a dictated hello must carry, with an empty pick.
+                offers.truncate(1);
+                offers[0].pick = Pick::default();
+            }
             let (zero_rtt, early) = match zero_rtt {
                 // Often name one of the offers, so the 0-RTT pick can be accepted.
                 Some((_, e)) if reuse && !offers.is_empty() => {
@@ -262,7 +270,7 @@ fn pooled_hello() -> impl Strategy<Value = Hello> {
                 offers,
                 zero_rtt,
                 early,
-                dictated: false,
+                dictated,
             }
         })
 }
@@ -277,7 +285,8 @@ fn chunnel(id: &'static str, capabilities: Vec<Capability>) -> ChunnelInfo {
     }
 }
 
-/// A server with exact and compositional capabilities over two options and one plain one.
+/// A server with exact and compositional capabilities over two options, and a plain one
+/// last (which every non-dictated offer without exact capabilities fits).
 fn server() -> Server {
     Server::new(vec![
         StackOption {
@@ -296,6 +305,34 @@ fn server() -> Server {
         },
         StackOption {
             chunnels: vec![chunnel("b/1", Vec::new())],
+            pick: Pick::from_branches(vec![1, 1]),
+        },
+    ])
+}
+
+/// A server whose every option has a two-sided Chunnel (one with an exact capability), so a
+/// dictated hello can be refused as well as accepted.
+fn strict_server() -> Server {
+    Server::new(vec![
+        StackOption {
+            chunnels: vec![
+                chunnel("a/1", vec![Capability::exact("serialize", ["json"])]),
+                chunnel("b/1", vec![Capability::compositional("shard", ["a", "b"])]),
+            ],
+            pick: Pick::from_branches(vec![0]),
+        },
+        StackOption {
+            chunnels: vec![chunnel(
+                "a/1",
+                vec![Capability::exact("serialize", ["bincode"])],
+            )],
+            pick: Pick::from_branches(vec![1, 0]),
+        },
+        StackOption {
+            chunnels: vec![
+                chunnel("b/1", Vec::new()),
+                chunnel("c/1", vec![Capability::exact("frame", ["a"])]),
+            ],
             pick: Pick::from_branches(vec![1, 1]),
         },
     ])
@@ -353,6 +390,9 @@ fn check_decision(server: &Server, msg: &[u8]) -> Result<(), TestCaseError> {
         ));
         return Ok(());
     };
+    if hello.dictated {
+        return check_dictated(server, &hello, &decision);
+    }
     match &decision {
         Decision::Accept {
             accept,
@@ -394,6 +434,95 @@ fn check_decision(server: &Server, msg: &[u8]) -> Result<(), TestCaseError> {
             prop_assert_eq!(reject.reason, RejectReason::Incompatible);
             prop_assert_eq!(reject.conn_id, hello.conn_id);
             prop_assert!(choose(server.offers(), &hello.offers, usize::MAX).is_err());
+        }
+    }
+    Ok(())
+}
+
+/// A Chunnel is two-sided (it needs a peer implementation) if it has an exact capability.
+fn two_sided(c: &ChunnelInfo) -> bool {
+    c.capabilities.iter().any(|k| k.matching == Match::Exact)
+}
+
+/// The decision on a well-formed DICTATED hello (`docs/wire.md` §7.2): with other than one
+/// offer a malformed-reject; otherwise an accept of the first server option whose two-sided
+/// Chunnels all have their id among the offer's, with an empty client pick; or, if there is
+/// none, an incompatible-reject with one mismatch per server option naming the first missing
+/// implementation.
+fn check_dictated(
+    server: &Server,
+    hello: &Hello,
+    decision: &Decision,
+) -> Result<(), TestCaseError> {
+    if hello.offers.len() != 1 {
+        let Decision::Reject { reject, .. } = decision else {
+            return Err(TestCaseError::fail(
+                "accepted a dictated hello without exactly one offer",
+            ));
+        };
+        prop_assert_eq!(reject.reason, RejectReason::Malformed);
+        prop_assert_eq!(reject.conn_id, hello.conn_id);
+        prop_assert!(reject.mismatches.is_empty());
+        return Ok(());
+    }
+    let registry = &hello.offers[0].chunnels;
+    let missing = |s: &StackOption| -> Option<String> {
+        s.chunnels
+            .iter()
+            .find(|c| two_sided(c) && !registry.iter().any(|r| r.id == c.id))
+            .map(|c| c.id.to_string())
+    };
+    let first = server.offers().iter().position(|s| missing(s).is_none());
+    match (decision, first) {
+        (
+            Decision::Accept {
+                accept,
+                server_option,
+                early,
+                ..
+            },
+            Some(si),
+        ) => {
+            prop_assert_eq!(*server_option, si);
+            prop_assert_eq!(accept.conn_id, hello.conn_id);
+            prop_assert_eq!(&accept.client_pick, &Pick::default());
+            prop_assert_eq!(&accept.server_pick, &server.offers()[si].pick);
+            prop_assert_eq!(&accept.server_stack, &server.offers()[si].chunnels);
+            // No 0-RTT for a dictated hello: nothing early is delivered.
+            prop_assert_eq!(accept.zero_rtt, ZeroRtt::NotOffered);
+            prop_assert!(early.is_empty());
+        }
+        (Decision::Reject { reject, .. }, None) => {
+            prop_assert_eq!(reject.reason, RejectReason::Incompatible);
+            prop_assert_eq!(reject.conn_id, hello.conn_id);
+            let expected: Vec<Mismatch> = server
+                .offers()
+                .iter()
+                .enumerate()
+                .take(16)
+                .map(|(si, s)| {
+                    let id = missing(s).unwrap_or_default();
+                    Mismatch {
+                        client_option: 0,
+                        server_option: si as u16,
+                        kind: format!("implementation of {id}"),
+                        matching: Match::Exact,
+                        client: None,
+                        server: Some(vec![id]),
+                    }
+                })
+                .collect();
+            prop_assert_eq!(&reject.mismatches, &expected);
+        }
+        (Decision::Accept { server_option, .. }, None) => {
+            return Err(TestCaseError::fail(format!(
+                "dictated hello accepted with server option {server_option}, which does not fit"
+            )));
+        }
+        (Decision::Reject { .. }, Some(si)) => {
+            return Err(TestCaseError::fail(format!(
+                "dictated hello refused although server option {si} fits"
+            )));
         }
     }
     Ok(())
@@ -500,6 +629,7 @@ proptest! {
     #[test]
     fn server_decides_consistently_on_valid_hellos(h in pooled_hello()) {
         check_decision(&server(), &h.encode())?;
+        check_decision(&strict_server(), &h.encode())?;
     }
 
     #[test]
@@ -508,6 +638,22 @@ proptest! {
         c.handle_message(Bytes::from(bytes));
         if let Some(Ok(o)) = c.poll_outcome() {
             prop_assert_eq!(o.option.pick, o.accept.client_pick);
+        }
+    }
+
+    #[test]
+    fn dictated_client_never_panics_on_noise(bytes in noise()) {
+        let mut c = ClientHandshake::new_dictated(
+            vec![chunnel("a/1", Vec::new())],
+            9,
+            Timing::default(),
+            Instant::now(),
+        )
+        .expect("the test offer fits one message");
+        prop_assert!(c.poll_transmit(Instant::now()).is_some());
+        c.handle_message(Bytes::from(bytes));
+        if let Some(Ok(o)) = c.poll_outcome() {
+            prop_assert_eq!(o.accept.client_pick, Pick::default());
         }
     }
 
