@@ -4,8 +4,10 @@
 use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -102,6 +104,11 @@ impl<C: ChunnelConnection> ChunnelConnection for Negotiated<C> {
     ) -> impl Future<Output = Result<usize, chunnel::Error>> + Send + 'a {
         self.conn.recv(slots)
     }
+}
+
+/// Polls `fut` once with the caller's context.
+async fn poll_once<F: Future + Unpin>(mut fut: F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut fut).poll(cx))).await
 }
 
 fn new_conn_id() -> u64 {
@@ -392,10 +399,25 @@ where
                 }
             };
             let (tx, server, stack) = (tx.clone(), Arc::clone(&server), stack.clone());
-            tokio::spawn(async move {
-                let r = serve_one(base, &server, stack, cfg).await;
-                let _ = tx.send(r).await;
-            });
+            let mut handshake = Box::pin(async move { serve_one(base, &server, stack, cfg).await });
+            // The hello usually arrived with the datagram that made this connection: then the
+            // handshake completes in this first poll and needs no task of its own. Otherwise it
+            // continues in its own task, so a slow client delays nobody.
+            match poll_once(handshake.as_mut()).await {
+                Poll::Ready(r) => {
+                    if let Err(mpsc::error::TrySendError::Full(r)) = tx.try_send(r) {
+                        tokio::spawn(async move {
+                            let _ = tx.send(r).await;
+                        });
+                    }
+                }
+                Poll::Pending => {
+                    tokio::spawn(async move {
+                        let r = handshake.await;
+                        let _ = tx.send(r).await;
+                    });
+                }
+            }
         }
     });
     NegotiatedListener { rx, task }
@@ -411,22 +433,30 @@ where
     C: SendHeader + PeerHandoff,
     S: Chunnel<Tagged<C>> + Offers,
 {
-    let hello = tokio::time::timeout(cfg.hello_timeout, async {
-        let mut slot = [None];
-        loop {
-            if base.recv(&mut slot).await? == 0 {
-                continue;
+    let hello = {
+        let recv_hello = async {
+            let mut slot = [None];
+            loop {
+                if base.recv(&mut slot).await? == 0 {
+                    continue;
+                }
+                match slot[0].take() {
+                    Some(m) if m.first() == Some(&(Tag::Hello as u8)) => return Ok(m),
+                    // Stale data or answers from an earlier connection of this address.
+                    _ => continue,
+                }
             }
-            match slot[0].take() {
-                Some(m) if m.first() == Some(&(Tag::Hello as u8)) => return Ok(m),
-                // Stale data or answers from an earlier connection of this address.
-                _ => continue,
-            }
+        };
+        tokio::pin!(recv_hello);
+        // Arm the timer only if the hello is not already there.
+        match poll_once(recv_hello.as_mut()).await {
+            Poll::Ready(r) => r,
+            Poll::Pending => tokio::time::timeout(cfg.hello_timeout, recv_hello)
+                .await
+                .map_err(|_| Error::NoHello(cfg.hello_timeout))?,
         }
-    })
-    .await
-    .map_err(|_| Error::NoHello(cfg.hello_timeout))?
-    .map_err(Error::Chunnel)?;
+        .map_err(Error::Chunnel)?
+    };
     match server.handle_hello(&hello) {
         Decision::Accept {
             accept,
