@@ -1,0 +1,109 @@
+//! No heap allocation per message on a negotiated connection: after the handshake, messages
+//! cross the `Tagged` layer (tag sent as a second iovec, stripped with `Bytes::advance`) and
+//! a `Noop` stack on both ends, client and negotiating server, without allocating.
+//!
+//! A counting global allocator wraps the system allocator; the test fails if the steady
+//! state (bursts echoed through the real `listen` server over loopback UDP) allocates.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use chunnel::{Chunnel, ChunnelConnection, Noop, select, stack};
+use chunnel_negotiate::{Client, Config, listen};
+use chunnel_net::udp;
+
+struct Counting;
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: defers to `System`, only counting.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: same contract.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static A: Counting = Counting;
+
+const BURST: usize = 16;
+
+async fn echo_bursts<C: ChunnelConnection<Data = Bytes>>(
+    conn: &C,
+    msg: &Bytes,
+    slots: &mut [Option<Bytes>],
+    n: usize,
+) {
+    for _ in 0..n {
+        conn.send(std::iter::repeat_n(msg, BURST).cloned())
+            .await
+            .unwrap();
+        let mut got = 0;
+        while got < BURST {
+            got += conn.recv(&mut slots[got..BURST]).await.unwrap();
+        }
+        slots.iter_mut().for_each(|s| *s = None);
+    }
+}
+
+// Known failure, 2026-11-22: 32 allocations per 8,000 messages, each a 64 KiB receive block
+// plus its 40-byte shared header: a datagram receive block is not reclaimed in place because
+// some `Bytes` of the previous block is still alive when it fills up (not yet traced to the
+// client or the server side). The same mechanism reaches 0 in chunnel-net's no_alloc test,
+// which has no negotiating server. Run with `--ignored` to reproduce.
+#[ignore = "known: a 64 KiB receive block is re-allocated every ~250 messages (see comment)"]
+#[tokio::test(flavor = "current_thread")]
+async fn negotiated_data_path_does_not_allocate_per_message() {
+    let cfg = udp::Config::default().with_idle_timeout(None);
+    let l = udp::Listener::bind_with("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut server = listen(stack![Noop, select(Noop, Noop)], l, Config::default());
+    tokio::spawn(async move {
+        let conn = server.accept().await.unwrap();
+        let mut slots: [Option<Bytes>; BURST] = Default::default();
+        loop {
+            let Ok(n) = conn.recv(&mut slots).await else {
+                return;
+            };
+            if conn
+                .send(slots[..n].iter_mut().filter_map(Option::take))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    let client = Client::new(Config::default());
+    let base = udp::Connect::new(addr).connect_wrap(()).await.unwrap();
+    let conn = client
+        .connect("s", stack![Noop, select(Noop, Noop)], base)
+        .await
+        .unwrap();
+    let msg = Bytes::from(vec![7u8; 64]);
+    let mut slots: [Option<Bytes>; BURST] = Default::default();
+    // Warm up: receive buffers reach their steady size, the runtime its queues.
+    echo_bursts(&conn, &msg, &mut slots, 300).await;
+    let before = ALLOCS.load(Ordering::Relaxed);
+    echo_bursts(&conn, &msg, &mut slots, 500).await;
+    let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+    assert_eq!(
+        allocs,
+        0,
+        "{allocs} allocations for {} messages echoed through a negotiated stack",
+        500 * BURST
+    );
+}
