@@ -57,12 +57,6 @@ async fn echo_bursts<C: ChunnelConnection<Data = Bytes>>(
     }
 }
 
-// Known failure, 2026-11-22: 32 allocations per 8,000 messages, each a 64 KiB receive block
-// plus its 40-byte shared header: a datagram receive block is not reclaimed in place because
-// some `Bytes` of the previous block is still alive when it fills up (not yet traced to the
-// client or the server side). The same mechanism reaches 0 in chunnel-net's no_alloc test,
-// which has no negotiating server. Run with `--ignored` to reproduce.
-#[ignore = "known: a 64 KiB receive block is re-allocated every ~250 messages (see comment)"]
 #[tokio::test(flavor = "current_thread")]
 async fn negotiated_data_path_does_not_allocate_per_message() {
     let cfg = udp::Config::default().with_idle_timeout(None);

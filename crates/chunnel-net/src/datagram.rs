@@ -199,15 +199,21 @@ impl RxScratch {
             );
         }
         let n = sys::recv_batch(fd, &mut self.scratch, &mut self.metas[..want])?;
+        let ok = |m: &RecvMeta| !m.truncated && m.len <= cfg.max_payload;
+        // Room for the whole batch is made before any of it is handed out: the block can then
+        // be reclaimed in place whenever the application has dropped the previous batches.
+        // Reserving in the middle of a batch would find the batch's first messages alive and
+        // allocate a new block every time a block boundary fell inside a batch.
+        let total: usize = self.metas[..n].iter().filter(|m| ok(m)).map(|m| m.len).sum();
+        if self.out.capacity() - self.out.len() < total {
+            self.out.reserve(total.max(self.block));
+            self.block = (self.block * 2).min(OUT_BLOCK);
+        }
         for i in 0..n {
             let m = self.metas[i];
-            if m.truncated || m.len > cfg.max_payload {
+            if !ok(&m) {
                 stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
                 continue;
-            }
-            if self.out.capacity() - self.out.len() < m.len {
-                self.out.reserve(m.len.max(self.block));
-                self.block = (self.block * 2).min(OUT_BLOCK);
             }
             self.out.extend_from_slice(self.scratch.filled(i, m.len));
             let payload = self.out.split().freeze();
