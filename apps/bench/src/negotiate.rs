@@ -30,6 +30,10 @@ pub(crate) struct Args {
     /// CPU to pin to; negative to leave unpinned.
     #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
     cpu: i64,
+    /// Profiling aid: after the warm-up, run only this many connections of the 0-RTT variant
+    /// and exit (no JSON). For `strace -c` / `perf` / callgrind on one path.
+    #[arg(long, hide = true)]
+    profile_zero_rtt: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -152,6 +156,12 @@ async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
         }
     }
     ensure!(client.remembered(&key).is_some(), "no pick remembered");
+    if let Some(n) = a.profile_zero_rtt {
+        for _ in 0..n {
+            one(Variant::ZeroRtt, &client, &key, raw_addr, addr, &msg).await?;
+        }
+        std::process::exit(0);
+    }
 
     let mut p50s: PerVariant = vec![Vec::new(); VARIANTS.len()];
     let mut p99s: PerVariant = vec![Vec::new(); VARIANTS.len()];

@@ -127,7 +127,8 @@ fn new_conn_id() -> u64 {
 
 /// Runs a client handshake over `base` to its outcome.
 async fn drive<C: SendHeader>(base: &C, hs: &mut ClientHandshake) -> Result<Outcome, Error> {
-    let mut slots: [Option<Bytes>; 8] = Default::default();
+    // Two: the accept and, for 0-RTT, the first reply (more only means more receive memory).
+    let mut slots: [Option<Bytes>; 2] = Default::default();
     loop {
         if let Some(r) = hs.poll_outcome() {
             return r;
