@@ -75,24 +75,24 @@ pub(crate) fn run(a: Args) -> Result<()> {
     })?;
     let wall = started.elapsed();
 
+    // Ratios per repetition (same repetition = measured close in time) against raw.
+    let ratio = |xs: &[Vec<f64>], i: usize| -> Vec<f64> {
+        xs[i].iter().zip(&xs[0]).map(|(x, r)| x / r).collect()
+    };
     let mut variants = serde_json::Map::new();
     for (i, v) in VARIANTS.iter().enumerate() {
-        let ratio = |xs: &[Vec<f64>]| -> Vec<f64> {
-            xs[i].iter().zip(&xs[0]).map(|(x, r)| x / r).collect()
-        };
         variants.insert(
             v.name().into(),
             json!({
                 "p50_us": spread(&p50s[i]),
                 "p99_us": spread(&p99s[i]),
-                "p50_ratio_vs_raw": spread(&ratio(&p50s)),
-                "p99_ratio_vs_raw": spread(&ratio(&p99s)),
+                "p50_ratio_vs_raw": spread(&ratio(&p50s, i)),
+                "p99_ratio_vs_raw": spread(&ratio(&p99s, i)),
             }),
         );
     }
     let med = |i: usize| {
-        let r: Vec<f64> = p50s[i].iter().zip(&p50s[0]).map(|(x, r)| x / r).collect();
-        let mut r = r;
+        let mut r = ratio(&p50s, i);
         r.sort_by(f64::total_cmp);
         crate::stats::median(&r)
     };

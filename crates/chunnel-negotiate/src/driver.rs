@@ -376,8 +376,9 @@ impl<C> NegotiatedListener<C> {
 }
 
 /// Serves `stack` on `listener`: every accepted base connection negotiates its own copy of
-/// the stack. Must be called within a tokio runtime (it spawns the accept loop and one task
-/// per handshake).
+/// the stack. Must be called within a tokio runtime: it spawns the accept loop, which
+/// completes a handshake itself when the hello is already queued and gives any other
+/// handshake a task of its own.
 pub fn listen<S, L>(stack: S, mut listener: L, cfg: Config) -> NegotiatedListener<S::Connection>
 where
     L: Listener + 'static,
@@ -560,7 +561,18 @@ impl Client {
     /// and the client builds those, top to bottom as the server lists them. One-sided
     /// Chunnels of the server's stack run at the server only. The connection is type-erased
     /// (one boxed future per call per layer), as a stack chosen at run time must be.
-    pub async fn connect_dictated<C>(
+    pub fn connect_dictated<'a, C>(
+        &'a self,
+        registry: &'a Registry,
+        base: C,
+    ) -> impl Future<Output = Result<Negotiated<chunnel::BoxConnection<Bytes>>, Error>> + Send + 'a
+    where
+        C: SendHeader + PeerHandoff + 'static,
+    {
+        self.connect_dictated_inner(registry, base)
+    }
+
+    async fn connect_dictated_inner<C>(
         &self,
         registry: &Registry,
         base: C,

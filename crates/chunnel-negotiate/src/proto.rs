@@ -129,7 +129,7 @@ impl Server {
                 .is_ok()
             })
         {
-            return self.accept(&hello, si, ci, ZeroRtt::Accepted);
+            return self.accept(&hello, si, p.clone(), ZeroRtt::Accepted);
         }
         match choose(&self.offers, &hello.offers, self.max_reported) {
             Ok(c) => {
@@ -138,7 +138,8 @@ impl Server {
                 } else {
                     ZeroRtt::NotOffered
                 };
-                self.accept(&hello, c.server_option, c.client_option, z)
+                let pick = hello.offers[c.client_option].pick.clone();
+                self.accept(&hello, c.server_option, pick, z)
             }
             Err(mismatches) => {
                 let message = Error::Incompatible {
@@ -175,11 +176,7 @@ impl Server {
                 .iter()
                 .find(|c| two_sided(c) && !registry.chunnels.iter().any(|r| r.id == c.id));
             match missing {
-                None => {
-                    let mut h = hello.clone();
-                    h.offers[0].pick = Pick::default();
-                    return self.accept(&h, si, 0, ZeroRtt::NotOffered);
-                }
+                None => return self.accept(&hello, si, Pick::default(), ZeroRtt::NotOffered),
                 Some(c) if why.len() < self.max_reported => why.push(chunnel::Mismatch {
                     client_option: 0,
                     server_option: si as u16,
@@ -199,12 +196,12 @@ impl Server {
         reject(hello.conn_id, RejectReason::Incompatible, why, message)
     }
 
-    fn accept(&self, hello: &Hello, si: usize, ci: usize, zero_rtt: ZeroRtt) -> Decision {
+    fn accept(&self, hello: &Hello, si: usize, client_pick: Pick, zero_rtt: ZeroRtt) -> Decision {
         let accept = Accept {
             version: VERSION,
             conn_id: hello.conn_id,
             zero_rtt,
-            client_pick: hello.offers[ci].pick.clone(),
+            client_pick,
             server_pick: self.offers[si].pick.clone(),
             server_stack: self.offers[si].chunnels.clone(),
         };
@@ -297,6 +294,10 @@ impl ClientHandshake {
             early,
             dictated: false,
         };
+        Self::from_hello(hello, timing, now)
+    }
+
+    fn from_hello(hello: Hello, timing: Timing, now: Instant) -> Result<Self, Error> {
         let encoded = hello.encode();
         if encoded.len() > timing.max_message {
             return Err(Error::OffersTooLarge {
@@ -306,7 +307,7 @@ impl ClientHandshake {
         }
         Ok(ClientHandshake {
             timing,
-            conn_id,
+            conn_id: hello.conn_id,
             offers: hello.offers,
             hello: encoded,
             started: now,
@@ -326,26 +327,18 @@ impl ClientHandshake {
         timing: Timing,
         now: Instant,
     ) -> Result<Self, Error> {
-        let mut hs = Self::new(
-            vec![StackOption {
-                chunnels: implementations,
-                pick: Pick::default(),
-            }],
-            None,
-            conn_id,
-            timing,
-            now,
-        )?;
         let hello = Hello {
             version: VERSION,
             conn_id,
-            offers: hs.offers.clone(),
+            offers: vec![StackOption {
+                chunnels: implementations,
+                pick: Pick::default(),
+            }],
             zero_rtt: None,
             early: Vec::new(),
             dictated: true,
         };
-        hs.hello = hello.encode();
-        Ok(hs)
+        Self::from_hello(hello, timing, now)
     }
 
     /// The hello, if one is due now (the first one, or a retransmission).

@@ -169,25 +169,22 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                         slots[kept] = Some(m);
                         kept += 1;
                     }
-                    Some(t)
-                        if t == Tag::Hello as u8
-                            && sh
-                                .answer
-                                .as_ref()
-                                .is_some_and(|(id, _)| Hello::peek_conn_id(&m[1..]) == Ok(*id)) =>
-                    {
-                        sh.reply_due.store(true, Ordering::Release);
-                    }
-                    // A hello with another connection id on a server connection: a new
-                    // client reuses this peer's address. Hand the hello to the listener as
-                    // a new connection and end this one (after the data already taken).
-                    Some(t)
-                        if t == Tag::Hello as u8
-                            && sh.answer.is_some()
-                            && Hello::peek_conn_id(&m[1..]).is_ok()
-                            && sh.inner.hand_off(m.clone()) =>
-                    {
-                        sh.superseded.store(true, Ordering::Release);
+                    // Server side: a retransmission of the accepted hello is answered again;
+                    // a hello with another connection id means a new client reuses this
+                    // peer's address, so it is handed to the listener as a new connection and
+                    // this one ends (after the data already taken).
+                    Some(t) if t == Tag::Hello as u8 && sh.answer.is_some() => {
+                        match (&sh.answer, Hello::peek_conn_id(&m[1..])) {
+                            (Some((id, _)), Ok(c)) if c == *id => {
+                                sh.reply_due.store(true, Ordering::Release);
+                            }
+                            (_, Ok(_)) if sh.inner.hand_off(m) => {
+                                sh.superseded.store(true, Ordering::Release);
+                            }
+                            _ => {
+                                sh.ignored.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
                     }
                     _ => {
                         sh.ignored.fetch_add(1, Ordering::Relaxed);
@@ -202,30 +199,34 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
 }
 
 impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
-    // Layers above may tag too; their header goes after ours. That needs a copy of the two
-    // headers only (never of the payload), once per burst.
+    // Layers above may tag too; their header goes after ours. Only the headers are copied,
+    // into a stack buffer when short (no allocation), never the payload.
     async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
-        {
-            let sh = &*self.shared;
-            if sh.capturing.load(Ordering::Acquire) {
-                // Rare (0-RTT early data of a tagging layer): copy header and payload once.
-                let mut q = lock(&sh.captured);
-                for m in burst {
-                    let mut v = Vec::with_capacity(header.len() + m.len());
-                    v.extend_from_slice(header);
-                    v.extend_from_slice(&m);
-                    q.push(Bytes::from(v));
-                }
-                return Ok(());
-            }
-            let mut h = Vec::with_capacity(1 + header.len());
-            h.extend_from_slice(DATA);
-            h.extend_from_slice(header);
-            self.shared.inner.send_with_header(&h, burst).await
+        let sh = &*self.shared;
+        if sh.capturing.load(Ordering::Acquire) {
+            // Rare (0-RTT early data of a tagging layer): copy header and payload once.
+            let mut q = lock(&sh.captured);
+            q.extend(
+                burst
+                    .into_iter()
+                    .map(|m| Bytes::from([header, &m[..]].concat())),
+            );
+            return Ok(());
         }
+        let mut short = [0u8; 32];
+        let long;
+        let h: &[u8] = if header.len() < short.len() {
+            short[..1].copy_from_slice(DATA);
+            short[1..=header.len()].copy_from_slice(header);
+            &short[..=header.len()]
+        } else {
+            long = [DATA, header].concat();
+            &long
+        };
+        sh.inner.send_with_header(h, burst).await
     }
 }

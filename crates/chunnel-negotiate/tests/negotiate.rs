@@ -721,11 +721,14 @@ async fn a_client_without_chunnels_builds_what_the_server_dictates() -> Result<(
     // The server prefers Xor(3) and runs a one-sided Meter the client never builds.
     let (addr, mut seen, mut msgs) =
         echo_server(chunnel::stack![Meter("m"), select(Xor(3), Xor(2))]).await?;
-    let client = Client::new(fast());
-    let registry = Registry::new().register("test/xor/1", xor_factory);
-    let c = client
-        .connect_dictated(&registry, base(addr).await?)
-        .await?;
+    let client = Arc::new(Client::new(fast()));
+    let registry = Arc::new(Registry::new().register("test/xor/1", xor_factory));
+    // Spawned: the connect future is Send.
+    let (cl, reg) = (Arc::clone(&client), Arc::clone(&registry));
+    let c = tokio::spawn(
+        async move { anyhow::Ok(cl.connect_dictated(&reg, base(addr).await?).await?) },
+    )
+    .await??;
     assert_eq!(c.info().server_pick.branches(), &[0]);
     let ids: Vec<_> = c
         .info()

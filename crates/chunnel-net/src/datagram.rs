@@ -362,16 +362,6 @@ impl<S: DgramSocket> Connection<S> {
     }
 }
 
-impl<S: DgramSocket> Connection<S> {
-    async fn send_hdr<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
-    where
-        B: IntoIterator<Item = Bytes>,
-    {
-        self.check_open()?;
-        send_burst(&self.sock, &self.cfg, None, &self.peer, header, burst).await
-    }
-}
-
 impl<S: DgramSocket> chunnel::PeerHandoff for Connection<S> {
     /// A client socket is connected to one peer: there is nothing to hand off to.
     fn hand_off(&self, _first: Bytes) -> bool {
@@ -380,16 +370,13 @@ impl<S: DgramSocket> chunnel::PeerHandoff for Connection<S> {
 }
 
 impl<S: DgramSocket> SendHeader for Connection<S> {
-    fn send_with_header<'a, B>(
-        &'a self,
-        header: &'a [u8],
-        burst: B,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
+    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
-        self.send_hdr(header, burst)
+        self.check_open()?;
+        send_burst(&self.sock, &self.cfg, None, &self.peer, header, burst).await
     }
 }
 
@@ -401,7 +388,7 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        self.send_hdr(&[], burst).await
+        self.send_with_header(&[], burst).await
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
@@ -699,30 +686,6 @@ impl<S: DgramSocket> ServerConnection<S> {
         self.peer.notify.notify_waiters();
     }
 
-    /// Hands `first` to the listener as a new peer's first datagram and ends this
-    /// connection (see [`chunnel::PeerHandoff`]).
-    fn hand_off_inner(&self, first: Bytes) -> bool {
-        let sh = &self.shared;
-        let mut d = lock(&sh.demux);
-        self.leave(&mut d);
-        let admitted = sh.listener_open.load(Ordering::Acquire)
-            && d.backlog.len() < sh.cfg.backlog
-            && !d.peers.contains_key(&self.addr);
-        if admitted {
-            let p = Arc::new(Peer {
-                queue: Mutex::new(VecDeque::from([first])),
-                notify: Notify::new(),
-                closed: AtomicBool::new(false),
-            });
-            d.peers.insert(self.addr.clone(), p.clone());
-            d.backlog.push_back((self.addr.clone(), p));
-            sh.accept_notify.notify_one();
-        }
-        drop(d);
-        self.peer.notify.notify_waiters();
-        admitted
-    }
-
     /// Removes this peer from the listener (demux lock held).
     fn leave(&self, d: &mut Demux<S::Addr>) {
         if !self.peer.closed.swap(true, Ordering::AcqRel)
@@ -760,10 +723,35 @@ impl<S: DgramSocket> Drop for ServerConnection<S> {
     }
 }
 
-impl<S: DgramSocket> ServerConnection<S> {
-    async fn send_hdr<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
+    fn hand_off(&self, first: Bytes) -> bool {
+        let sh = &self.shared;
+        let mut d = lock(&sh.demux);
+        self.leave(&mut d);
+        let admitted = sh.listener_open.load(Ordering::Acquire)
+            && d.backlog.len() < sh.cfg.backlog
+            && !d.peers.contains_key(&self.addr);
+        if admitted {
+            let p = Arc::new(Peer {
+                queue: Mutex::new(VecDeque::from([first])),
+                notify: Notify::new(),
+                closed: AtomicBool::new(false),
+            });
+            d.peers.insert(self.addr.clone(), p.clone());
+            d.backlog.push_back((self.addr.clone(), p));
+            sh.accept_notify.notify_one();
+        }
+        drop(d);
+        self.peer.notify.notify_waiters();
+        admitted
+    }
+}
+
+impl<S: DgramSocket> SendHeader for ServerConnection<S> {
+    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
     where
-        B: IntoIterator<Item = Bytes>,
+        B: IntoIterator<Item = Bytes> + Send + 'a,
+        B::IntoIter: Send,
     {
         if self.peer.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
@@ -771,26 +759,6 @@ impl<S: DgramSocket> ServerConnection<S> {
         let dest = self.addr.to_raw();
         let sh = &self.shared;
         send_burst(&sh.sock, &sh.cfg, Some(&dest), &self.addr, header, burst).await
-    }
-}
-
-impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
-    fn hand_off(&self, first: Bytes) -> bool {
-        self.hand_off_inner(first)
-    }
-}
-
-impl<S: DgramSocket> SendHeader for ServerConnection<S> {
-    fn send_with_header<'a, B>(
-        &'a self,
-        header: &'a [u8],
-        burst: B,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
-    where
-        B: IntoIterator<Item = Bytes> + Send + 'a,
-        B::IntoIter: Send,
-    {
-        self.send_hdr(header, burst)
     }
 }
 
@@ -802,7 +770,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        self.send_hdr(&[], burst).await
+        self.send_with_header(&[], burst).await
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {

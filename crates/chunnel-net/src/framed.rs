@@ -152,14 +152,24 @@ where
     }
 }
 
-impl<R, W> Connection<R, W>
+impl<R, W> chunnel::PeerHandoff for Connection<R, W> {
+    /// A stream connection owns its transport: an address is never shared, so never needed.
+    fn hand_off(&self, _first: Bytes) -> bool {
+        false
+    }
+}
+
+impl<R, W> SendHeader for Connection<R, W>
 where
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send,
 {
-    async fn send_hdr<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    /// Not cancel safe in the strict sense: a cancelled send may still deliver its burst
+    /// (whole frames only) with the next `send` or `close`.
+    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
     where
-        B: IntoIterator<Item = Bytes>,
+        B: IntoIterator<Item = Bytes> + Send + 'a,
+        B::IntoIter: Send,
     {
         let max = self.max_payload.saturating_sub(header.len());
         let mut w = self.wr.lock().await;
@@ -190,31 +200,6 @@ where
     }
 }
 
-impl<R, W> chunnel::PeerHandoff for Connection<R, W> {
-    /// A stream connection owns its transport: an address is never shared, so never needed.
-    fn hand_off(&self, _first: Bytes) -> bool {
-        false
-    }
-}
-
-impl<R, W> SendHeader for Connection<R, W>
-where
-    R: AsyncRead + Unpin + Send,
-    W: AsyncWrite + Unpin + Send,
-{
-    fn send_with_header<'a, B>(
-        &'a self,
-        header: &'a [u8],
-        burst: B,
-    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + 'a
-    where
-        B: IntoIterator<Item = Bytes> + Send + 'a,
-        B::IntoIter: Send,
-    {
-        self.send_hdr(header, burst)
-    }
-}
-
 impl<R, W> ChunnelConnection for Connection<R, W>
 where
     R: AsyncRead + Unpin + Send,
@@ -229,7 +214,7 @@ where
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        self.send_hdr(&[], burst).await
+        self.send_with_header(&[], burst).await
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {

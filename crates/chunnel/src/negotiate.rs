@@ -194,6 +194,10 @@ fn labels(c: &Capability) -> Vec<String> {
     c.labels.iter().map(|l| l.to_string()).collect()
 }
 
+fn first_of<'c>(list: &[&'c Capability], kind: &str) -> Option<&'c Capability> {
+    list.iter().copied().find(|c| c.kind == kind)
+}
+
 /// Checks one server option against one client option with the paper's rules (§5.2): an
 /// exact-match capability must be present at both ends and compatible; a compositional one
 /// may be present at either end, and must be compatible where both carry it. The server's
@@ -214,35 +218,28 @@ pub fn check_compatible(
         client: client_has,
         server: server_has,
     };
-    let same_kind = |list: &[&Capability], kind: &str| -> Vec<Capability> {
-        list.iter()
-            .filter(|c| c.kind == kind)
-            .map(|c| (*c).clone())
-            .collect()
-    };
+    // `compatible` is false across kinds, so "any compatible" only looks at the same kind.
     for o in &ours {
-        let peer = same_kind(&theirs, &o.kind);
-        if peer.is_empty() {
-            if o.matching == Match::Exact {
+        match first_of(&theirs, &o.kind) {
+            None if o.matching == Match::Exact => {
                 return Err(mismatch(o, None, Some(labels(o))));
             }
-            continue;
-        }
-        if !peer.iter().any(|t| o.compatible(t)) {
-            return Err(mismatch(o, Some(labels(&peer[0])), Some(labels(o))));
+            Some(t) if !theirs.iter().any(|t| o.compatible(t)) => {
+                return Err(mismatch(o, Some(labels(t)), Some(labels(o))));
+            }
+            _ => {}
         }
     }
     for t in &theirs {
-        let local = same_kind(&ours, &t.kind);
-        if local.is_empty() {
-            if t.matching == Match::Exact {
+        match first_of(&ours, &t.kind) {
+            None if t.matching == Match::Exact => {
                 return Err(mismatch(t, Some(labels(t)), None));
             }
-            continue;
-        }
-        // Judged by the local (server) capability, whose rule applies.
-        if !local.iter().any(|o| o.compatible(t)) {
-            return Err(mismatch(t, Some(labels(t)), Some(labels(&local[0]))));
+            // Judged by the local (server) capability, whose rule applies.
+            Some(o) if !ours.iter().any(|o| o.compatible(t)) => {
+                return Err(mismatch(t, Some(labels(t)), Some(labels(o))));
+            }
+            _ => {}
         }
     }
     Ok(())
