@@ -30,10 +30,14 @@ pub(crate) struct Args {
     /// CPU to pin to; negative to leave unpinned.
     #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
     cpu: i64,
-    /// Profiling aid: after the warm-up, run only this many connections of the 0-RTT variant
-    /// and exit (no JSON). For `strace -c` / `perf` / callgrind on one path.
+    /// Profiling aid: after the warm-up, run only `--profile-conns` connections of this
+    /// variant (raw_udp, one_rtt, zero_rtt) and exit (no JSON). For `strace` / `perf` /
+    /// callgrind on one path.
     #[arg(long, hide = true)]
-    profile_zero_rtt: Option<usize>,
+    profile: Option<String>,
+    /// Connections to run with `--profile`.
+    #[arg(long, hide = true, default_value_t = 1000)]
+    profile_conns: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -156,9 +160,13 @@ async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
         }
     }
     ensure!(client.remembered(&key).is_some(), "no pick remembered");
-    if let Some(n) = a.profile_zero_rtt {
-        for _ in 0..n {
-            one(Variant::ZeroRtt, &client, &key, raw_addr, addr, &msg).await?;
+    if let Some(name) = &a.profile {
+        let v = VARIANTS
+            .into_iter()
+            .find(|v| v.name() == name)
+            .with_context(|| format!("--profile: no variant {name:?}"))?;
+        for _ in 0..a.profile_conns {
+            one(v, &client, &key, raw_addr, addr, &msg).await?;
         }
         std::process::exit(0);
     }

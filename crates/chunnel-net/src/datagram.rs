@@ -147,15 +147,12 @@ impl DgramSocket for tokio::net::UnixDatagram {
     }
 }
 
-/// Receive scratch: kernel writes datagrams here, then each is copied once into `out`, a
-/// compact buffer that hands out `Bytes` slices. `out` is reclaimed in place (no allocation)
-/// once the application has dropped the messages it handed out.
+/// Per-connection receive state: datagrams land in the thread's [`KernelScratch`], then each
+/// is copied once into `out`, a compact buffer that hands out `Bytes` slices. `out` is
+/// reclaimed in place (no allocation) once the application has dropped the messages it
+/// handed out.
 struct RxScratch {
-    scratch: sys::Scratch,
     out: BytesMut,
-    /// Grown to the largest batch asked for (kept off the struct: moving a connection then
-    /// copies a pointer, not 64 addresses).
-    metas: Vec<RecvMeta>,
     /// Next reservation for `out`: starts small (a connection that sees one message does not
     /// fault in 64 KiB) and doubles up to `OUT_BLOCK`.
     block: usize,
@@ -163,12 +160,26 @@ struct RxScratch {
 
 const OUT_BLOCK: usize = 64 * 1024;
 
+/// What the kernel writes into during one `recvmmsg`: up to `batch` slots of the largest
+/// datagram. Only used for the duration of one read, so one per thread serves every socket
+/// the thread reads: a new connection costs no receive allocation (a per-connection scratch
+/// was 2 x 64 KiB of fresh heap, and its page faults, for every short-lived client). Bounded
+/// by `MAX_BATCH x (max_payload + 1)` per thread; only the bytes the kernel writes are touched.
+#[derive(Default)]
+struct KernelScratch {
+    scratch: sys::Scratch,
+    metas: Vec<RecvMeta>,
+}
+
+thread_local! {
+    static KERNEL_SCRATCH: std::cell::RefCell<KernelScratch> =
+        std::cell::RefCell::new(KernelScratch::default());
+}
+
 impl RxScratch {
     fn new() -> Self {
         RxScratch {
-            scratch: sys::Scratch::default(),
             out: BytesMut::new(),
-            metas: Vec::new(),
             block: 2048,
         }
     }
@@ -181,15 +192,31 @@ impl RxScratch {
         cfg: &Config,
         want: usize,
         stats: &Stats,
+        deliver: impl FnMut(Option<A>, Bytes),
+    ) -> io::Result<usize> {
+        KERNEL_SCRATCH.with(|k| match k.try_borrow_mut() {
+            Ok(mut k) => self.read_with(&mut k, fd, cfg, want, stats, deliver),
+            // Re-entered from `deliver` (no caller does; kept correct regardless).
+            Err(_) => self.read_with(&mut KernelScratch::default(), fd, cfg, want, stats, deliver),
+        })
+    }
+
+    fn read_with<A: DgramAddr>(
+        &mut self,
+        k: &mut KernelScratch,
+        fd: RawFd,
+        cfg: &Config,
+        want: usize,
+        stats: &Stats,
         mut deliver: impl FnMut(Option<A>, Bytes),
     ) -> io::Result<usize> {
         // One spare byte per slot tells an exactly-max datagram from an oversize one.
         let slot = cfg.max_payload + 1;
         let want = want.clamp(1, cfg.batch);
         // Sized to what callers ask for, never zeroed (see `sys::Scratch`).
-        self.scratch.ensure(want, slot);
-        if self.metas.len() < want {
-            self.metas.resize(
+        k.scratch.ensure(want, slot);
+        if k.metas.len() < want {
+            k.metas.resize(
                 want,
                 RecvMeta {
                     len: 0,
@@ -198,13 +225,13 @@ impl RxScratch {
                 },
             );
         }
-        let n = sys::recv_batch(fd, &mut self.scratch, &mut self.metas[..want])?;
+        let n = sys::recv_batch(fd, &mut k.scratch, &mut k.metas[..want])?;
         let ok = |m: &RecvMeta| !m.truncated && m.len <= cfg.max_payload;
         // Room for the whole batch is made before any of it is handed out: the block can then
         // be reclaimed in place whenever the application has dropped the previous batches.
         // Reserving in the middle of a batch would find the batch's first messages alive and
         // allocate a new block every time a block boundary fell inside a batch.
-        let total: usize = self.metas[..n]
+        let total: usize = k.metas[..n]
             .iter()
             .filter(|m| ok(m))
             .map(|m| m.len)
@@ -214,12 +241,12 @@ impl RxScratch {
             self.block = (self.block * 2).min(OUT_BLOCK);
         }
         for i in 0..n {
-            let m = self.metas[i];
+            let m = k.metas[i];
             if !ok(&m) {
                 stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            self.out.extend_from_slice(self.scratch.filled(i, m.len));
+            self.out.extend_from_slice(k.scratch.filled(i, m.len));
             let payload = self.out.split().freeze();
             deliver(A::from_raw(&m.addr), payload);
         }

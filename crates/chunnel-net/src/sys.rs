@@ -207,10 +207,8 @@ pub(crate) struct Scratch {
 impl Scratch {
     /// Makes room for `slots` slots of `slot` bytes.
     pub(crate) fn ensure(&mut self, slots: usize, slot: usize) {
-        if self.slot != slot {
-            self.buf.clear();
-            self.slot = slot;
-        }
+        // Only the layout changes with `slot`: the bytes are never read before being written.
+        self.slot = slot;
         if self.buf.len() < slots * slot {
             self.buf.resize(slots * slot, MaybeUninit::uninit());
         }
