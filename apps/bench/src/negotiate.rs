@@ -30,6 +30,11 @@ pub(crate) struct Args {
     /// CPU to pin to; negative to leave unpinned.
     #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
     cpu: i64,
+    /// Run the servers on their own thread and runtime pinned to this CPU (as separate
+    /// processes would be); without it, client and servers share one core and one
+    /// runtime, so every figure is the whole CPU cost of a connection.
+    #[arg(long)]
+    server_cpu: Option<usize>,
     /// Profiling aid: after the warm-up, run only `--profile-conns` connections of this
     /// variant (raw_udp, one_rtt, zero_rtt) and exit (no JSON). For `strace` / `perf` /
     /// callgrind on one path.
@@ -106,6 +111,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "what": "fresh client socket + connect + first echo of one message, loopback UDP",
         "cpu": a.cpu,
+        "server_cpu": a.server_cpu,
         "reps": a.reps,
         "conns_per_rep": a.conns,
         "size": a.size,
@@ -124,7 +130,36 @@ pub(crate) fn run(a: Args) -> Result<()> {
 
 type PerVariant = Vec<Vec<f64>>;
 
-async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
+/// Starts both echo servers: on this runtime, or on a thread of their own pinned to
+/// `server_cpu`. Returns (raw address, negotiating address).
+async fn start_servers(server_cpu: Option<usize>) -> Result<(SocketAddr, SocketAddr)> {
+    let Some(cpu) = server_cpu else {
+        return servers().await;
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("servers".into())
+        .spawn(move || {
+            let run = || -> Result<()> {
+                crate::pin_to(cpu)?;
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                rt.block_on(async {
+                    let addrs = servers().await;
+                    let _ = tx.send(addrs);
+                    std::future::pending::<()>().await;
+                });
+                Ok(())
+            };
+            if let Err(e) = run() {
+                eprintln!("server thread: {e:#}");
+            }
+        })?;
+    rx.await.context("server thread failed to start")?
+}
+
+async fn servers() -> Result<(SocketAddr, SocketAddr)> {
     // Servers: a raw echo socket, and a negotiating echo server.
     let raw = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
     let raw_addr = raw.local_addr()?;
@@ -149,7 +184,11 @@ async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
             });
         }
     });
+    Ok((raw_addr, addr))
+}
 
+async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
+    let (raw_addr, addr) = start_servers(a.server_cpu).await?;
     let client = Client::new(Config::default());
     let key = addr.to_string();
     let msg = Bytes::from(vec![7u8; a.size]);

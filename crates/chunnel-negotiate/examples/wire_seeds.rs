@@ -7,7 +7,8 @@
 //!
 //! writes `<dir>/hello/*`, `<dir>/accept/*` and `<dir>/reject/*` (message bodies: the bytes
 //! after the tag, which is what those targets decode) and `<dir>/server/*` (whole hellos, tag
-//! included, as `Server::handle_hello` takes them). The output is deterministic, so
+//! included, as `Server::handle_hello` takes them) and `<dir>/accept_data/*` (whole
+//! `ACCEPT_DATA` messages, as a client receives them). The output is deterministic, so
 //! re-running it leaves an up-to-date corpus unchanged.
 
 use std::fs;
@@ -17,7 +18,9 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
 use chunnel::{Capability, Pick, StackOption};
-use chunnel_negotiate::wire::{Accept, Hello, Reject, RejectReason, VERSION, ZeroRtt};
+use chunnel_negotiate::wire::{
+    Accept, Control, Hello, Reject, RejectReason, VERSION, ZeroRtt, encode_control,
+};
 
 fn info(id: &'static str, capabilities: Vec<Capability>) -> ChunnelInfo {
     ChunnelInfo {
@@ -209,6 +212,9 @@ fn main() -> Result<()> {
     }
     for (name, a) in accepts() {
         write(&dir, "accept", name, &a.encode()[1..])?;
+        // Whole ACCEPT_DATA messages (tag included): the accept and a short reply.
+        let coalesced = encode_control(&Control::AcceptData(a, Bytes::from_static(b"reply")));
+        write(&dir, "accept_data", name, &coalesced)?;
     }
     for (name, r) in rejects() {
         write(&dir, "reject", name, &r.encode()[1..])?;

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use crate::Error;
 use crate::proto::{ClientHandshake, Decision, Outcome, Server, Timing};
-use crate::tagged::Tagged;
+use crate::tagged::{Tagged, WeakTagged};
 use crate::wire::{Tag, ZeroRtt};
 
 /// Negotiation settings shared by clients and servers.
@@ -33,6 +33,10 @@ pub struct Config {
     pub backlog: usize,
     /// Remembered picks (0-RTT) per client.
     pub cache_entries: usize,
+    /// Server: how long an accepted 0-RTT answer may wait for the application's first reply
+    /// so both go in one message (`ACCEPT_DATA`, docs/wire.md §7.5). It goes out alone
+    /// earlier if the application waits to receive first. Zero sends every accept at once.
+    pub accept_hold: Duration,
 }
 
 impl Default for Config {
@@ -42,6 +46,7 @@ impl Default for Config {
             hello_timeout: Duration::from_secs(10),
             backlog: 128,
             cache_entries: 4096,
+            accept_hold: Duration::from_millis(2),
         }
     }
 }
@@ -104,6 +109,16 @@ impl<C: ChunnelConnection> ChunnelConnection for Negotiated<C> {
     ) -> impl Future<Output = Result<usize, chunnel::Error>> + Send + 'a {
         self.conn.recv(slots)
     }
+}
+
+/// Applies a pick already known to name one of `stack`'s offers (the handshake checked it
+/// against the offers it sent, or the server chose it from its own): unlike
+/// [`Offers::apply`], this does not list the offers again to check it.
+fn apply_known<S: Offers>(stack: &mut S, pick: &Pick) -> Result<(), Error> {
+    let mut r = pick.reader();
+    stack.apply_pick(&mut r)?;
+    r.finish()?;
+    Ok(())
 }
 
 /// Polls `fut` once with the caller's context.
@@ -241,7 +256,7 @@ impl Client {
             Instant::now().into_std(),
         )?;
         let out = drive(&base, &mut hs).await?;
-        stack.apply(&out.accept.client_pick)?;
+        apply_known(&mut stack, &out.accept.client_pick)?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
         let conn = stack.connect_wrap(tagged).await?;
@@ -286,14 +301,16 @@ impl Client {
         S: Chunnel<Tagged<C>> + Offers + Clone + Send,
         <S::Connection as ChunnelConnection>::Data: Clone,
     {
-        let remembered = self.remembered(server);
+        let offers = stack.offers();
         let mut first = stack.clone();
-        let Some(pick) = remembered.filter(|p| first.apply(p).is_ok()) else {
+        let Some(pick) = self
+            .remembered(server)
+            .filter(|p| offers.iter().any(|o| &o.pick == p) && apply_known(&mut first, p).is_ok())
+        else {
             let conn = self.connect_inner(server, stack, base).await?;
             conn.send(early).await?;
             return Ok(conn);
         };
-        let offers = stack.offers();
         let tagged = Tagged::client(base);
         tagged.start_capture();
         let conn = first.connect_wrap(tagged.clone()).await?;
@@ -325,7 +342,7 @@ impl Client {
                 // and send the messages again, once.
                 drop(conn);
                 let mut again = stack;
-                again.apply(&out.accept.client_pick)?;
+                apply_known(&mut again, &out.accept.client_pick)?;
                 let conn = again.connect_wrap(tagged).await?;
                 conn.send(early).await?;
                 Ok(Negotiated {
@@ -357,11 +374,60 @@ fn info(a: crate::wire::Accept, hellos_sent: u32) -> Info {
 pub struct NegotiatedListener<C> {
     rx: mpsc::Receiver<Result<Negotiated<C>, Error>>,
     task: JoinHandle<()>,
+    release: JoinHandle<()>,
 }
 
 impl<C> Drop for NegotiatedListener<C> {
     fn drop(&mut self) {
         self.task.abort();
+        self.release.abort();
+    }
+}
+
+/// Accepts held back for a first reply (see [`Config::accept_hold`]), oldest first; a task
+/// per listener sends those still held when their time is up. One timer serves them all.
+struct Held<C> {
+    queue: Mutex<std::collections::VecDeque<(Instant, WeakTagged<C>)>>,
+    added: tokio::sync::Notify,
+    hold: Duration,
+}
+
+impl<C: SendHeader> Held<C> {
+    fn push(&self, t: &Tagged<C>) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back((Instant::now() + self.hold, t.downgrade()));
+        if q.len() == 1 {
+            // The task may be waiting for an entry; `notify_one` keeps a permit otherwise.
+            self.added.notify_one();
+        }
+    }
+
+    async fn run(&self) {
+        loop {
+            let next = {
+                let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                q.front().map(|(due, _)| *due)
+            };
+            let Some(due) = next else {
+                self.added.notified().await;
+                continue;
+            };
+            tokio::time::sleep_until(due).await;
+            let now = Instant::now();
+            loop {
+                let entry = {
+                    let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                    match q.front() {
+                        Some((due, _)) if *due <= now => q.pop_front(),
+                        _ => None,
+                    }
+                };
+                match entry {
+                    Some((_, t)) => t.release_accept().await,
+                    None => break,
+                }
+            }
+        }
     }
 }
 
@@ -388,6 +454,15 @@ where
 {
     let (tx, rx) = mpsc::channel(cfg.backlog.max(1));
     let server = Arc::new(Server::new(stack.offers()));
+    let held = Arc::new(Held {
+        queue: Mutex::new(std::collections::VecDeque::new()),
+        added: tokio::sync::Notify::new(),
+        hold: cfg.accept_hold,
+    });
+    let release = tokio::spawn({
+        let held = Arc::clone(&held);
+        async move { held.run().await }
+    });
     let task = tokio::spawn(async move {
         loop {
             let base = match listener.accept().await {
@@ -401,7 +476,9 @@ where
                 }
             };
             let (tx, server, stack) = (tx.clone(), Arc::clone(&server), stack.clone());
-            let mut handshake = Box::pin(async move { serve_one(base, &server, stack, cfg).await });
+            let held = Arc::clone(&held);
+            let mut handshake =
+                Box::pin(async move { serve_one(base, &server, stack, cfg, &held).await });
             // The hello usually arrived with the datagram that made this connection: then the
             // handshake completes in this first poll and needs no task of its own. Otherwise it
             // continues in its own task, so a slow client delays nobody.
@@ -422,7 +499,7 @@ where
             }
         }
     });
-    NegotiatedListener { rx, task }
+    NegotiatedListener { rx, task, release }
 }
 
 async fn serve_one<C, S>(
@@ -430,6 +507,7 @@ async fn serve_one<C, S>(
     server: &Server,
     mut stack: S,
     cfg: Config,
+    held: &Held<C>,
 ) -> Result<Negotiated<S::Connection>, Error>
 where
     C: SendHeader + PeerHandoff,
@@ -464,11 +542,23 @@ where
             accept,
             early,
             response,
+            coalesce,
             ..
         } => {
-            base.send_with_header(&[], [response.clone()]).await?;
-            stack.apply(&accept.server_pick)?;
-            let tagged = Tagged::server(base, accept.conn_id, response);
+            // An accepted 0-RTT answer waits (briefly) for the reply to the early data.
+            let hold = match coalesce {
+                Some(h) if !early.is_empty() && !cfg.accept_hold.is_zero() => Some(h),
+                _ => {
+                    base.send_with_header(&[], [response.clone()]).await?;
+                    None
+                }
+            };
+            apply_known(&mut stack, &accept.server_pick)?;
+            let tagged = Tagged::server(base, accept.conn_id, response, cfg.timing.max_message);
+            if let Some(h) = hold {
+                tagged.hold_accept(h);
+                held.push(&tagged);
+            }
             tagged.push_pending(early);
             let conn = stack.connect_wrap(tagged).await?;
             Ok(Negotiated {

@@ -16,7 +16,9 @@ use chunnel::negotiate::{End, check_compatible, choose};
 use chunnel::{Pick, StackOption};
 
 use crate::Error;
-use crate::wire::{Accept, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt};
+use crate::wire::{
+    Accept, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt, split_accept_data,
+};
 
 /// Retransmission and size limits of a handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +58,10 @@ pub enum Decision {
         early: Vec<Bytes>,
         /// The encoded accept, to send and to re-send to a retransmitted hello.
         response: Bytes,
+        /// The same accept as the header of an `ACCEPT_DATA` message, when it is short
+        /// enough: a server may hold an accepted 0-RTT answer back and send it in one message
+        /// with its first reply (docs/wire.md §7.5).
+        coalesce: Option<Bytes>,
     },
     /// Send `response`; the client is refused.
     Reject {
@@ -205,7 +211,7 @@ impl Server {
             server_pick: self.offers[si].pick.clone(),
             server_stack: self.offers[si].chunnels.clone(),
         };
-        let response = accept.encode();
+        let (response, coalesce) = accept.encode_with_data_header();
         let early = if zero_rtt == ZeroRtt::Accepted {
             hello.early.clone()
         } else {
@@ -216,6 +222,7 @@ impl Server {
             server_option: si,
             early,
             response,
+            coalesce,
         }
     }
 }
@@ -396,6 +403,20 @@ impl ClientHandshake {
                 // A stale answer to an earlier attempt, or garbage: not ours.
                 _ => {}
             },
+            // The accept and the server's first reply in one message. The reply was sent
+            // before any DATA that may have overtaken it, so it goes first.
+            Some(Tag::AcceptData) => {
+                if let Ok((body, at)) = split_accept_data(&msg)
+                    && let Ok(a) = Accept::decode(body)
+                    && a.conn_id == self.conn_id
+                {
+                    self.on_accept(a);
+                    if self.early_replies.len() < self.timing.max_early_replies {
+                        msg.advance(at);
+                        self.early_replies.push_front(msg);
+                    }
+                }
+            }
             Some(Tag::Reject) => match Reject::decode(&msg[1..]) {
                 Ok(r) if r.conn_id == self.conn_id || r.conn_id == 0 => self.on_reject(r),
                 Err(WireError("unsupported protocol version")) => {

@@ -2,17 +2,26 @@
 //! front of every message (without copying it, through [`SendHeader`]), strips it on
 //! receive, and handles the control messages that can still arrive after the handshake (a
 //! retransmitted hello is answered with the cached accept; a duplicate accept is ignored).
+//!
+//! A server connection may *hold* its accept (an accepted 0-RTT answer): the first message
+//! the application sends then carries it (`ACCEPT_DATA`, one datagram instead of two), and
+//! it is sent alone as soon as the application waits to receive instead, or when the
+//! listener's hold time runs out ([`crate::Config::accept_hold`]).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytes::{Buf, Bytes};
 use chunnel::{ChunnelConnection, Error, PeerHandoff, SendHeader};
 
-use crate::wire::{Hello, Tag};
+use crate::wire::{Accept, Hello, Tag, split_accept_data};
 
 const DATA: &[u8] = &[Tag::Data as u8];
+
+/// `Shared::mode` bits: anything set sends through the slow path.
+const CAPTURING: u8 = 1;
+const ACCEPT_HELD: u8 = 2;
 
 /// The base connection of a negotiated stack; cheap to clone (shared).
 #[derive(Debug)]
@@ -34,8 +43,13 @@ struct Shared<C> {
     /// Server side: the hello's conn_id and the encoded accept, re-sent to retransmissions.
     answer: Option<(u64, Bytes)>,
     reply_due: AtomicBool,
-    capturing: AtomicBool,
+    /// [`CAPTURING`] | [`ACCEPT_HELD`]: one load on the send path covers both.
+    mode: AtomicU8,
     captured: Mutex<Vec<Bytes>>,
+    /// The held accept, as an `ACCEPT_DATA` header.
+    held: Mutex<Option<Bytes>>,
+    /// The largest message the base carries (an `ACCEPT_DATA` must fit).
+    max_message: usize,
     has_pending: AtomicBool,
     pending: Mutex<VecDeque<Bytes>>,
     ignored: AtomicU64,
@@ -48,14 +62,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<C> Tagged<C> {
-    fn with(inner: C, answer: Option<(u64, Bytes)>) -> Self {
+    fn with(inner: C, answer: Option<(u64, Bytes)>, max_message: usize) -> Self {
         Tagged {
             shared: Arc::new(Shared {
                 inner,
                 answer,
                 reply_due: AtomicBool::new(false),
-                capturing: AtomicBool::new(false),
+                mode: AtomicU8::new(0),
                 captured: Mutex::new(Vec::new()),
+                held: Mutex::new(None),
+                max_message,
                 has_pending: AtomicBool::new(false),
                 pending: Mutex::new(VecDeque::new()),
                 ignored: AtomicU64::new(0),
@@ -66,12 +82,25 @@ impl<C> Tagged<C> {
 
     /// A client's tagged connection.
     pub(crate) fn client(inner: C) -> Self {
-        Self::with(inner, None)
+        Self::with(inner, None, 0)
     }
 
-    /// A server's tagged connection that answers hellos with `conn_id` by `response`.
-    pub(crate) fn server(inner: C, conn_id: u64, response: Bytes) -> Self {
-        Self::with(inner, Some((conn_id, response)))
+    /// A server's tagged connection that answers hellos with `conn_id` by `response`;
+    /// `max_message` bounds a coalesced accept and reply.
+    pub(crate) fn server(inner: C, conn_id: u64, response: Bytes, max_message: usize) -> Self {
+        Self::with(inner, Some((conn_id, response)), max_message)
+    }
+
+    /// Holds the accept back (server side) to send it with the first reply; `header` is
+    /// its `ACCEPT_DATA` form. See the module docs for when it goes out alone.
+    pub(crate) fn hold_accept(&self, header: Bytes) {
+        *lock(&self.shared.held) = Some(header);
+        self.shared.mode.fetch_or(ACCEPT_HELD, Ordering::AcqRel);
+    }
+
+    /// A handle that does not keep the connection alive.
+    pub(crate) fn downgrade(&self) -> WeakTagged<C> {
+        WeakTagged(Arc::downgrade(&self.shared))
     }
 
     /// The base connection.
@@ -97,14 +126,123 @@ impl<C> Tagged<C> {
     /// While capturing, `send` collects messages instead of sending them (0-RTT: they ride
     /// in the hello).
     pub(crate) fn start_capture(&self) {
-        self.shared.capturing.store(true, Ordering::Release);
+        self.shared.mode.fetch_or(CAPTURING, Ordering::AcqRel);
     }
 
     /// Stops capturing and returns what was captured.
     pub(crate) fn take_capture(&self) -> Vec<Bytes> {
-        self.shared.capturing.store(false, Ordering::Release);
+        self.shared.mode.fetch_and(!CAPTURING, Ordering::AcqRel);
         std::mem::take(&mut *lock(&self.shared.captured))
     }
+}
+
+/// A [`Tagged`] that may be gone: lets the listener release a held accept on time.
+#[derive(Debug)]
+pub(crate) struct WeakTagged<C>(Weak<Shared<C>>);
+
+impl<C: SendHeader> WeakTagged<C> {
+    /// Sends the held accept alone, if the connection is alive and still holds it.
+    pub(crate) async fn release_accept(&self) {
+        if let Some(sh) = self.0.upgrade() {
+            // Best effort, like every datagram: a lost accept is answered again when the
+            // client retransmits its hello.
+            let _ = sh.release_accept().await;
+        }
+    }
+}
+
+impl<C> Shared<C> {
+    fn take_held(&self) -> Option<Bytes> {
+        if self.mode.load(Ordering::Acquire) & ACCEPT_HELD == 0 {
+            return None;
+        }
+        let h = lock(&self.held).take();
+        self.mode.fetch_and(!ACCEPT_HELD, Ordering::AcqRel);
+        h
+    }
+}
+
+impl<C: SendHeader> Shared<C> {
+    /// Sends the held accept alone (it is still `answer`), if there is one.
+    async fn release_accept(&self) -> Result<(), Error> {
+        match (self.take_held(), &self.answer) {
+            (Some(_), Some((_, accept))) => {
+                self.inner.send_with_header(&[], [accept.clone()]).await
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The send path when `mode` is not 0: capture (0-RTT early data) or carry the held
+    /// accept in front of the first message. `header` goes after the DATA tag (tagging
+    /// layers above).
+    async fn send_slow<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes> + Send,
+        B::IntoIter: Send,
+    {
+        if self.mode.load(Ordering::Acquire) & CAPTURING != 0 {
+            // Rare (0-RTT early data of a tagging layer): copy header and payload once.
+            let mut q = lock(&self.captured);
+            if header.is_empty() {
+                q.extend(burst);
+            } else {
+                q.extend(
+                    burst
+                        .into_iter()
+                        .map(|m| Bytes::from([header, &m[..]].concat())),
+                );
+            }
+            return Ok(());
+        }
+        let mut it = burst.into_iter().peekable();
+        if let Some(held) = self.take_held() {
+            match it.next() {
+                Some(first) if held.len() + header.len() + first.len() <= self.max_message => {
+                    // Once per connection: the accept, any layer header, the reply.
+                    let h = if header.is_empty() {
+                        held
+                    } else {
+                        Bytes::from([&held[..], header].concat())
+                    };
+                    self.inner.send_with_header(&h, [first]).await?;
+                }
+                first => {
+                    if let Some((_, accept)) = &self.answer {
+                        self.inner.send_with_header(&[], [accept.clone()]).await?;
+                    }
+                    if let Some(m) = first {
+                        send_data(&self.inner, header, [m]).await?;
+                    }
+                }
+            }
+        }
+        if it.peek().is_some() {
+            send_data(&self.inner, header, it).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Sends `burst` as DATA with `header` after the tag. Only the headers are copied, into a
+/// stack buffer when short (no allocation), never the payload.
+async fn send_data<C, B>(inner: &C, header: &[u8], burst: B) -> Result<(), Error>
+where
+    C: SendHeader,
+    B: IntoIterator<Item = Bytes> + Send,
+    B::IntoIter: Send,
+{
+    let mut short = [0u8; 32];
+    let long;
+    let h: &[u8] = if header.len() < short.len() {
+        short[..1].copy_from_slice(DATA);
+        short[1..=header.len()].copy_from_slice(header);
+        &short[..=header.len()]
+    } else {
+        long = [DATA, header].concat();
+        &long
+    };
+    inner.send_with_header(h, burst).await
 }
 
 impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
@@ -117,9 +255,8 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
         B::IntoIter: Send,
     {
         let sh = &*self.shared;
-        if sh.capturing.load(Ordering::Acquire) {
-            lock(&sh.captured).extend(burst);
-            return Ok(());
+        if sh.mode.load(Ordering::Acquire) != 0 {
+            return sh.send_slow(&[], burst).await;
         }
         sh.inner.send_with_header(DATA, burst).await
     }
@@ -157,6 +294,9 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                     return Ok(n);
                 }
             }
+            // The application waits for the peer instead of replying: the held accept goes
+            // out alone now.
+            sh.release_accept().await?;
             let n = sh.inner.recv(slots).await?;
             let mut kept = 0;
             for i in 0..n.min(slots.len()) {
@@ -168,6 +308,21 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                         m.advance(1);
                         slots[kept] = Some(m);
                         kept += 1;
+                    }
+                    // Client side: an accept with the server's first reply that arrives after
+                    // the handshake ended on another copy of the accept (a retransmission's
+                    // answer overtook it). The server sends it once, so the reply is new.
+                    Some(t) if t == Tag::AcceptData as u8 && sh.answer.is_none() => {
+                        match split_accept_data(&m) {
+                            Ok((body, at)) if Accept::decode(body).is_ok() => {
+                                m.advance(at);
+                                slots[kept] = Some(m);
+                                kept += 1;
+                            }
+                            _ => {
+                                sh.ignored.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
                     }
                     // Server side: a retransmission of the accepted hello is answered again;
                     // a hello with another connection id means a new client reuses this
@@ -199,34 +354,16 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
 }
 
 impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
-    // Layers above may tag too; their header goes after ours. Only the headers are copied,
-    // into a stack buffer when short (no allocation), never the payload.
+    // Layers above may tag too; their header goes after ours.
     async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
         let sh = &*self.shared;
-        if sh.capturing.load(Ordering::Acquire) {
-            // Rare (0-RTT early data of a tagging layer): copy header and payload once.
-            let mut q = lock(&sh.captured);
-            q.extend(
-                burst
-                    .into_iter()
-                    .map(|m| Bytes::from([header, &m[..]].concat())),
-            );
-            return Ok(());
+        if sh.mode.load(Ordering::Acquire) != 0 {
+            return sh.send_slow(header, burst).await;
         }
-        let mut short = [0u8; 32];
-        let long;
-        let h: &[u8] = if header.len() < short.len() {
-            short[..1].copy_from_slice(DATA);
-            short[1..=header.len()].copy_from_slice(header);
-            &short[..=header.len()]
-        } else {
-            long = [DATA, header].concat();
-            &long
-        };
-        sh.inner.send_with_header(h, burst).await
+        send_data(&sh.inner, header, burst).await
     }
 }

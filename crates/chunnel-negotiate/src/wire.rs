@@ -29,6 +29,8 @@ pub enum Tag {
     Accept = 0x02,
     /// Server refusal.
     Reject = 0x03,
+    /// An accept and the server's first reply in one message (see [`split_accept_data`]).
+    AcceptData = 0x04,
 }
 
 impl Tag {
@@ -39,6 +41,7 @@ impl Tag {
             0x01 => Some(Tag::Hello),
             0x02 => Some(Tag::Accept),
             0x03 => Some(Tag::Reject),
+            0x04 => Some(Tag::AcceptData),
             _ => None,
         }
     }
@@ -139,6 +142,9 @@ pub enum Control {
     Accept(Accept),
     /// See [`Reject`].
     Reject(Reject),
+    /// An accept coalesced with the server's first reply (the bytes that would follow a
+    /// `DATA` tag).
+    AcceptData(Accept, Bytes),
 }
 
 // ---------------------------------------------------------------------------------------
@@ -235,18 +241,41 @@ impl Hello {
     }
 }
 
+/// Bytes in front of the `ACCEPT` inside an `ACCEPT_DATA` message: the tag and the
+/// accept's `u16` length.
+pub const ACCEPT_DATA_PREFIX: usize = 3;
+
 impl Accept {
     /// Encodes the message, tag included.
     pub fn encode(&self) -> Bytes {
+        self.encode_with_data_header().0
+    }
+
+    /// Encodes the message once for both ways of sending it: `.0` is the `ACCEPT` alone;
+    /// `.1` is the header of an `ACCEPT_DATA` message (to be followed by the first reply's
+    /// bytes), or `None` when the accept is too long to coalesce. Both share one buffer.
+    pub fn encode_with_data_header(&self) -> (Bytes, Option<Bytes>) {
         let mut b = BytesMut::with_capacity(128);
+        b.put_slice(&[Tag::AcceptData as u8, 0, 0]);
+        self.encode_into(&mut b);
+        let len = b.len() - ACCEPT_DATA_PREFIX;
+        let coalescable = u16::try_from(len).ok();
+        if let Some(l) = coalescable {
+            b[1..ACCEPT_DATA_PREFIX].copy_from_slice(&l.to_be_bytes());
+        }
+        let all = b.freeze();
+        let accept = all.slice(ACCEPT_DATA_PREFIX..);
+        (accept, coalescable.map(|_| all))
+    }
+
+    fn encode_into(&self, b: &mut BytesMut) {
         b.put_u8(Tag::Accept as u8);
         b.put_u8(self.version);
         b.put_u64(self.conn_id);
         b.put_u8(self.zero_rtt as u8);
-        put_pick(&mut b, &self.client_pick);
-        put_pick(&mut b, &self.server_pick);
-        put_chunnels(&mut b, &self.server_stack);
-        b.freeze()
+        put_pick(b, &self.client_pick);
+        put_pick(b, &self.server_pick);
+        put_chunnels(b, &self.server_stack);
     }
 }
 
@@ -541,6 +570,21 @@ impl Reject {
     }
 }
 
+/// Splits an `ACCEPT_DATA` message (tag included) into the `ACCEPT` body (after its own tag,
+/// for [`Accept::decode`]) and the offset in `msg` where the reply's bytes start.
+pub fn split_accept_data(msg: &[u8]) -> Result<(&[u8], usize), WireError> {
+    let mut r = Reader { buf: msg };
+    if r.u8("tag")? != Tag::AcceptData as u8 {
+        return Err(WireError("not an accept with data"));
+    }
+    let len = usize::from(r.u16("accept length")?);
+    let accept = r.bytes(len, "coalesced accept")?;
+    match accept.split_first() {
+        Some((&t, body)) if t == Tag::Accept as u8 => Ok((body, ACCEPT_DATA_PREFIX + len)),
+        _ => Err(WireError("the coalesced message is not an accept")),
+    }
+}
+
 /// Decodes one control message, tag included. `DATA` and unknown tags are errors here (the
 /// connection layer handles `DATA` itself).
 pub fn decode_control(msg: &[u8]) -> Result<Control, WireError> {
@@ -549,6 +593,13 @@ pub fn decode_control(msg: &[u8]) -> Result<Control, WireError> {
         Some(Tag::Hello) => Hello::decode(body).map(Control::Hello),
         Some(Tag::Accept) => Accept::decode(body).map(Control::Accept),
         Some(Tag::Reject) => Reject::decode(body).map(Control::Reject),
+        Some(Tag::AcceptData) => {
+            let (accept, data) = split_accept_data(msg)?;
+            Ok(Control::AcceptData(
+                Accept::decode(accept)?,
+                Bytes::copy_from_slice(&msg[data..]),
+            ))
+        }
         Some(Tag::Data) => Err(WireError("a data message is not a control message")),
         None => Err(WireError("unknown message tag")),
     }
@@ -560,5 +611,10 @@ pub fn encode_control(c: &Control) -> Bytes {
         Control::Hello(h) => h.encode(),
         Control::Accept(a) => a.encode(),
         Control::Reject(r) => r.encode(),
+        Control::AcceptData(a, data) => match a.encode_with_data_header() {
+            (_, Some(h)) => Bytes::from([&h[..], &data[..]].concat()),
+            // Too long to coalesce: the best this function can do is the accept alone.
+            (accept, None) => accept,
+        },
     }
 }

@@ -600,6 +600,118 @@ async fn one_rtt_is_one_datagram_each_way_and_zero_rtt_sends_data_in_the_first_f
         .filter(|s| !s.outgoing)
         .map(|s| s.first)
         .collect();
+    assert_eq!(
+        incoming,
+        [Some(Tag::AcceptData as u8)],
+        "0-RTT: the accept and the echo come back in one datagram"
+    );
+    Ok(())
+}
+
+/// A server whose application takes each connection and does `what` with it; the accepted
+/// connections are kept alive until the test ends.
+async fn holding_server(what: &'static str) -> Result<SocketAddr> {
+    let l = udp::Listener::bind("127.0.0.1:0".parse()?).await?;
+    let addr = l.local_addr()?;
+    let mut server = listen(select(Xor(1), Xor(2)), l, fast());
+    tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Ok(conn) = server.accept().await {
+            match what {
+                // Reads the early data, then waits for more without replying.
+                "recv" => {
+                    tokio::spawn(async move { while conn.recv_one().await.is_ok() {} });
+                }
+                // Never touches it.
+                _ => kept.push(conn),
+            }
+        }
+    });
+    Ok(addr)
+}
+
+#[tokio::test]
+async fn a_held_accept_goes_out_alone_when_the_server_does_not_reply() -> Result<()> {
+    for what in ["recv", "idle"] {
+        let addr = holding_server(what).await?;
+        let client = Client::new(fast());
+        // Learn the pick, then reconnect with 0-RTT.
+        drop(
+            client
+                .connect("svc", select(Xor(1), Xor(2)), base(addr).await?)
+                .await?,
+        );
+        let tap = FaultInjector::counting();
+        let c = timeout(
+            WAIT,
+            client.connect_0rtt(
+                "svc",
+                select(Xor(1), Xor(2)),
+                tap.clone().connect_wrap(base(addr).await?).await?,
+                [Bytes::from("no reply")],
+            ),
+        )
+        .await??;
+        assert_eq!(c.info().zero_rtt, ZeroRtt::Accepted, "{what}");
+        let incoming: Vec<_> = tap
+            .stats
+            .log()
+            .iter()
+            .filter(|s| !s.outgoing)
+            .map(|s| s.first)
+            .collect();
+        assert_eq!(
+            incoming.first(),
+            Some(&Some(Tag::Accept as u8)),
+            "{what}: the accept alone, with no reply to carry it"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn accept_hold_zero_sends_the_accept_at_once() -> Result<()> {
+    let l = udp::Listener::bind("127.0.0.1:0".parse()?).await?;
+    let addr = l.local_addr()?;
+    let cfg = Config {
+        accept_hold: Duration::ZERO,
+        ..fast()
+    };
+    let mut server = listen(select(Xor(1), Xor(2)), l, cfg);
+    tokio::spawn(async move {
+        while let Ok(conn) = server.accept().await {
+            tokio::spawn(async move {
+                while let Ok(m) = conn.recv_one().await {
+                    if conn.send_one(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let client = Client::new(fast());
+    drop(
+        client
+            .connect("svc", select(Xor(1), Xor(2)), base(addr).await?)
+            .await?,
+    );
+    let tap = FaultInjector::counting();
+    let c = client
+        .connect_0rtt(
+            "svc",
+            select(Xor(1), Xor(2)),
+            tap.clone().connect_wrap(base(addr).await?).await?,
+            [Bytes::from("e")],
+        )
+        .await?;
+    assert_eq!(timeout(WAIT, c.recv_one()).await??, "e");
+    let incoming: Vec<_> = tap
+        .stats
+        .log()
+        .iter()
+        .filter(|s| !s.outgoing)
+        .map(|s| s.first)
+        .collect();
     assert_eq!(incoming, [Some(Tag::Accept as u8), Some(Tag::Data as u8)]);
     Ok(())
 }

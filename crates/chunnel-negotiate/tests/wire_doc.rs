@@ -137,6 +137,7 @@ fn expect_accept(d: Decision) -> (Accept, usize, Vec<Bytes>, Bytes) {
             server_option,
             early,
             response,
+            ..
         } => (accept, server_option, early, response),
         Decision::Reject { reject, .. } => panic!("expected an accept, got {reject:?}"),
     }
@@ -250,12 +251,24 @@ fn examples() -> Vec<(&'static str, Bytes)> {
     let mut data = vec![Tag::Data as u8];
     data.extend_from_slice(EARLY);
 
+    // The same answer held for the first reply (an echo of the early message): ACCEPT_DATA.
+    let Decision::Accept {
+        coalesce: Some(header),
+        ..
+    } = answer(&server, &hello0)
+    else {
+        panic!("an accept of 90 bytes can be coalesced");
+    };
+    assert_eq!(header[3..], accept_0rtt[..]);
+    let accept_data = Bytes::from([&header[..], EARLY].concat());
+
     vec![
         ("hello-1rtt", hello.encode()),
         ("accept-1rtt", accept_1rtt),
         ("reject-incompatible", reject_bytes),
         ("hello-0rtt", hello0.encode()),
         ("accept-0rtt", accept_0rtt),
+        ("accept-data-0rtt", accept_data),
         ("data", Bytes::from(data)),
     ]
 }
@@ -483,6 +496,10 @@ fn doc_examples_decode_back() {
         matches!(control("accept-0rtt"), Control::Accept(a) if a.zero_rtt == ZeroRtt::Accepted)
     );
     assert!(matches!(control("reject-incompatible"), Control::Reject(r) if r.conn_id == REJECT_ID));
+    assert!(matches!(
+        control("accept-data-0rtt"),
+        Control::AcceptData(a, d) if a.zero_rtt == ZeroRtt::Accepted && d == EARLY
+    ));
     assert_eq!(
         decode_control(&found["data"].bytes),
         Err(WireError("a data message is not a control message"))
@@ -548,7 +565,11 @@ fn decoders_are_strict() {
     assert_eq!(decode_control(&utf8), Err(WireError("string is not UTF-8")));
 
     // Unknown and reserved tags, and the empty message.
-    for t in [0x04, 0x10, 0x1f, 0xff] {
+    assert!(
+        decode_control(&[0x04, 1]).is_err(),
+        "a truncated ACCEPT_DATA"
+    );
+    for t in [0x05, 0x10, 0x1f, 0xff] {
         assert_eq!(
             decode_control(&[t, 1]),
             Err(WireError("unknown message tag"))
@@ -823,13 +844,19 @@ async fn retransmitted_hello_gets_the_cached_accept_and_no_second_delivery() {
     let raw = udp::Connect::new(addr).connect_wrap(()).await.unwrap();
     let hello = hello_0rtt().encode();
     let accept = expect_accept(Server::new(server_tree().offers()).handle_hello(&hello)).3;
-    let mut echoed_early = [Tag::Data as u8].to_vec();
-    echoed_early.extend_from_slice(EARLY);
+    // The server holds the accept for its first reply: one ACCEPT_DATA (§7.5, §8.3).
+    let accept_data = Bytes::from(
+        [
+            &[Tag::AcceptData as u8][..],
+            &(accept.len() as u16).to_be_bytes(),
+            &accept,
+            EARLY,
+        ]
+        .concat(),
+    );
 
     raw.send_one(hello.clone()).await.unwrap();
-    let mut got = vec![recv_raw(&raw).await, recv_raw(&raw).await];
-    got.sort_by_key(|m| m[0] != Tag::Accept as u8);
-    assert_eq!(got, vec![accept.clone(), Bytes::from(echoed_early)]);
+    assert_eq!(recv_raw(&raw).await, accept_data);
 
     // The same hello again: the identical accept, and the early message is not delivered
     // (echoed) a second time: the next data echoed is the next message sent.

@@ -15,8 +15,8 @@ use chunnel::negotiate::{ChunnelInfo, Match, Mismatch, check_compatible, choose}
 use chunnel::{Capability, Pick, StackOption};
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
-    Accept, Control, Hello, Reject, RejectReason, Tag, VERSION, ZeroRtt, decode_control,
-    encode_control,
+    ACCEPT_DATA_PREFIX, Accept, Control, Hello, Reject, RejectReason, Tag, VERSION, ZeroRtt,
+    decode_control, encode_control, split_accept_data,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -174,6 +174,8 @@ fn control() -> impl Strategy<Value = Control> {
         hello().prop_map(Control::Hello),
         accept().prop_map(Control::Accept),
         reject().prop_map(Control::Reject),
+        (accept(), vec(any::<u8>(), 0..=64))
+            .prop_map(|(a, d)| Control::AcceptData(a, Bytes::from(d))),
     ]
 }
 
@@ -571,8 +573,19 @@ proptest! {
     #[test]
     fn every_truncation_is_refused(c in control()) {
         let enc = encode_control(&c);
-        for len in 0..enc.len() {
+        // An ACCEPT_DATA's reply is "the rest of the message": cutting into the reply leaves
+        // a valid message with a shorter reply, cutting into the accept does not.
+        let whole = match &c {
+            Control::AcceptData(_, d) => enc.len() - d.len(),
+            _ => enc.len(),
+        };
+        for len in 0..whole {
             prop_assert!(decode_control(&enc[..len]).is_err(), "prefix of {} bytes decoded", len);
+        }
+        for len in whole..enc.len() {
+            let Control::AcceptData(a, d) = &c else { unreachable!() };
+            let cut = Control::AcceptData(a.clone(), d.slice(..len - whole));
+            prop_assert_eq!(decode_control(&enc[..len]), Ok(cut));
         }
         // The per-message decoders on every proper prefix of the body.
         let body = &enc[1..];
@@ -582,6 +595,7 @@ proptest! {
                 Control::Hello(_) => Hello::decode(b).is_ok(),
                 Control::Accept(_) => Accept::decode(b).is_ok(),
                 Control::Reject(_) => Reject::decode(b).is_ok(),
+                Control::AcceptData(..) => false,
             };
             prop_assert!(!ok, "body prefix of {} bytes decoded", len);
         }
@@ -591,7 +605,25 @@ proptest! {
     fn a_trailing_byte_is_refused(c in control(), extra in any::<u8>()) {
         let mut enc = encode_control(&c).to_vec();
         enc.push(extra);
-        prop_assert!(decode_control(&enc).is_err());
+        match c {
+            // The extra byte is more reply.
+            Control::AcceptData(a, d) => {
+                let longer = Bytes::from([&d[..], &[extra]].concat());
+                prop_assert_eq!(decode_control(&enc), Ok(Control::AcceptData(a, longer)));
+            }
+            _ => prop_assert!(decode_control(&enc).is_err()),
+        }
+    }
+
+    #[test]
+    fn accept_data_is_accept_then_reply(a in accept(), d in vec(any::<u8>(), 0..=64)) {
+        let enc = encode_control(&Control::AcceptData(a.clone(), Bytes::from(d.clone())));
+        prop_assert_eq!(enc[0], Tag::AcceptData as u8);
+        let (body, at) = split_accept_data(&enc).unwrap();
+        prop_assert_eq!(Accept::decode(body), Ok(a.clone()));
+        prop_assert_eq!(&enc[at..], &d[..]);
+        // The embedded accept is byte for byte the ACCEPT the server would send alone.
+        prop_assert_eq!(&enc[ACCEPT_DATA_PREFIX..at], &a.encode()[..]);
     }
 
     #[test]
