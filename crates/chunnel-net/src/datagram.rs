@@ -231,11 +231,7 @@ impl RxScratch {
         // be reclaimed in place whenever the application has dropped the previous batches.
         // Reserving in the middle of a batch would find the batch's first messages alive and
         // allocate a new block every time a block boundary fell inside a batch.
-        let total: usize = k.metas[..n]
-            .iter()
-            .filter(|m| ok(m))
-            .map(|m| m.len)
-            .sum();
+        let total: usize = k.metas[..n].iter().filter(|m| ok(m)).map(|m| m.len).sum();
         if self.out.capacity() - self.out.len() < total {
             self.out.reserve(total.max(self.block));
             self.block = (self.block * 2).min(OUT_BLOCK);
