@@ -157,6 +157,8 @@ async fn drive<C: SendHeader>(base: &C, hs: &mut ClientHandshake) -> Result<Outc
             continue;
         };
         tokio::select! {
+            // An answer that is there wins over a timer that also ran out.
+            biased;
             r = base.recv(&mut slots) => {
                 let n = r?;
                 for s in slots[..n].iter_mut() {
@@ -204,6 +206,10 @@ impl Client {
 
     fn remember(&self, server: &str, pick: &Pick) {
         let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if c.get(server) == Some(pick) {
+            // The usual reconnect: nothing new (and no key to allocate).
+            return;
+        }
         if c.len() >= self.cfg.cache_entries.max(1) && !c.contains_key(server) {
             // Bounded: evict an arbitrary entry.
             if let Some(k) = c.keys().next().cloned() {

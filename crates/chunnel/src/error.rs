@@ -69,6 +69,20 @@ pub enum Error {
         /// Why the fallback branch was not usable.
         right: Box<Error>,
     },
+    /// A runtime reconfiguration could not build the new branch for `failed` of the `of`
+    /// connections it was to switch; no connection was switched (each stays on its branch).
+    #[error("switching {failed} of {of} connections to the {to:?} branch failed: {source}")]
+    SwitchFailed {
+        /// The branch that was requested.
+        to: crate::Side,
+        /// How many connections could not build it.
+        failed: usize,
+        /// How many connections were to be switched.
+        of: usize,
+        /// The first build error.
+        #[source]
+        source: Box<Error>,
+    },
     /// An operating-system error during `op` that has no more specific variant.
     #[error("i/o error during {op}: {source}")]
     Io {

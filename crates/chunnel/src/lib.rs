@@ -28,6 +28,9 @@
 //!   [`Either`]. [`Identity`] is no layer; [`Noop`] is a layer that does nothing but is real.
 //! * [`Negotiate`] (per Chunnel: id, [`Capability`]s, availability, pick hook) and [`Offers`]
 //!   (per tree: the flattened [`StackOption`]s and applying a [`Pick`]).
+//! * [`Select::reconfigurable`] makes a select switchable at run time: its
+//!   [`ReconfigHandle`] moves live connections to the other branch (mechanism [`Lock`] or
+//!   [`LockFree`]), handing state over through [`Handover`].
 //! * [`ChunnelExt::boxed`] erases a stack's type behind [`BoxChunnel`]/[`BoxConnection`].
 //! * [`Payload`] and [`LendBuffer`]: how datapaths lend their own buffers.
 //!
@@ -90,6 +93,7 @@ mod error;
 pub mod negotiate;
 mod noop;
 mod payload;
+mod reconfig;
 mod select;
 mod stack;
 
@@ -102,5 +106,9 @@ pub use crate::negotiate::{
 };
 pub use crate::noop::{Identity, Noop, NoopConnection};
 pub use crate::payload::{LendBuffer, Payload};
+pub use crate::reconfig::{
+    Handoff, Handover, Lock, LockFree, Mechanism, PreparedSwitch, ReconfigConnection,
+    ReconfigHandle, Reconfigurable, Shared,
+};
 pub use crate::select::{Either, Select, Side, select};
 pub use crate::stack::Stack;
