@@ -57,6 +57,7 @@
     rust_2018_idioms
 )]
 
+pub mod commit;
 mod driver;
 mod error;
 pub mod proto;

@@ -31,10 +31,23 @@ pub enum Tag {
     Reject = 0x03,
     /// An accept and the server's first reply in one message (see [`split_accept_data`]).
     AcceptData = 0x04,
+    /// Reconfiguration, phase 1: a proposed new stack (see [`Prepare`]).
+    Prepare = 0x10,
+    /// Reconfiguration: the peer's answer to a prepare (see [`Vote`]).
+    Vote = 0x11,
+    /// Reconfiguration, phase 2: switch. Also the initiator's switch point: everything it
+    /// sends after this message uses the new stack.
+    Commit = 0x12,
+    /// Reconfiguration, phase 2: do not switch.
+    Abort = 0x13,
+    /// Reconfiguration: the follower switched. Its switch point, as `Commit` is the
+    /// initiator's.
+    Done = 0x14,
 }
 
 impl Tag {
-    /// Parses a tag byte. Bytes `0x10..=0x1f` are reserved for reconfiguration control.
+    /// Parses a tag byte. `0x10..=0x14` are reconfiguration control; the rest of
+    /// `0x10..=0x1f` stays reserved for it.
     pub fn from_u8(b: u8) -> Option<Tag> {
         match b {
             0x00 => Some(Tag::Data),
@@ -42,6 +55,11 @@ impl Tag {
             0x02 => Some(Tag::Accept),
             0x03 => Some(Tag::Reject),
             0x04 => Some(Tag::AcceptData),
+            0x10 => Some(Tag::Prepare),
+            0x11 => Some(Tag::Vote),
+            0x12 => Some(Tag::Commit),
+            0x13 => Some(Tag::Abort),
+            0x14 => Some(Tag::Done),
             _ => None,
         }
     }
@@ -145,6 +163,81 @@ pub enum Control {
     /// An accept coalesced with the server's first reply (the bytes that would follow a
     /// `DATA` tag).
     AcceptData(Accept, Bytes),
+    /// See [`Prepare`].
+    Prepare(Prepare),
+    /// See [`Vote`].
+    Vote(Vote),
+    /// Switch (see [`Tag::Commit`]).
+    Commit(Txn),
+    /// Do not switch.
+    Abort(Txn),
+    /// The follower switched (see [`Tag::Done`]).
+    Done(Txn),
+}
+
+/// Reconfiguration, phase 1: the initiator proposes to switch the connection to `option`
+/// (one of its own stack's options, with its pick) in transaction `txn`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prepare {
+    /// Protocol version of the sender.
+    pub version: u8,
+    /// A random transaction id; the answers echo it.
+    pub txn: u64,
+    /// The initiator's new stack: its Chunnels and capabilities, and its pick.
+    pub option: StackOption,
+}
+
+/// Why a peer votes no.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Refusal {
+    /// This peer does not let the other end start a switch.
+    NotAllowed = 1,
+    /// No option of this peer is compatible with the proposed stack.
+    Incompatible = 2,
+    /// This peer is in another switch (its own proposal wins).
+    Busy = 3,
+}
+
+/// A peer's answer to a [`Prepare`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Ready to switch to its option `pick` (stack `stack`, top first) on commit.
+    Yes {
+        /// The pick of the voter's own tree it will switch to.
+        pick: Pick,
+        /// The voter's new stack, top first (informative).
+        stack: Vec<ChunnelInfo>,
+    },
+    /// Refused.
+    No {
+        /// Why.
+        reason: Refusal,
+        /// For `Incompatible`: what did not match (bounded).
+        mismatches: Vec<Mismatch>,
+        /// A human-readable summary.
+        message: String,
+    },
+}
+
+/// Reconfiguration: the answer to a [`Prepare`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Vote {
+    /// Protocol version of the sender.
+    pub version: u8,
+    /// The prepare's `txn`.
+    pub txn: u64,
+    /// Yes (with the voter's pick) or no (with the reason).
+    pub verdict: Verdict,
+}
+
+/// The body of `COMMIT`, `ABORT` and `DONE`: the transaction they decide or confirm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Txn {
+    /// Protocol version of the sender.
+    pub version: u8,
+    /// The transaction.
+    pub txn: u64,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -193,6 +286,21 @@ fn put_chunnels(b: &mut BytesMut, list: &[ChunnelInfo]) {
         for cap in &c.capabilities[..k] {
             put_capability(b, cap);
         }
+    }
+}
+
+fn put_mismatches(b: &mut BytesMut, list: &[Mismatch]) {
+    let n = put_count(b, list.len());
+    for m in &list[..n] {
+        b.put_u16(m.client_option);
+        b.put_u16(m.server_option);
+        put_str(b, &m.kind);
+        b.put_u8(match m.matching {
+            Match::Exact => 0,
+            Match::Compositional => 1,
+        });
+        put_labels(b, &m.client);
+        put_labels(b, &m.server);
     }
 }
 
@@ -279,6 +387,110 @@ impl Accept {
     }
 }
 
+impl Prepare {
+    /// Encodes the message, tag included.
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(128);
+        b.put_u8(Tag::Prepare as u8);
+        b.put_u8(self.version);
+        b.put_u64(self.txn);
+        put_pick(&mut b, &self.option.pick);
+        put_chunnels(&mut b, &self.option.chunnels);
+        b.freeze()
+    }
+
+    /// Decodes a prepare body (the bytes after the tag).
+    pub fn decode(body: &[u8]) -> Result<Prepare, WireError> {
+        let mut r = Reader { buf: body };
+        let version = version(&mut r)?;
+        let txn = r.u64("txn")?;
+        let pick = r.pick()?;
+        let chunnels = r.chunnels()?;
+        r.finish()?;
+        Ok(Prepare {
+            version,
+            txn,
+            option: StackOption { chunnels, pick },
+        })
+    }
+}
+
+impl Vote {
+    /// Encodes the message, tag included.
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(64);
+        b.put_u8(Tag::Vote as u8);
+        b.put_u8(self.version);
+        b.put_u64(self.txn);
+        match &self.verdict {
+            Verdict::Yes { pick, stack } => {
+                b.put_u8(0);
+                put_pick(&mut b, pick);
+                put_chunnels(&mut b, stack);
+            }
+            Verdict::No {
+                reason,
+                mismatches,
+                message,
+            } => {
+                b.put_u8(*reason as u8);
+                put_mismatches(&mut b, mismatches);
+                put_str(&mut b, message);
+            }
+        }
+        b.freeze()
+    }
+
+    /// Decodes a vote body (the bytes after the tag).
+    pub fn decode(body: &[u8]) -> Result<Vote, WireError> {
+        let mut r = Reader { buf: body };
+        let version = version(&mut r)?;
+        let txn = r.u64("txn")?;
+        let verdict = match r.u8("verdict")? {
+            0 => Verdict::Yes {
+                pick: r.pick()?,
+                stack: r.chunnels()?,
+            },
+            v @ 1..=3 => Verdict::No {
+                reason: match v {
+                    1 => Refusal::NotAllowed,
+                    2 => Refusal::Incompatible,
+                    _ => Refusal::Busy,
+                },
+                mismatches: r.mismatches()?,
+                message: r.str("message")?,
+            },
+            _ => return Err(WireError("unknown verdict")),
+        };
+        r.finish()?;
+        Ok(Vote {
+            version,
+            txn,
+            verdict,
+        })
+    }
+}
+
+impl Txn {
+    /// Encodes the message with `tag` (`Commit`, `Abort` or `Done`).
+    pub fn encode(&self, tag: Tag) -> Bytes {
+        let mut b = BytesMut::with_capacity(10);
+        b.put_u8(tag as u8);
+        b.put_u8(self.version);
+        b.put_u64(self.txn);
+        b.freeze()
+    }
+
+    /// Decodes the body of a `COMMIT`, `ABORT` or `DONE` (the bytes after the tag).
+    pub fn decode(body: &[u8]) -> Result<Txn, WireError> {
+        let mut r = Reader { buf: body };
+        let version = version(&mut r)?;
+        let txn = r.u64("txn")?;
+        r.finish()?;
+        Ok(Txn { version, txn })
+    }
+}
+
 impl Reject {
     /// Encodes the message, tag included.
     pub fn encode(&self) -> Bytes {
@@ -287,18 +499,7 @@ impl Reject {
         b.put_u8(self.version);
         b.put_u64(self.conn_id);
         b.put_u8(self.reason as u8);
-        let n = put_count(&mut b, self.mismatches.len());
-        for m in &self.mismatches[..n] {
-            b.put_u16(m.client_option);
-            b.put_u16(m.server_option);
-            put_str(&mut b, &m.kind);
-            b.put_u8(match m.matching {
-                Match::Exact => 0,
-                Match::Compositional => 1,
-            });
-            put_labels(&mut b, &m.client);
-            put_labels(&mut b, &m.server);
-        }
+        put_mismatches(&mut b, &self.mismatches);
         put_str(&mut b, &self.message);
         b.freeze()
     }
@@ -415,6 +616,28 @@ impl<'a> Reader<'a> {
             });
         }
         Ok(out)
+    }
+
+    fn mismatches(&mut self) -> Result<Vec<Mismatch>, WireError> {
+        let n = self.count(9, "mismatch count")?;
+        let mut mismatches = Vec::with_capacity(n);
+        for _ in 0..n {
+            let client_option = self.u16("client option")?;
+            let server_option = self.u16("server option")?;
+            let kind = self.str("mismatch kind")?;
+            let matching = self.matching()?;
+            let client = self.labels()?;
+            let server = self.labels()?;
+            mismatches.push(Mismatch {
+                client_option,
+                server_option,
+                kind,
+                matching,
+                client,
+                server,
+            });
+        }
+        Ok(mismatches)
     }
 
     fn labels(&mut self) -> Result<Option<Vec<String>>, WireError> {
@@ -540,24 +763,7 @@ impl Reject {
             3 => RejectReason::Malformed,
             _ => return Err(WireError("unknown reject reason")),
         };
-        let n = r.count(9, "mismatch count")?;
-        let mut mismatches = Vec::with_capacity(n);
-        for _ in 0..n {
-            let client_option = r.u16("client option")?;
-            let server_option = r.u16("server option")?;
-            let kind = r.str("mismatch kind")?;
-            let matching = r.matching()?;
-            let client = r.labels()?;
-            let server = r.labels()?;
-            mismatches.push(Mismatch {
-                client_option,
-                server_option,
-                kind,
-                matching,
-                client,
-                server,
-            });
-        }
+        let mismatches = r.mismatches()?;
         let message = r.str("message")?;
         r.finish()?;
         Ok(Reject {
@@ -600,6 +806,11 @@ pub fn decode_control(msg: &[u8]) -> Result<Control, WireError> {
                 Bytes::copy_from_slice(&msg[data..]),
             ))
         }
+        Some(Tag::Prepare) => Prepare::decode(body).map(Control::Prepare),
+        Some(Tag::Vote) => Vote::decode(body).map(Control::Vote),
+        Some(Tag::Commit) => Txn::decode(body).map(Control::Commit),
+        Some(Tag::Abort) => Txn::decode(body).map(Control::Abort),
+        Some(Tag::Done) => Txn::decode(body).map(Control::Done),
         Some(Tag::Data) => Err(WireError("a data message is not a control message")),
         None => Err(WireError("unknown message tag")),
     }
@@ -616,5 +827,10 @@ pub fn encode_control(c: &Control) -> Bytes {
             // Too long to coalesce: the best this function can do is the accept alone.
             (accept, None) => accept,
         },
+        Control::Prepare(p) => p.encode(),
+        Control::Vote(v) => v.encode(),
+        Control::Commit(t) => t.encode(Tag::Commit),
+        Control::Abort(t) => t.encode(Tag::Abort),
+        Control::Done(t) => t.encode(Tag::Done),
     }
 }

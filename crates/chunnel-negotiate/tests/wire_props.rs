@@ -15,8 +15,8 @@ use chunnel::negotiate::{ChunnelInfo, Match, Mismatch, check_compatible, choose}
 use chunnel::{Capability, Pick, StackOption};
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
-    ACCEPT_DATA_PREFIX, Accept, Control, Hello, Reject, RejectReason, Tag, VERSION, ZeroRtt,
-    decode_control, encode_control, split_accept_data,
+    ACCEPT_DATA_PREFIX, Accept, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag, Txn,
+    VERSION, Verdict, Vote, ZeroRtt, decode_control, encode_control, split_accept_data,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -169,6 +169,39 @@ fn reject() -> impl Strategy<Value = Reject> {
         })
 }
 
+fn refusal() -> impl Strategy<Value = Refusal> {
+    prop_oneof![
+        Just(Refusal::NotAllowed),
+        Just(Refusal::Incompatible),
+        Just(Refusal::Busy),
+    ]
+}
+
+fn vote() -> impl Strategy<Value = Vote> {
+    let verdict = prop_oneof![
+        (pick(), chunnels()).prop_map(|(pick, stack)| Verdict::Yes { pick, stack }),
+        (refusal(), vec(mismatch(), 0..=3), small_string()).prop_map(
+            |(reason, mismatches, message)| Verdict::No {
+                reason,
+                mismatches,
+                message
+            }
+        ),
+    ];
+    (any::<u64>(), verdict).prop_map(|(txn, verdict)| Vote {
+        version: VERSION,
+        txn,
+        verdict,
+    })
+}
+
+fn txn() -> impl Strategy<Value = Txn> {
+    any::<u64>().prop_map(|txn| Txn {
+        version: VERSION,
+        txn,
+    })
+}
+
 fn control() -> impl Strategy<Value = Control> {
     prop_oneof![
         hello().prop_map(Control::Hello),
@@ -176,6 +209,15 @@ fn control() -> impl Strategy<Value = Control> {
         reject().prop_map(Control::Reject),
         (accept(), vec(any::<u8>(), 0..=64))
             .prop_map(|(a, d)| Control::AcceptData(a, Bytes::from(d))),
+        (any::<u64>(), stack_option()).prop_map(|(txn, option)| Control::Prepare(Prepare {
+            version: VERSION,
+            txn,
+            option
+        })),
+        vote().prop_map(Control::Vote),
+        txn().prop_map(Control::Commit),
+        txn().prop_map(Control::Abort),
+        txn().prop_map(Control::Done),
     ]
 }
 
@@ -596,6 +638,9 @@ proptest! {
                 Control::Accept(_) => Accept::decode(b).is_ok(),
                 Control::Reject(_) => Reject::decode(b).is_ok(),
                 Control::AcceptData(..) => false,
+                Control::Prepare(_) => Prepare::decode(b).is_ok(),
+                Control::Vote(_) => Vote::decode(b).is_ok(),
+                Control::Commit(_) | Control::Abort(_) | Control::Done(_) => Txn::decode(b).is_ok(),
             };
             prop_assert!(!ok, "body prefix of {} bytes decoded", len);
         }
