@@ -33,12 +33,17 @@
 //! * **Concurrent proposals.** If both ends propose at once, the larger `txn` wins; the other
 //!   proposer aborts its own (reported as [`AbortReason::Superseded`]) and votes on the winner's.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chunnel::negotiate::check_compatible;
-use chunnel::{Pick, StackOption};
+use chunnel::{Handover, Mechanism, Offers, Pick, ReconfigConnection, Side, StackOption};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use crate::driver::{Control as ControlPlaneHandle, Negotiated};
+use crate::{Error, wire::WireError};
 
 use crate::wire::{Control, Prepare, Refusal, Tag, Txn, VERSION, Verdict, Vote, decode_control};
 
@@ -50,7 +55,8 @@ pub struct Policy {
     /// This end votes on the peer's proposals; if false it refuses them all
     /// ([`Refusal::NotAllowed`]).
     pub peer_may_initiate: bool,
-    /// How long the initiator waits for the vote before it aborts.
+    /// How long the initiator waits for the vote before it aborts. The vote travels in-band:
+    /// it waits behind the data already queued at both ends.
     pub vote_timeout: Duration,
     /// The prepare is sent again after this long without a vote (for bases that may lose it;
     /// harmless on lossless ones: a repeated prepare gets the same vote).
@@ -62,7 +68,7 @@ impl Default for Policy {
         Policy {
             may_initiate: true,
             peer_may_initiate: true,
-            vote_timeout: Duration::from_millis(500),
+            vote_timeout: Duration::from_secs(2),
             resend_after: Duration::from_millis(100),
         }
     }
@@ -736,5 +742,264 @@ mod tests {
         let v1 = b.poll_transmit().unwrap();
         b.handle_message(&prepare, now);
         assert_eq!(b.poll_transmit().unwrap(), v1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The async driver.
+
+/// What the receive path hands the coordinator's task.
+#[derive(Debug)]
+pub(crate) enum Work {
+    /// An event of the state machine.
+    Event(Event),
+    /// A message to send (a vote).
+    Send(Bytes),
+}
+
+/// How a switch proposed with [`Coordinator::switch`] ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Both ends switched.
+    Switched,
+    /// The connection already ran on that branch; nothing was sent.
+    Unchanged,
+    /// Nothing switched; the connection goes on with the old stack.
+    Aborted(AbortReason),
+}
+
+/// Runs multilateral reconfiguration on one negotiated connection whose stack is a
+/// reconfigurable select ([`chunnel::Select::reconfigurable`]) over the negotiated base.
+/// Start one at each end (the end that does not propose follows its peer's switches); an end
+/// without a coordinator ignores the protocol, so its peer's proposals time out.
+///
+/// The protocol runs in-band: control messages are handled when the connection's receive
+/// path reads them, so each end must keep receiving (as any application reading its
+/// connection does) for a switch to complete. The base must deliver in order without loss
+/// (see the [module docs](self)).
+pub struct Coordinator {
+    shared: Arc<CoordShared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct CoordShared {
+    control: ControlPlaneHandle,
+    offers: Vec<StackOption>,
+    waiters: Mutex<HashMap<u64, oneshot::Sender<Result<Outcome, Error>>>>,
+    /// The driver re-reads the machine's timer.
+    kick: Notify,
+    refusals: Mutex<Vec<(Refusal, String)>>,
+    /// The branch the connection runs on now.
+    side: Box<dyn Fn() -> Side + Send + Sync>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Coordinator {
+    /// Starts the protocol on `conn`; `stack` is the reconfigurable select it was built from
+    /// (its options are what this end can switch between). Must run within a tokio runtime.
+    pub fn start<L, R, M, S>(
+        conn: &Negotiated<ReconfigConnection<L, R, M>>,
+        stack: &S,
+        policy: Policy,
+    ) -> Result<Coordinator, Error>
+    where
+        L: Handover + 'static,
+        R: Handover<Data = L::Data> + 'static,
+        L::Data: 'static,
+        M: Mechanism,
+        S: Offers,
+    {
+        let offers = stack.offers();
+        let control = conn.control().clone();
+        let events = control
+            .0
+            .enable(Multilateral::new(offers.clone(), policy))
+            .ok_or(Error::Wire(WireError(
+                "multilateral reconfiguration is already running on this connection",
+            )))?;
+        let shared = Arc::new(CoordShared {
+            control,
+            offers,
+            waiters: Mutex::new(HashMap::new()),
+            kick: Notify::new(),
+            refusals: Mutex::new(Vec::new()),
+            side: Box::new({
+                let conn = conn.get_ref().clone();
+                move || conn.side()
+            }),
+        });
+        let task = tokio::spawn(drive(Arc::clone(&shared), conn.get_ref().clone(), events));
+        Ok(Coordinator { shared, task })
+    }
+
+    /// Proposes to switch both ends to branch `to` of the select and waits for the outcome:
+    /// [`Outcome::Switched`] once both ends have switched (this end switched on the peer's
+    /// yes, and the peer's switch point has arrived), [`Outcome::Aborted`] if the peer
+    /// refused or did not answer in time, [`Outcome::Unchanged`] if the connection already
+    /// runs on `to`.
+    pub async fn switch(&self, to: Side) -> Result<Outcome, Error> {
+        let sh = &*self.shared;
+        if (sh.side)() == to {
+            return Ok(Outcome::Unchanged);
+        }
+        let machine = sh.control.0.machine().ok_or(Error::Wire(WireError(
+            "multilateral reconfiguration is not enabled",
+        )))?;
+        let bit = match to {
+            Side::Left => 0,
+            Side::Right => 1,
+        };
+        let pick = sh
+            .offers
+            .iter()
+            .find(|o| o.pick.branches().first() == Some(&bit))
+            .map(|o| o.pick.clone())
+            .ok_or(Error::NoOptions(chunnel::Error::BadPick {
+                what: "no option of the select on that branch",
+            }))?;
+        let txn = new_txn();
+        let (tx, rx) = oneshot::channel();
+        let out: Vec<Bytes> = {
+            let mut m = lock(machine);
+            m.propose(&pick, txn, Instant::now())
+                .map_err(Error::Propose)?;
+            lock(&sh.waiters).insert(txn, tx);
+            std::iter::from_fn(|| m.poll_transmit()).collect()
+        };
+        sh.kick.notify_one();
+        for msg in out {
+            sh.control.0.send(msg).await?;
+        }
+        rx.await
+            .map_err(|_| Error::Chunnel(chunnel::Error::Closed))?
+    }
+
+    /// The peer's proposals this end refused, with the reason sent back (oldest first).
+    pub fn refusals(&self) -> Vec<(Refusal, String)> {
+        lock(&self.shared.refusals).clone()
+    }
+}
+
+fn new_txn() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.finish()
+}
+
+/// The coordinator's task: acts on the machine's events and timer.
+async fn drive<L, R, M>(
+    sh: Arc<CoordShared>,
+    conn: ReconfigConnection<L, R, M>,
+    mut events: mpsc::Receiver<Work>,
+) where
+    L: Handover + 'static,
+    R: Handover<Data = L::Data> + 'static,
+    L::Data: 'static,
+    M: Mechanism,
+{
+    let Some(machine) = sh.control.0.machine() else {
+        return;
+    };
+    loop {
+        let deadline = lock(machine).poll_timeout();
+        let timer = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            w = events.recv() => match w {
+                Some(Work::Event(e)) => on_event(&sh, &conn, e).await,
+                Some(Work::Send(m)) => {
+                    let _ = sh.control.0.send(m).await;
+                }
+                None => return,
+            },
+            () = timer => {
+                let (out, evs): (Vec<Bytes>, Vec<Event>) = {
+                    let mut m = lock(machine);
+                    m.handle_timeout(Instant::now());
+                    (
+                        std::iter::from_fn(|| m.poll_transmit()).collect(),
+                        std::iter::from_fn(|| m.poll_event()).collect(),
+                    )
+                };
+                for msg in out {
+                    let _ = sh.control.0.send(msg).await;
+                }
+                for e in evs {
+                    on_event(&sh, &conn, e).await;
+                }
+            }
+            () = sh.kick.notified() => {}
+        }
+    }
+}
+
+fn finish(sh: &CoordShared, txn: u64, r: Result<Outcome, Error>) {
+    if let Some(w) = lock(&sh.waiters).remove(&txn) {
+        let _ = w.send(r);
+    }
+}
+
+async fn on_event<L, R, M>(sh: &CoordShared, conn: &ReconfigConnection<L, R, M>, e: Event)
+where
+    L: Handover + 'static,
+    R: Handover<Data = L::Data> + 'static,
+    L::Data: 'static,
+    M: Mechanism,
+{
+    match e {
+        Event::Switch { txn, pick, marker } => {
+            let to = if pick.branches().first() == Some(&1) {
+                Side::Right
+            } else {
+                Side::Left
+            };
+            let control = &sh.control;
+            let r = conn.switch_with_marker(to, || control.0.send(marker)).await;
+            match r {
+                // The proposer learns the outcome when the peer's switch point arrives.
+                Ok(_) => {}
+                Err(e) => {
+                    // Nothing switched here. An initiator tells its peer (which waits for
+                    // the decision); a follower's peer has switched already, so the
+                    // connection cannot continue.
+                    if lock(&sh.waiters).contains_key(&txn) {
+                        let abort = Txn {
+                            version: VERSION,
+                            txn,
+                        }
+                        .encode(Tag::Abort);
+                        let _ = sh.control.0.send(abort).await;
+                    }
+                    finish(sh, txn, Err(Error::Chunnel(e)));
+                }
+            }
+        }
+        Event::Aborted { txn, reason } => finish(sh, txn, Ok(Outcome::Aborted(reason))),
+        Event::Refused {
+            reason, message, ..
+        } => lock(&sh.refusals).push((reason, message)),
+        // The proposer's transaction is complete; a follower has no waiter.
+        Event::PeerSwitched { txn } => finish(sh, txn, Ok(Outcome::Switched)),
     }
 }

@@ -71,9 +71,56 @@ pub struct Info {
 pub struct Negotiated<C> {
     conn: C,
     info: Info,
+    control: Control,
+}
+
+/// The in-band control channel of a negotiated connection (its [`Tagged`] base), type
+/// erased: what [`crate::commit::Coordinator`] needs to run a two-phase commit on it.
+#[derive(Clone)]
+pub(crate) struct Control(pub(crate) Arc<dyn ControlPlane>);
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Control")
+    }
+}
+
+type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), chunnel::Error>> + Send + 'a>>;
+
+/// See [`Control`]. Off the data path: boxed futures are fine here.
+pub(crate) trait ControlPlane: Send + Sync {
+    fn enable(
+        &self,
+        machine: crate::commit::Multilateral,
+    ) -> Option<mpsc::Receiver<crate::commit::Work>>;
+    fn machine(&self) -> Option<&Mutex<crate::commit::Multilateral>>;
+    fn send(&self, m: Bytes) -> SendFuture<'_>;
+}
+
+impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Tagged<C> {
+    fn enable(
+        &self,
+        machine: crate::commit::Multilateral,
+    ) -> Option<mpsc::Receiver<crate::commit::Work>> {
+        self.enable_control(machine)
+    }
+    fn machine(&self) -> Option<&Mutex<crate::commit::Multilateral>> {
+        self.control_state().map(|c| &c.machine)
+    }
+    fn send(&self, m: Bytes) -> SendFuture<'_> {
+        Box::pin(self.send_control(m))
+    }
+}
+
+fn control<C: SendHeader + PeerHandoff + 'static>(t: &Tagged<C>) -> Control {
+    Control(Arc::new(t.clone()))
 }
 
 impl<C> Negotiated<C> {
+    pub(crate) fn control(&self) -> &Control {
+        &self.control
+    }
+
     /// What negotiation decided.
     pub fn info(&self) -> &Info {
         &self.info
@@ -230,7 +277,7 @@ impl Client {
         base: C,
     ) -> impl Future<Output = Result<Negotiated<S::Connection>, Error>> + Send + 'a
     where
-        C: SendHeader + PeerHandoff + 'a,
+        C: SendHeader + PeerHandoff + 'static,
         S: Chunnel<Tagged<C>> + Offers + Send + 'a,
     {
         self.connect_inner(server, stack, base)
@@ -243,7 +290,7 @@ impl Client {
         base: C,
     ) -> Result<Negotiated<S::Connection>, Error>
     where
-        C: SendHeader + PeerHandoff,
+        C: SendHeader + PeerHandoff + 'static,
         S: Chunnel<Tagged<C>> + Offers + Send,
     {
         let offers = stack.offers();
@@ -265,11 +312,13 @@ impl Client {
         apply_known(&mut stack, &out.accept.client_pick)?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
+        let control = control(&tagged);
         let conn = stack.connect_wrap(tagged).await?;
         self.remember(server, &out.accept.client_pick);
         Ok(Negotiated {
             conn,
             info: info(out.accept, out.hellos_sent),
+            control,
         })
     }
 
@@ -286,7 +335,7 @@ impl Client {
         early: I,
     ) -> impl Future<Output = Result<Negotiated<S::Connection>, Error>> + Send + 'a
     where
-        C: SendHeader + PeerHandoff + 'a,
+        C: SendHeader + PeerHandoff + 'static,
         S: Chunnel<Tagged<C>> + Offers + Clone + Send + 'a,
         I: IntoIterator<Item = <S::Connection as ChunnelConnection>::Data>,
         <S::Connection as ChunnelConnection>::Data: Clone,
@@ -303,7 +352,7 @@ impl Client {
         early: Vec<<S::Connection as ChunnelConnection>::Data>,
     ) -> Result<Negotiated<S::Connection>, Error>
     where
-        C: SendHeader + PeerHandoff,
+        C: SendHeader + PeerHandoff + 'static,
         S: Chunnel<Tagged<C>> + Offers + Clone + Send,
         <S::Connection as ChunnelConnection>::Data: Clone,
     {
@@ -342,6 +391,7 @@ impl Client {
             ZeroRtt::Accepted => Ok(Negotiated {
                 conn,
                 info: info(out.accept, hellos),
+                control: control(&tagged),
             }),
             _ => {
                 // Rejected: the server discarded the early data. Build the stack it picked
@@ -349,11 +399,13 @@ impl Client {
                 drop(conn);
                 let mut again = stack;
                 apply_known(&mut again, &out.accept.client_pick)?;
+                let control = control(&tagged);
                 let conn = again.connect_wrap(tagged).await?;
                 conn.send(early).await?;
                 Ok(Negotiated {
                     conn,
                     info: info(out.accept, hellos),
+                    control,
                 })
             }
         }
@@ -516,7 +568,7 @@ async fn serve_one<C, S>(
     held: &Held<C>,
 ) -> Result<Negotiated<S::Connection>, Error>
 where
-    C: SendHeader + PeerHandoff,
+    C: SendHeader + PeerHandoff + 'static,
     S: Chunnel<Tagged<C>> + Offers,
 {
     let hello = {
@@ -566,10 +618,12 @@ where
                 held.push(&tagged);
             }
             tagged.push_pending(early);
+            let control = control(&tagged);
             let conn = stack.connect_wrap(tagged).await?;
             Ok(Negotiated {
                 conn,
                 info: info(accept, 0),
+                control,
             })
         }
         Decision::Reject { reject, response } => {
@@ -685,6 +739,7 @@ impl Client {
         let out = drive(&base, &mut hs).await?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
+        let control = control(&tagged);
         let mut conn = chunnel::BoxConnection::new(tagged);
         for info in out
             .accept
@@ -698,6 +753,7 @@ impl Client {
         Ok(Negotiated {
             conn,
             info: info(out.accept, out.hellos_sent),
+            control,
         })
     }
 }

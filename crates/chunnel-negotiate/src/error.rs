@@ -64,6 +64,9 @@ pub enum Error {
     /// The peer sent bytes we could not parse.
     #[error(transparent)]
     Wire(#[from] WireError),
+    /// A reconfiguration could not be proposed.
+    #[error("cannot propose a switch: {0}")]
+    Propose(#[from] crate::commit::ProposeError),
     /// The base connection or a Chunnel failed.
     #[error(transparent)]
     Chunnel(#[from] chunnel::Error),

@@ -10,11 +10,14 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use bytes::{Buf, Bytes};
 use chunnel::{ChunnelConnection, Error, PeerHandoff, SendHeader};
 
+use tokio::sync::mpsc;
+
+use crate::commit::{Event, Multilateral, Work};
 use crate::wire::{Accept, Hello, Tag, split_accept_data};
 
 const DATA: &[u8] = &[Tag::Data as u8];
@@ -24,15 +27,22 @@ const CAPTURING: u8 = 1;
 const ACCEPT_HELD: u8 = 2;
 
 /// The base connection of a negotiated stack; cheap to clone (shared).
+///
+/// Each clone is a *view* of the one connection. Views differ only at a multilateral
+/// reconfiguration's switch point ([`crate::commit`]): the view that receives the peer's
+/// marker ends there ([`chunnel::Error::EndOfEpoch`]) and later views (the new stack's, built
+/// over a fresh clone) receive what follows.
 #[derive(Debug)]
 pub struct Tagged<C> {
     shared: Arc<Shared<C>>,
+    view: u64,
 }
 
 impl<C> Clone for Tagged<C> {
     fn clone(&self) -> Self {
         Tagged {
             shared: Arc::clone(&self.shared),
+            view: self.shared.views.fetch_add(1, Ordering::Relaxed),
         }
     }
 }
@@ -50,11 +60,29 @@ struct Shared<C> {
     held: Mutex<Option<Bytes>>,
     /// The largest message the base carries (an `ACCEPT_DATA` must fit).
     max_message: usize,
+    /// `pending` or `raw` is not empty.
     has_pending: AtomicBool,
+    /// Data to deliver first (tag stripped).
     pending: Mutex<VecDeque<Bytes>>,
+    /// Messages received after a peer's switch point, tag included, for the next view to
+    /// handle as if they had just arrived.
+    raw: Mutex<VecDeque<Bytes>>,
     ignored: AtomicU64,
     /// A new client took over this peer address (server side); the connection is over.
     superseded: AtomicBool,
+    /// The next view id.
+    views: AtomicU64,
+    /// Views up to this id have ended at a peer's switch point (0: none).
+    ended_upto: AtomicU64,
+    /// Multilateral reconfiguration, once enabled ([`crate::commit::Coordinator`]).
+    ctl: OnceLock<Ctl>,
+}
+
+/// The reconfiguration state machine of one connection and where its events go.
+#[derive(Debug)]
+pub(crate) struct Ctl {
+    pub(crate) machine: Mutex<Multilateral>,
+    pub(crate) events: mpsc::Sender<Work>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -74,9 +102,14 @@ impl<C> Tagged<C> {
                 max_message,
                 has_pending: AtomicBool::new(false),
                 pending: Mutex::new(VecDeque::new()),
+                raw: Mutex::new(VecDeque::new()),
                 ignored: AtomicU64::new(0),
                 superseded: AtomicBool::new(false),
+                views: AtomicU64::new(2),
+                ended_upto: AtomicU64::new(0),
+                ctl: OnceLock::new(),
             }),
+            view: 1,
         }
     }
 
@@ -118,9 +151,11 @@ impl<C> Tagged<C> {
     pub(crate) fn push_pending(&self, msgs: impl IntoIterator<Item = Bytes>) {
         let mut q = lock(&self.shared.pending);
         q.extend(msgs);
-        self.shared
-            .has_pending
-            .store(!q.is_empty(), Ordering::Release);
+        let q = &*q;
+        self.shared.has_pending.store(
+            !q.is_empty() || !lock(&self.shared.raw).is_empty(),
+            Ordering::Release,
+        );
     }
 
     /// While capturing, `send` collects messages instead of sending them (0-RTT: they ride
@@ -270,6 +305,9 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
             if sh.superseded.load(Ordering::Acquire) {
                 return Err(Error::PeerClosed);
             }
+            if self.view <= sh.ended_upto.load(Ordering::Acquire) {
+                return Err(Error::EndOfEpoch);
+            }
             // Answer a retransmitted hello here, before taking any data, so cancelling this
             // future never loses a received message.
             if sh.reply_due.swap(false, Ordering::AcqRel)
@@ -277,8 +315,10 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
             {
                 sh.inner.send_with_header(&[], [r.clone()]).await?;
             }
+            let mut from_raw = 0;
             if sh.has_pending.load(Ordering::Acquire) {
                 let mut q = lock(&sh.pending);
+                let mut raw = lock(&sh.raw);
                 let mut n = 0;
                 for s in slots.iter_mut() {
                     match q.pop_front() {
@@ -289,17 +329,43 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                         None => break,
                     }
                 }
-                sh.has_pending.store(!q.is_empty(), Ordering::Release);
+                if n == 0 {
+                    // Left over from a switch point: handled below like fresh arrivals.
+                    for s in slots.iter_mut() {
+                        match raw.pop_front() {
+                            Some(m) => {
+                                *s = Some(m);
+                                from_raw += 1;
+                            }
+                            None => break,
+                        }
+                    }
+                }
+                sh.has_pending
+                    .store(!q.is_empty() || !raw.is_empty(), Ordering::Release);
                 if n > 0 {
                     return Ok(n);
                 }
             }
-            // The application waits for the peer instead of replying: the held accept goes
-            // out alone now.
-            sh.release_accept().await?;
-            let n = sh.inner.recv(slots).await?;
+            let n = if from_raw > 0 {
+                from_raw
+            } else {
+                // The application waits for the peer instead of replying: the held accept
+                // goes out alone now.
+                sh.release_accept().await?;
+                sh.inner.recv(slots).await?
+            };
             let mut kept = 0;
+            let mut cut = false;
             for i in 0..n.min(slots.len()) {
+                if cut {
+                    // After the peer's switch point: for the next view, in order.
+                    if let Some(m) = slots[i].take() {
+                        lock(&sh.raw).push_back(m);
+                        sh.has_pending.store(true, Ordering::Release);
+                    }
+                    continue;
+                }
                 let Some(mut m) = slots[i].take() else {
                     continue;
                 };
@@ -341,15 +407,91 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                             }
                         }
                     }
+                    // Reconfiguration control: to the state machine, if enabled.
+                    Some(t) if (Tag::Prepare as u8..=Tag::Done as u8).contains(&t) => {
+                        match sh.ctl.get() {
+                            Some(ctl) => {
+                                if sh.control(ctl, &m) {
+                                    // The peer's switch point: this view ends after the
+                                    // messages before it.
+                                    cut = true;
+                                }
+                            }
+                            None => {
+                                sh.ignored.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
                     _ => {
                         sh.ignored.fetch_add(1, Ordering::Relaxed);
                     }
+                }
+            }
+            // No await from here on: messages are taken, and a cancelled receive must not
+            // lose them.
+            if cut {
+                sh.ended_upto.fetch_max(self.view, Ordering::AcqRel);
+                if kept == 0 {
+                    return Err(Error::EndOfEpoch);
                 }
             }
             if kept > 0 {
                 return Ok(kept);
             }
         }
+    }
+}
+
+impl<C> Tagged<C> {
+    /// Enables multilateral reconfiguration on this connection; `None` if it already was.
+    pub(crate) fn enable_control(
+        &self,
+        machine: Multilateral,
+    ) -> Option<mpsc::Receiver<Work>> {
+        // Bounded: a transaction makes a handful of work items; only a peer flooding control
+        // messages fills it, and then loses the answers to its own flood.
+        let (tx, rx) = mpsc::channel(256);
+        self.shared
+            .ctl
+            .set(Ctl {
+                machine: Mutex::new(machine),
+                events: tx,
+            })
+            .ok()
+            .map(|()| rx)
+    }
+
+    /// The reconfiguration state, once enabled.
+    pub(crate) fn control_state(&self) -> Option<&Ctl> {
+        self.shared.ctl.get()
+    }
+}
+
+impl<C: SendHeader> Tagged<C> {
+    /// Sends one control message (tag included) on the base connection.
+    pub(crate) async fn send_control(&self, m: Bytes) -> Result<(), Error> {
+        self.shared.inner.send_with_header(&[], [m]).await
+    }
+}
+
+impl<C> Shared<C> {
+    /// Feeds one reconfiguration message to the state machine and hands its answers and
+    /// events to the coordinator's task (the receive path must not wait to send them: it
+    /// holds messages a cancelled receive would lose). True if the message was the peer's
+    /// switch point.
+    fn control(&self, ctl: &Ctl, m: &[u8]) -> bool {
+        let mut machine = lock(&ctl.machine);
+        machine.handle_message(m, std::time::Instant::now());
+        // The receiver lives as long as the coordinator; without it nobody acts anyway.
+        while let Some(t) = machine.poll_transmit() {
+            let _ = ctl.events.try_send(Work::Send(t));
+        }
+        let mut marker = false;
+        while let Some(e) = machine.poll_event() {
+            marker |= matches!(e, Event::PeerSwitched { .. });
+            let _ = ctl.events.try_send(Work::Event(e));
+        }
+        marker
     }
 }
 

@@ -83,6 +83,12 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+    /// The peer switched stacks at this point of the message stream (a multilateral
+    /// reconfiguration marker): this implementation receives nothing more. A reconfigurable
+    /// connection handles it by moving its receivers to the new implementation; an
+    /// application sees it only if it receives below such a connection.
+    #[error("the peer switched stacks here; this implementation receives nothing more")]
+    EndOfEpoch,
     /// An operating-system error during `op` that has no more specific variant.
     #[error("i/o error during {op}: {source}")]
     Io {

@@ -16,9 +16,11 @@
 //! fails, nothing changes and [`crate::Error::SwitchFailed`] is returned. Then it *commits*
 //! each connection in turn:
 //!
-//! 1. close the gate: new calls wait; calls blocked in `recv` on the old implementation are
-//!    woken, drop their pending receive (cancel safe by contract: nothing is lost, messages
-//!    stay below) and wait too; calls in `send` run to completion (a send is not cancel safe);
+//! 1. close the send gate: new sends wait; sends in flight run to completion (a send is not
+//!    cancel safe) while receivers keep reading — a send may wait for the peer to read, and
+//!    the peer for this end to read; then close the receive gate: calls blocked in `recv` on
+//!    the old implementation are woken, drop their pending receive (cancel safe by contract:
+//!    nothing is lost, messages stay below) and wait too;
 //! 2. wait until no call is inside the old implementation — the **switch point**;
 //! 3. `old.export(&mut handoff)`, `new.import(&mut handoff)`; the messages the old one had
 //!    buffered are appended to the connection's carry-over queue;
@@ -286,6 +288,15 @@ pub struct ReconfigConnection<L: ChunnelConnection, R, M: Mechanism = LockFree> 
     core: Arc<Core<L, R, M>>,
 }
 
+/// Clones share the connection (one implementation, one gate).
+impl<L: ChunnelConnection, R, M: Mechanism> Clone for ReconfigConnection<L, R, M> {
+    fn clone(&self) -> Self {
+        ReconfigConnection {
+            core: Arc::clone(&self.core),
+        }
+    }
+}
+
 impl<L: ChunnelConnection, R, M: Mechanism> fmt::Debug for ReconfigConnection<L, R, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReconfigConnection")
@@ -318,6 +329,29 @@ where
     pub async fn reconfigure(&self, to: Side) -> Result<bool, Error> {
         self.core.switch_to(to).await
     }
+
+    /// One end's half of a **multilateral** switch to branch `to` (used by a two-phase
+    /// commit such as `chunnel-negotiate`'s): sends move to the new implementation at once,
+    /// and `marker` runs at the switch point — after the last send of the old implementation
+    /// and before the first of the new one — to tell the peer where its receive side must
+    /// change. Receivers keep reading the old implementation until the peer's switch point
+    /// comes out of it as [`Error::EndOfEpoch`] (or already did), then move to the new one,
+    /// so each direction changes stack exactly at its marker.
+    ///
+    /// `Ok(false)` if the connection already runs on `to`. On an error building the new
+    /// branch or sending the marker, nothing changes.
+    pub async fn switch_with_marker<F, Fut>(&self, to: Side, marker: F) -> Result<bool, Error>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), Error>>,
+    {
+        if self.core.side() == to {
+            return Ok(false);
+        }
+        let new = self.core.build(to).await?;
+        self.core.switch_split(new, marker).await?;
+        Ok(true)
+    }
 }
 
 impl<L, R, M> ChunnelConnection for ReconfigConnection<L, R, M>
@@ -334,9 +368,9 @@ where
         Bu::IntoIter: Send,
     {
         let core = &*self.core;
-        let (ticket, _) = core.enter().await;
+        let (ticket, _) = core.enter(&core.tx).await;
         // A send is not cancel safe, so it is never interrupted: a switch waits for it.
-        core.current(&ticket).send(burst).await
+        core.sender(&ticket).send(burst).await
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Self::Data>]) -> Result<usize, Error> {
@@ -345,26 +379,40 @@ where
         }
         let core = &*self.core;
         loop {
-            let (ticket, carry) = core.enter().await;
+            let (ticket, carry) = core.enter(&core.rx).await;
             if carry {
                 let n = core.take_carry(slots);
                 if n > 0 {
                     return Ok(n);
                 }
             }
+            // Multilateral switches only (one load otherwise): the peer switched and this
+            // end has not yet, so wait for this end's switch.
+            let split = core.split.load(Ordering::Acquire);
+            if split == SPLIT_WAITING || split == SPLIT_RETIRING {
+                drop(ticket);
+                core.wait_until(|| {
+                    matches!(
+                        core.split.load(Ordering::Acquire),
+                        SPLIT_NONE | SPLIT_RETIRED
+                    )
+                })
+                .await;
+                continue;
+            }
             let res = {
-                let mut fut = pin!(core.current(&ticket).recv(&mut *slots));
+                let mut fut = pin!(core.receiver(&ticket).recv(&mut *slots));
                 let mut waiter = core.event.waiter();
                 // Race the receive against the start of a switch.
                 poll_fn(|cx| {
                     if let Poll::Ready(r) = fut.as_mut().poll(cx) {
                         return Poll::Ready(Some(r));
                     }
-                    if M::is_switching(&core.gate) {
+                    if M::is_switching(&core.rx) {
                         return Poll::Ready(None);
                     }
                     waiter.register(cx.waker());
-                    if M::is_switching(&core.gate) {
+                    if M::is_switching(&core.rx) {
                         return Poll::Ready(None);
                     }
                     Poll::Pending
@@ -373,8 +421,10 @@ where
             };
             // The old receive future is gone; leaving the gate lets the switch proceed.
             drop(ticket);
-            if let Some(r) = res {
-                return r;
+            match res {
+                Some(Err(Error::EndOfEpoch)) => core.end_of_epoch(split).await?,
+                Some(r) => return r,
+                None => {}
             }
         }
     }
@@ -391,21 +441,29 @@ where
     fn export(&self, state: &mut Handoff<Self::Data>) {
         let core = &*self.core;
         state.buffered.extend(lock(&core.carry).drain(..));
-        if let Ok((t, _)) = M::enter(&core.gate) {
-            let ticket = Ticket { core, t };
-            core.current(&ticket).export(state);
+        if let Ok((t, _)) = M::enter(&core.rx) {
+            let ticket = Ticket {
+                core,
+                gate: &core.rx,
+                t,
+            };
+            core.receiver(&ticket).export(state);
         }
     }
 
     fn import(&self, state: &mut Handoff<Self::Data>) {
         let core = &*self.core;
-        if let Ok((t, _)) = M::enter(&core.gate) {
-            let ticket = Ticket { core, t };
-            core.current(&ticket).import(state);
+        if let Ok((t, _)) = M::enter(&core.tx) {
+            let ticket = Ticket {
+                core,
+                gate: &core.tx,
+                t,
+            };
+            core.sender(&ticket).import(state);
         }
         if !state.buffered.is_empty() {
             lock(&core.carry).extend(state.buffered.drain(..));
-            M::set_carry(&core.gate);
+            M::set_carry(&core.rx);
         }
     }
 }
@@ -414,14 +472,28 @@ where
 // The shared core of one connection
 
 struct Core<L: ChunnelConnection, R, M: Mechanism> {
-    gate: M::Gate,
-    /// The current implementation. Read only under a [`Ticket`]; written only by the switcher
-    /// while the gate is closed and drained.
-    slot: UnsafeCell<Either<L, R>>,
+    /// Admits `send` calls. A switch drains it before `rx`: a send in flight may need the
+    /// peer to read, and the peer may need this end to read (flow control), so receivers
+    /// keep going until every send has left.
+    tx: M::Gate,
+    /// Admits `recv` calls; carries the carry-over bit.
+    rx: M::Gate,
+    /// The implementations. `slots[send_at]` sends and `slots[recv_at]` receives; they are
+    /// the same one except during a multilateral switch, when this end already sends on the
+    /// new implementation but still receives, on the old one, what the peer sent before its
+    /// switch point. The other slot is empty.
+    slots: [UnsafeCell<Option<Either<L, R>>>; 2],
+    /// Read under a `tx` ticket; written only while `tx` is closed and drained.
+    send_at: AtomicU8,
+    /// Read under an `rx` ticket; written only while `rx` is closed and drained.
+    recv_at: AtomicU8,
+    /// [`SPLIT_NONE`], [`SPLIT_RETIRED`], [`SPLIT_RETIRING`] or [`SPLIT_WAITING`].
+    split: AtomicU8,
+    /// The branch `send` uses.
     side: AtomicU8,
     /// Woken when a switch starts (blocked receivers) and when it ends (waiting calls).
     event: Event,
-    /// The switcher waiting for the gate to drain.
+    /// The switcher waiting for a gate to drain.
     drain: Mutex<Option<Waker>>,
     /// Messages the previous implementations received but did not deliver, oldest first.
     carry: Mutex<VecDeque<L::Data>>,
@@ -431,23 +503,37 @@ struct Core<L: ChunnelConnection, R, M: Mechanism> {
     builder: Box<dyn Build<L, R>>,
 }
 
-// SAFETY: `slot` is the only field that is not `Sync` by itself. Shared references to its
-// contents are handed out only to holders of a `Ticket` (the gate admitted them); it is
-// replaced only by the switcher after the gate is closed and drained (no ticket exists and
-// none can be issued), and the gate's atomics/mutex order those accesses (see gate.rs).
-// The connections are `Send + Sync` (`ChunnelConnection` requires it), and so is `L::Data`
-// behind its mutex when it is `Send`.
+/// Send and receive use the same implementation.
+const SPLIT_NONE: u8 = 0;
+/// This end switched (sends on the new implementation) but the peer has not: receivers read
+/// the old one until it reports the peer's switch point.
+const SPLIT_RETIRED: u8 = 1;
+/// A receiver saw the peer's switch point in the old implementation and is dropping it.
+const SPLIT_RETIRING: u8 = 2;
+/// The peer switched (its switch point came out of the current implementation) and this end
+/// has not yet: receivers wait for this end's switch.
+const SPLIT_WAITING: u8 = 3;
+
+// SAFETY: `slots` is the only field that is not `Sync` by itself. A shared reference to
+// `slots[i]` is handed out only to the holder of a ticket of the gate that owns index `i`
+// (`tx` for `send_at`, `rx` for `recv_at`). A slot is written only (a) when neither index
+// names it (it is empty and nobody can reach it), or (b) after every gate whose index names
+// it is closed and drained (no such ticket exists and none can be issued). The indices
+// themselves change only under (b). The gates' atomics/mutex order those accesses (see
+// gate.rs). The connections are `Send + Sync` (`ChunnelConnection` requires it), and so is
+// `L::Data` behind its mutex when it is `Send`.
 unsafe impl<L: ChunnelConnection, R: Send + Sync, M: Mechanism> Sync for Core<L, R, M> {}
 
-/// Proof of admission through the gate; leaving it (drop) lets a switch proceed.
+/// Proof of admission through a gate; leaving it (drop) lets a switch proceed.
 struct Ticket<'a, L: ChunnelConnection, R, M: Mechanism> {
     core: &'a Core<L, R, M>,
+    gate: &'a M::Gate,
     t: usize,
 }
 
 impl<L: ChunnelConnection, R, M: Mechanism> Drop for Ticket<'_, L, R, M> {
     fn drop(&mut self) {
-        if M::exit(&self.core.gate, self.t) {
+        if M::exit(self.gate, self.t) {
             self.core.wake_drain();
         }
     }
@@ -467,9 +553,13 @@ fn side_u8(s: Side) -> u8 {
 impl<L: ChunnelConnection, R, M: Mechanism> Core<L, R, M> {
     fn new(conn: Either<L, R>, builder: Box<dyn Build<L, R>>) -> Self {
         Core {
-            gate: M::Gate::default(),
+            tx: M::Gate::default(),
+            rx: M::Gate::default(),
             side: AtomicU8::new(side_u8(conn.side())),
-            slot: UnsafeCell::new(conn),
+            slots: [UnsafeCell::new(Some(conn)), UnsafeCell::new(None)],
+            send_at: AtomicU8::new(0),
+            recv_at: AtomicU8::new(0),
+            split: AtomicU8::new(SPLIT_NONE),
             event: Event::default(),
             drain: Mutex::new(None),
             carry: Mutex::new(VecDeque::new()),
@@ -483,23 +573,44 @@ impl<L: ChunnelConnection, R, M: Mechanism> Core<L, R, M> {
         side_of(self.side.load(Ordering::Acquire))
     }
 
-    /// The current implementation, for as long as `ticket` is held.
-    fn current<'a>(&'a self, ticket: &'a Ticket<'_, L, R, M>) -> &'a Either<L, R> {
-        debug_assert!(std::ptr::eq(ticket.core, self));
-        // SAFETY: a ticket is held, so the switcher does not replace the slot (see `Sync`).
-        unsafe { &*self.slot.get() }
+    fn slot_ref(&self, i: u8) -> &Either<L, R> {
+        // SAFETY: callers hold a ticket of the gate whose index is `i` (see `Sync`).
+        let s = unsafe { &*self.slots[usize::from(i & 1)].get() };
+        s.as_ref().expect("an index names a filled slot")
     }
 
-    /// Admission: immediate on the fast path; during a switch, waits for its end.
-    async fn enter(&self) -> (Ticket<'_, L, R, M>, bool) {
+    /// The implementation that sends, for as long as `ticket` (a `tx` ticket) is held.
+    fn sender<'a>(&'a self, ticket: &'a Ticket<'_, L, R, M>) -> &'a Either<L, R> {
+        debug_assert!(std::ptr::eq(ticket.gate, &self.tx));
+        self.slot_ref(self.send_at.load(Ordering::Acquire))
+    }
+
+    /// The implementation that receives, for as long as `ticket` (an `rx` ticket) is held.
+    fn receiver<'a>(&'a self, ticket: &'a Ticket<'_, L, R, M>) -> &'a Either<L, R> {
+        debug_assert!(std::ptr::eq(ticket.gate, &self.rx));
+        self.slot_ref(self.recv_at.load(Ordering::Acquire))
+    }
+
+    /// Admission through `gate` (`tx` or `rx`): immediate on the fast path; during a
+    /// switch, waits for its end.
+    async fn enter<'a>(&'a self, gate: &'a M::Gate) -> (Ticket<'a, L, R, M>, bool) {
         loop {
-            match M::enter(&self.gate) {
-                Ok((t, carry)) => return (Ticket { core: self, t }, carry),
+            match M::enter(gate) {
+                Ok((t, carry)) => {
+                    return (
+                        Ticket {
+                            core: self,
+                            gate,
+                            t,
+                        },
+                        carry,
+                    );
+                }
                 Err(wake) => {
                     if wake {
                         self.wake_drain();
                     }
-                    self.wait_until(|| !M::is_switching(&self.gate)).await;
+                    self.wait_until(|| !M::is_switching(gate)).await;
                 }
             }
         }
@@ -535,9 +646,52 @@ impl<L: ChunnelConnection, R, M: Mechanism> Core<L, R, M> {
             *s = Some(m);
         }
         if q.is_empty() {
-            M::clear_carry(&self.gate);
+            M::clear_carry(&self.rx);
         }
         n
+    }
+
+    /// Appends to the carry-over queue; true if it is not empty.
+    fn add_carry(&self, msgs: impl IntoIterator<Item = L::Data>) -> bool {
+        let mut q = lock(&self.carry);
+        q.extend(msgs);
+        !q.is_empty()
+    }
+
+    /// Takes the connection for a switch (one at a time); returns the guard that frees it
+    /// and reopens whatever gates it closed.
+    async fn take_busy(&self) -> SwitchGuard<'_, L, R, M> {
+        loop {
+            if self
+                .busy
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                break;
+            }
+            self.wait_until(|| !self.busy.load(Ordering::Acquire)).await;
+        }
+        SwitchGuard {
+            core: self,
+            tx_closed: false,
+            rx_closed: false,
+        }
+    }
+
+    /// Closes `gate`, wakes the calls waiting in it, and waits until no call holds a ticket.
+    async fn close_one(&self, gate: &M::Gate) {
+        M::close(gate);
+        self.event.notify_all();
+        poll_fn(|cx| {
+            *lock(&self.drain) = Some(cx.waker().clone());
+            if M::drained(gate) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+        lock(&self.drain).take();
     }
 }
 
@@ -569,77 +723,190 @@ where
 
     /// Installs `new` (steps 1-4 of the module docs). Returns false if the connection already
     /// ran on `new`'s branch (then `new` is dropped). Cancel safe: dropped before the switch
-    /// point, it reopens the gate and nothing changes.
+    /// point, it reopens the gates and nothing changes.
     async fn commit(&self, new: Either<L, R>) -> bool {
-        // One switch at a time.
-        loop {
-            if self
-                .busy
-                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                break;
-            }
-            self.wait_until(|| !self.busy.load(Ordering::Acquire)).await;
+        let mut guard = self.take_busy().await;
+        // A multilateral switch in progress finishes first.
+        while self.split.load(Ordering::Acquire) != SPLIT_NONE {
+            drop(guard);
+            self.wait_until(|| self.split.load(Ordering::Acquire) == SPLIT_NONE)
+                .await;
+            guard = self.take_busy().await;
         }
-        let mut guard = SwitchGuard {
-            core: self,
-            closed: false,
-        };
         if self.side() == new.side() {
             return false;
         }
-        // 1. Close the gate and wake the receivers blocked in the old implementation.
-        M::close(&self.gate);
-        guard.closed = true;
-        self.event.notify_all();
-        // 2. Wait for the barrier: no call inside the old implementation.
-        poll_fn(|cx| {
-            *lock(&self.drain) = Some(cx.waker().clone());
-            if M::drained(&self.gate) {
-                Poll::Ready(())
-            } else {
-                Poll::Pending
-            }
-        })
-        .await;
-        lock(&self.drain).take();
+        // 1-2. Sends leave first (receivers keep reading meanwhile), then receivers are woken
+        // out of the old implementation: the barrier.
+        guard.tx_closed = true;
+        self.close_one(&self.tx).await;
+        guard.rx_closed = true;
+        self.close_one(&self.rx).await;
         // The switch point. 3. State transfer, 4. install.
-        // SAFETY: the gate is closed and drained: no ticket exists, none is issued until
-        // `open`, so nothing else refers to the slot.
-        let slot = unsafe { &mut *self.slot.get() };
+        let i = usize::from(self.send_at.load(Ordering::Acquire) & 1);
+        // SAFETY: both gates are closed and drained and both indices name slot `i` (no
+        // multilateral switch is in progress), so nothing else refers to it.
+        let slot = unsafe { &mut *self.slots[i].get() };
         let mut handoff = Handoff::new();
-        slot.export(&mut handoff);
+        if let Some(old) = slot.as_ref() {
+            old.export(&mut handoff);
+        }
         new.import(&mut handoff);
-        let carry = {
-            let mut q = lock(&self.carry);
-            q.extend(handoff.buffered.drain(..));
-            !q.is_empty()
-        };
-        let old = std::mem::replace(slot, new);
-        self.side.store(side_u8(slot.side()), Ordering::Release);
+        let carry = self.add_carry(handoff.buffered.drain(..));
+        self.side.store(side_u8(new.side()), Ordering::Release);
+        let old = slot.replace(new);
         self.switches.fetch_add(1, Ordering::Relaxed);
-        M::open(&self.gate, carry);
-        guard.closed = false;
+        guard.reopen(carry);
         drop(guard);
         drop(old);
         true
     }
+
+    /// A multilateral switch of this end to `new`: sends switch now — `marker` runs at the
+    /// switch point, after the last send of the old implementation and before the first of
+    /// the new one (it sends the protocol's marker) — while receivers go on reading the old
+    /// implementation until the peer's switch point comes out of it
+    /// ([`Error::EndOfEpoch`]), unless it already has. Receivers are not stopped while the
+    /// marker is sent (it may wait for the peer to read, and the peer for this end).
+    async fn switch_split<F, Fut>(&self, new: Either<L, R>, marker: F) -> Result<(), Error>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), Error>>,
+    {
+        let mut guard = self.take_busy().await;
+        if self.split.load(Ordering::Acquire) == SPLIT_RETIRED {
+            return Err(Error::BadPick {
+                what: "a multilateral switch is already half done on this connection",
+            });
+        }
+        guard.tx_closed = true;
+        self.close_one(&self.tx).await;
+        // The switch point. If the marker cannot be sent, nothing changes.
+        marker().await?;
+        let old_at = self.send_at.load(Ordering::Acquire) & 1;
+        let new_at = old_at ^ 1;
+        {
+            // SAFETY: no index names `new_at` (it is empty, see `slots`): nobody reaches it.
+            let free = unsafe { &mut *self.slots[usize::from(new_at)].get() };
+            // SAFETY: `tx` is drained, and receivers only read `slot_ref(recv_at)` through
+            // shared references, as this does; `export` takes `&self`.
+            let old = unsafe { &*self.slots[usize::from(old_at)].get() };
+            let mut handoff = Handoff::new();
+            if let Some(old) = old.as_ref() {
+                old.export(&mut handoff);
+            }
+            new.import(&mut handoff);
+            self.side.store(side_u8(new.side()), Ordering::Release);
+            *free = Some(new);
+            let carry = self.add_carry(handoff.buffered.drain(..));
+            if carry {
+                M::set_carry(&self.rx);
+            }
+        }
+        self.send_at.store(new_at, Ordering::Release);
+        self.switches.fetch_add(1, Ordering::Relaxed);
+        if self.split.load(Ordering::Acquire) == SPLIT_WAITING {
+            // The peer's switch point already came out of the old implementation: receivers
+            // wait for this; move them to the new one now.
+            self.retire_locked(&mut guard, old_at, new_at).await;
+        } else {
+            self.split.store(SPLIT_RETIRED, Ordering::Release);
+        }
+        let carry = !lock(&self.carry).is_empty();
+        guard.reopen(carry);
+        Ok(())
+    }
+
+    /// Moves receivers from slot `old_at` to `new_at` and drops the old implementation
+    /// (its undelivered messages join the carry-over queue). Holds the busy guard.
+    async fn retire_locked(&self, guard: &mut SwitchGuard<'_, L, R, M>, old_at: u8, new_at: u8) {
+        guard.rx_closed = true;
+        self.close_one(&self.rx).await;
+        // SAFETY: `rx` is drained and `send_at` names `new_at`, so nothing refers to
+        // `old_at`.
+        let old = unsafe { (*self.slots[usize::from(old_at)].get()).take() };
+        let mut handoff = Handoff::new();
+        if let Some(old) = &old {
+            old.export(&mut handoff);
+        }
+        self.add_carry(handoff.buffered.drain(..));
+        self.recv_at.store(new_at, Ordering::Release);
+        self.split.store(SPLIT_NONE, Ordering::Release);
+        drop(old);
+    }
+
+    /// A receiver read the peer's switch point ([`Error::EndOfEpoch`]) while receivers were
+    /// in state `seen`.
+    async fn end_of_epoch(&self, seen: u8) -> Result<(), Error> {
+        match seen {
+            // The peer switched first: wait for this end's switch (`switch_split`).
+            SPLIT_NONE => {
+                let _ = self.split.compare_exchange(
+                    SPLIT_NONE,
+                    SPLIT_WAITING,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                Ok(())
+            }
+            // The old implementation has delivered everything the peer sent on the old
+            // stack: receivers move to the new one (one receiver does it; the others wait).
+            SPLIT_RETIRED => {
+                if self
+                    .split
+                    .compare_exchange(
+                        SPLIT_RETIRED,
+                        SPLIT_RETIRING,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    )
+                    .is_ok()
+                {
+                    let mut guard = self.take_busy().await;
+                    let old_at = self.recv_at.load(Ordering::Acquire) & 1;
+                    let new_at = self.send_at.load(Ordering::Acquire) & 1;
+                    self.retire_locked(&mut guard, old_at, new_at).await;
+                    let carry = !lock(&self.carry).is_empty();
+                    guard.reopen(carry);
+                }
+                Ok(())
+            }
+            // A second switch point before this end switched: the peer is not following
+            // the protocol.
+            _ => Err(Error::BadPick {
+                what: "the peer switched stacks twice without this end switching",
+            }),
+        }
+    }
 }
 
-/// Releases a switch: reopens the gate if it was left closed (a cancelled commit), frees the
+/// Releases a switch: reopens the gates it left closed (a cancelled switch), frees the
 /// connection for the next switch and wakes everyone waiting.
 struct SwitchGuard<'a, L: ChunnelConnection, R, M: Mechanism> {
     core: &'a Core<L, R, M>,
-    closed: bool,
+    tx_closed: bool,
+    rx_closed: bool,
+}
+
+impl<L: ChunnelConnection, R, M: Mechanism> SwitchGuard<'_, L, R, M> {
+    fn reopen(&mut self, carry: bool) {
+        if self.rx_closed {
+            M::open(&self.core.rx, carry);
+            self.rx_closed = false;
+        } else if carry {
+            M::set_carry(&self.core.rx);
+        }
+        if self.tx_closed {
+            M::open(&self.core.tx, false);
+            self.tx_closed = false;
+        }
+    }
 }
 
 impl<L: ChunnelConnection, R, M: Mechanism> Drop for SwitchGuard<'_, L, R, M> {
     fn drop(&mut self) {
-        if self.closed {
-            let carry = !lock(&self.core.carry).is_empty();
-            M::open(&self.core.gate, carry);
-        }
+        let carry = !lock(&self.core.carry).is_empty();
+        self.reopen(carry);
         lock(&self.core.drain).take();
         self.core.busy.store(false, Ordering::Release);
         self.core.event.notify_all();
