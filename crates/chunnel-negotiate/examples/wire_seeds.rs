@@ -8,7 +8,8 @@
 //! writes `<dir>/hello/*`, `<dir>/accept/*` and `<dir>/reject/*` (message bodies: the bytes
 //! after the tag, which is what those targets decode) and `<dir>/server/*` (whole hellos, tag
 //! included, as `Server::handle_hello` takes them) and `<dir>/accept_data/*` (whole
-//! `ACCEPT_DATA` messages, as a client receives them). The output is deterministic, so
+//! `ACCEPT_DATA` messages, as a client receives them) and `<dir>/commit/*` (reconfiguration
+//! scenarios, see `commits`). The output is deterministic, so
 //! re-running it leaves an up-to-date corpus unchanged.
 
 use std::fs;
@@ -19,7 +20,8 @@ use bytes::Bytes;
 use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
 use chunnel::{Capability, Pick, StackOption};
 use chunnel_negotiate::wire::{
-    Accept, Control, Hello, Reject, RejectReason, VERSION, ZeroRtt, encode_control,
+    Accept, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag, Txn, VERSION, Verdict,
+    Vote, ZeroRtt, encode_control,
 };
 
 fn info(id: &'static str, capabilities: Vec<Capability>) -> ChunnelInfo {
@@ -200,6 +202,68 @@ fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Inputs of the `commit` target: a scenario byte (bit 0: may not initiate, bit 1: refuses
+/// the peer, bit 2: proposes txn 42 first, bit 3: time passes), then messages separated by
+/// `0xff` (the ids here contain no `0xff` byte).
+fn commits() -> Vec<(&'static str, Vec<u8>)> {
+    let bincode = StackOption {
+        chunnels: vec![info("ser", vec![Capability::exact("serialize", ["bincode"])])],
+        pick: Pick::from_branches(vec![1]),
+    };
+    let txn = |t| Txn { version: VERSION, txn: t };
+    let prepare = Prepare {
+        version: VERSION,
+        txn: 7,
+        option: bincode.clone(),
+    }
+    .encode();
+    let yes = Vote {
+        version: VERSION,
+        txn: 42,
+        verdict: Verdict::Yes {
+            pick: Pick::from_branches(vec![1]),
+            stack: bincode.chunnels.clone(),
+        },
+    }
+    .encode();
+    let no = Vote {
+        version: VERSION,
+        txn: 42,
+        verdict: Verdict::No {
+            reason: Refusal::NotAllowed,
+            mismatches: Vec::new(),
+            message: "no".into(),
+        },
+    }
+    .encode();
+    let join = |mode: u8, msgs: &[&[u8]]| {
+        let mut v = vec![mode];
+        for (i, m) in msgs.iter().enumerate() {
+            if i > 0 {
+                v.push(0xff);
+            }
+            v.extend_from_slice(m);
+        }
+        v
+    };
+    vec![
+        (
+            "follower-commits",
+            join(0, &[&prepare, &txn(7).encode(Tag::Commit)]),
+        ),
+        (
+            "follower-aborted",
+            join(0, &[&prepare, &txn(7).encode(Tag::Abort)]),
+        ),
+        (
+            "initiator-switches",
+            join(4, &[&yes, &txn(42).encode(Tag::Done)]),
+        ),
+        ("initiator-refused", join(4, &[&no])),
+        ("initiator-times-out", join(12, &[&prepare, &prepare])),
+    ]
+}
+
 fn main() -> Result<()> {
     let dir: PathBuf = std::env::args_os()
         .nth(1)
@@ -218,6 +282,9 @@ fn main() -> Result<()> {
     }
     for (name, r) in rejects() {
         write(&dir, "reject", name, &r.encode()[1..])?;
+    }
+    for (name, bytes) in commits() {
+        write(&dir, "commit", name, &bytes)?;
     }
     Ok(())
 }
