@@ -7,6 +7,10 @@
 //! the wire, fall back to the option they share, reconnect with 0-RTT, and refuse an
 //! incompatible client with a clear error on both ends.
 //!
+//! Then the reconfiguration part ([`reconfiguration`]): a live connection switches an
+//! exact-match Chunnel with its peer's agreement (two-phase commit, in-band) while messages
+//! flow, and the demo prints the pause.
+//!
 //! Run: `cargo run --release -p chunnel-demo` (add `-- --messages N` to change the count).
 
 use std::time::{Duration, Instant};
@@ -19,6 +23,7 @@ use chunnel::{
 use chunnel_net::{udp, uds};
 
 mod negotiation;
+mod reconfiguration;
 
 const MSG_LEN: usize = 64;
 const BURST: usize = 16;
@@ -31,7 +36,8 @@ fn main() -> Result<()> {
         .build()?;
     rt.block_on(async {
         tour(messages).await?;
-        negotiation::tour().await
+        negotiation::tour().await?;
+        reconfiguration::tour().await
     })
 }
 

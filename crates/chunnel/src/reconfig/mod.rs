@@ -862,12 +862,24 @@ where
                     )
                     .is_ok()
                 {
+                    // Cancelled before it is done (the receive was dropped), the next
+                    // receiver starts over.
+                    let undo = Undo(|| {
+                        let _ = self.split.compare_exchange(
+                            SPLIT_RETIRING,
+                            SPLIT_RETIRED,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        );
+                        self.event.notify_all();
+                    });
                     let mut guard = self.take_busy().await;
                     let old_at = self.recv_at.load(Ordering::Acquire) & 1;
                     let new_at = self.send_at.load(Ordering::Acquire) & 1;
                     self.retire_locked(&mut guard, old_at, new_at).await;
                     let carry = !lock(&self.carry).is_empty();
                     guard.reopen(carry);
+                    drop(undo);
                 }
                 Ok(())
             }
@@ -877,6 +889,15 @@ where
                 what: "the peer switched stacks twice without this end switching",
             }),
         }
+    }
+}
+
+/// Runs a closure on drop.
+struct Undo<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Undo<F> {
+    fn drop(&mut self) {
+        (self.0)()
     }
 }
 
