@@ -207,10 +207,16 @@ fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) -> Result<()> {
 /// `0xff` (the ids here contain no `0xff` byte).
 fn commits() -> Vec<(&'static str, Vec<u8>)> {
     let bincode = StackOption {
-        chunnels: vec![info("ser", vec![Capability::exact("serialize", ["bincode"])])],
+        chunnels: vec![info(
+            "ser",
+            vec![Capability::exact("serialize", ["bincode"])],
+        )],
         pick: Pick::from_branches(vec![1]),
     };
-    let txn = |t| Txn { version: VERSION, txn: t };
+    let txn = |t| Txn {
+        version: VERSION,
+        txn: t,
+    };
     let prepare = Prepare {
         version: VERSION,
         txn: 7,

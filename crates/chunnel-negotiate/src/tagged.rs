@@ -444,10 +444,7 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
 
 impl<C> Tagged<C> {
     /// Enables multilateral reconfiguration on this connection; `None` if it already was.
-    pub(crate) fn enable_control(
-        &self,
-        machine: Multilateral,
-    ) -> Option<mpsc::Receiver<Work>> {
+    pub(crate) fn enable_control(&self, machine: Multilateral) -> Option<mpsc::Receiver<Work>> {
         // Bounded: a transaction makes a handful of work items; only a peer flooding control
         // messages fills it, and then loses the answers to its own flood.
         let (tx, rx) = mpsc::channel(256);
