@@ -35,7 +35,9 @@ pub struct Config {
     pub cache_entries: usize,
     /// Server: how long an accepted 0-RTT answer may wait for the application's first reply
     /// so both go in one message (`ACCEPT_DATA`, docs/wire.md §7.5). It goes out alone
-    /// earlier if the application waits to receive first. Zero sends every accept at once.
+    /// earlier if the application waits to receive first, and at most 1 ms later than this
+    /// otherwise (held accepts are released by one timer, in 1 ms steps). Zero sends every
+    /// accept at once.
     pub accept_hold: Duration,
 }
 
@@ -185,6 +187,19 @@ fn new_conn_id() -> u64 {
     );
     // 0 means "unknown" in a reject.
     h.finish().max(1)
+}
+
+/// How finely the listener's held accepts are released (see [`Config::accept_hold`]).
+const HOLD_GRAIN: Duration = Duration::from_millis(1);
+
+/// `t` rounded up to the next multiple of `grain` since a fixed point of this process.
+fn coarse_by(t: Instant, grain: Duration) -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let grain = grain.as_nanos().max(1);
+    let since = t.saturating_duration_since(epoch).as_nanos();
+    let up = since.div_ceil(grain) * grain;
+    epoch + Duration::from_nanos(u64::try_from(up).unwrap_or(u64::MAX))
 }
 
 /// Runs a client handshake over `base` to its outcome.
@@ -470,8 +485,10 @@ impl<C: SendHeader> Held<C> {
                 self.added.notified().await;
                 continue;
             };
-            tokio::time::sleep_until(due).await;
-            let now = Instant::now();
+            // One wake per grain, for every accept due in it (not one per connection).
+            let wake = coarse_by(due, HOLD_GRAIN);
+            tokio::time::sleep_until(wake).await;
+            let now = Instant::now().max(wake);
             loop {
                 let entry = {
                     let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
