@@ -6,12 +6,15 @@
 //!   message and a count of heap allocations per message.
 //! * `negotiate`: connection set-up cost (connect + first echo) for a raw UDP exchange, 1-RTT
 //!   negotiation and 0-RTT reconnect.
+//! * `reconfig`: unilateral runtime reconfiguration: fast-path cost of a reconfigurable select
+//!   (lock-free and lock mechanisms) and the pause of a switch under load.
 //! * `probe` (internal): the deterministic loop that `overhead` runs under callgrind.
 
 mod alloc;
 mod negotiate;
 mod overhead;
 mod probe;
+mod reconfig;
 mod stats;
 
 use anyhow::Result;
@@ -36,6 +39,8 @@ enum Cmd {
     Overhead(overhead::Args),
     /// Connection set-up cost: raw UDP exchange vs. 1-RTT and 0-RTT negotiation.
     Negotiate(negotiate::Args),
+    /// Unilateral reconfiguration: fast-path cost of a reconfigurable select, switch pause.
+    Reconfig(reconfig::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -45,6 +50,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Overhead(a) => overhead::run(a),
         Cmd::Negotiate(a) => negotiate::run(a),
+        Cmd::Reconfig(a) => reconfig::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }

@@ -254,3 +254,17 @@ where
         }
     }
 }
+
+/// No state is handed over. This connection does buffer received bytes (its read buffer may
+/// hold complete frames not yet delivered, and part of the next one), but under a
+/// reconfigurable select it sits below [`chunnel::Shared`] and outlives the switch, so the new
+/// branch reads them. When a stream connection is itself a select branch, the frames left in
+/// the old connection's buffer are lost with it, like the bytes still in its kernel socket: a
+/// lossless switch between two streams needs the peer to stop sending on the old one first
+/// (a multilateral switch).
+impl<R, W> chunnel::Handover for Connection<R, W>
+where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send,
+{
+}
