@@ -46,4 +46,16 @@ log "chunnel-bench negotiate (short run: checks the tool works end to end)"
 cargo run --release --locked -q -p chunnel-bench -- negotiate --reps 1 --conns 200 \
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==3, d; print("bench JSON ok:", d["checks"])'
 
+log "chunnel-bench reconfig (short run: every switch delivered every message once, both kinds)"
+cargo run --release --locked -q -p chunnel-bench -- reconfig --reps 1 --millis 30 --pause-reps 1 \
+  --messages 4000 --switch-every 500 --no-callgrind \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "reconfig", d
+for m in (d["switch_pause"]["lock-free"], d["switch_pause"]["lock"], d["multilateral"]["pause"]):
+    assert m["switches"] >= 1 and m["loss"]["lost"] == 0 and m["loss"]["duplicates"] == 0, m
+assert d["checks"]["zero_loss"] and d["checks"]["multilateral_zero_loss"], d["checks"]
+print("bench JSON ok:", d["checks"])'
+
 log "all tests passed"

@@ -1,5 +1,5 @@
-//! `chunnel-bench reconfig`: what unilateral runtime reconfiguration costs (issue 4, item 6;
-//! the multilateral switch is not measured yet).
+//! `chunnel-bench reconfig`: what runtime reconfiguration costs (issue 4, item 6): the fast
+//! path of both unilateral mechanisms, and the pause of unilateral and multilateral switches.
 //!
 //! Every client below talks to an echo server (`Noop` over a `uds::DatagramListener`) through
 //! a Unix datagram connection, a lossless base on loopback. Client, server and switcher share
@@ -41,6 +41,10 @@
 //!    between consecutive deliveries that overlaps the call (at 20k msg/s the steady gap is
 //!    50 us, reported beside it). Loss,
 //!    duplicates and reordering are counted from the sequence numbers.
+//!
+//! 3. **Multilateral switch pause**: the same measurement on a negotiated connection over a
+//!    Unix stream socket whose client proposes every switch by two-phase commit
+//!    (`chunnel_negotiate::commit::Coordinator`) and whose server votes and follows.
 
 use std::net::UdpSocket as StdUdp;
 use std::path::{Path, PathBuf};
@@ -223,6 +227,28 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     let lf = summarize_pause(&runs[0], &a);
     let lk = summarize_pause(&runs[1], &a);
+    let mut multi_runs = Vec::new();
+    for rep in 0..a.pause_reps {
+        let r = rt
+            .block_on(async {
+                let limit = Duration::from_secs_f64(a.messages as f64 / a.rate + 30.0);
+                tokio::time::timeout(limit, pause_run_multilateral(&a)).await
+            })
+            .context("multilateral switch-pause run stalled")??;
+        let mut p = r.pauses.clone();
+        p.sort_by(f64::total_cmp);
+        eprintln!(
+            "rep {rep} switch pause multilateral: {} switches, pause p50 {:.1} us p99 {:.1} us \
+             max {:.1} us, lost {}",
+            r.switches.len(),
+            quantile(&p, 0.5),
+            quantile(&p, 0.99),
+            p.last().copied().unwrap_or(f64::NAN),
+            r.lost
+        );
+        multi_runs.push(r);
+    }
+    let ml = summarize_pause(&multi_runs, &a);
     let wall = started.elapsed();
 
     let instr_delta = |name: &str| callgrind["gate_cost_per_traversal"][name].as_f64();
@@ -273,7 +299,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
             "lock-free": lf,
             "lock": lk,
         },
-        "multilateral": "not yet measured (TODO: two-phase-commit switch, issue 4 item 6)",
+        "multilateral": {
+            "what": "the same open-loop echo on a negotiated Unix stream connection; each switch \
+                     is a two-phase commit proposed by the client (lock-free mechanism at both \
+                     ends); switch_call_us is the proposal until the peer's switch point arrived",
+            "base": "unix stream (uds::StreamConnect -> listen(uds::StreamListener)), loopback",
+            "pause": ml,
+        },
         "checks": {
             "lock_free_throughput_ratio": ratio_median[1],
             "lock_throughput_ratio": ratio_median[2],
@@ -283,7 +315,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
             "lock_free_pause_p99_us": pause_p99(&lf),
             "lock_pause_p99_us": pause_p99(&lk),
             "pause_p99_under_1ms": pause_p99(&lf) < 1000.0 && pause_p99(&lk) < 1000.0,
+            "multilateral_pause_p99_us": pause_p99(&ml),
             "zero_loss": lossless(&lf) && lossless(&lk),
+            "multilateral_zero_loss": lossless(&ml),
         },
     });
     println!("{out}");
@@ -620,8 +654,94 @@ async fn pause_run<M: Mechanism>(a: &Args) -> Result<PauseRun> {
     let handle = sel.handle();
     let client = stack![sel, Shared, uds::DatagramConnect::new(path)];
     let (conn, echo) = connect_echo(client, server, 32, a.size).await?;
-    let conn = Arc::new(conn);
+    let r = measure_pause(
+        Arc::new(conn),
+        move |to| {
+            let handle = handle.clone();
+            async move {
+                match handle.reconfigure(to).await? {
+                    1 => Ok(()),
+                    k => bail!("a switch changed {k} connections, not 1"),
+                }
+            }
+        },
+        a,
+    )
+    .await;
+    echo.abort();
+    r
+}
 
+/// The multilateral switch: a negotiated connection over a Unix stream socket (the two-phase
+/// commit needs a base that delivers in order without loss), `select(Noop, Noop)` made
+/// reconfigurable at both ends, and a `Coordinator` at each; the client proposes every switch
+/// and the server votes and follows, in-band.
+async fn pause_run_multilateral(a: &Args) -> Result<PauseRun> {
+    use chunnel_negotiate::commit::{Coordinator, Outcome, Policy};
+    use chunnel_negotiate::{Client, Config, listen};
+    let addr = uds::UnixAddr::Abstract(
+        sock_path("multilateral")
+            .to_string_lossy()
+            .into_owned()
+            .into_bytes(),
+    );
+    let stack = || select(Noop, Noop).reconfigurable::<LockFree>();
+    let mut server = listen(
+        stack(),
+        uds::StreamListener::bind(addr.clone()).await?,
+        Config::default(),
+    );
+    let echo = tokio::spawn(async move {
+        while let Ok(conn) = server.accept().await {
+            let Ok(coord) = Coordinator::start(&conn, &stack(), Policy::default()) else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let _coord = coord;
+                let mut slots = vec![None; 32];
+                while let Ok(k) = conn.recv(&mut slots).await {
+                    if conn
+                        .send(slots[..k].iter_mut().flatten().map(|m| m.clone()))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let base = uds::StreamConnect::new(addr).connect_wrap(()).await?;
+    let conn = Client::new(Config::default())
+        .connect("bench", stack(), base)
+        .await?;
+    let coord = Arc::new(Coordinator::start(&conn, &stack(), Policy::default())?);
+    let r = measure_pause(
+        Arc::new(conn),
+        move |to| {
+            let coord = coord.clone();
+            async move {
+                match coord.switch(to).await? {
+                    Outcome::Switched => Ok(()),
+                    other => bail!("the multilateral switch to {to:?} ended {other:?}"),
+                }
+            }
+        },
+        a,
+    )
+    .await;
+    echo.abort();
+    r
+}
+
+/// Runs the open-loop echo on `conn` while `switch` flips the branch every
+/// `--switch-every` messages; collects deliveries, switch windows and loss.
+async fn measure_pause<C, F, Fut>(conn: Arc<C>, mut switch: F, a: &Args) -> Result<PauseRun>
+where
+    C: ChunnelConnection<Data = Bytes> + 'static,
+    F: FnMut(Side) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<()>> + Send,
+{
     let n = a.messages;
     let interval_us = 1e6 / a.rate;
     let t0 = Instant::now();
@@ -650,19 +770,14 @@ async fn pause_run<M: Mechanism>(a: &Args) -> Result<PauseRun> {
         let mut to = Side::Right;
         while switch_rx.recv().await.is_some() {
             let start = us();
-            let r = handle.reconfigure(to).await;
-            let end = us();
-            match r {
-                Ok(1) => windows.push((start, end)),
-                Ok(k) => bail!("a switch changed {k} connections, not 1"),
-                Err(e) => return Err(e.into()),
-            }
+            switch(to).await?;
+            windows.push((start, us()));
             to = match to {
                 Side::Left => Side::Right,
                 Side::Right => Side::Left,
             };
         }
-        Ok(windows)
+        anyhow::Ok(windows)
     });
     let sender = {
         let conn = conn.clone();
@@ -710,7 +825,6 @@ async fn pause_run<M: Mechanism>(a: &Args) -> Result<PauseRun> {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     receiver.abort();
-    echo.abort();
     let deliveries = std::mem::take(&mut *deliveries.lock().unwrap_or_else(|e| e.into_inner()));
 
     let mut seen = vec![false; n as usize];

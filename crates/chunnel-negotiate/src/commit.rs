@@ -341,11 +341,18 @@ impl Multilateral {
         self.transmit.push_back(bytes);
     }
 
-    /// The first own option compatible with the proposal, by the negotiation rule (this end
-    /// in the server's place: its preference order decides).
+    /// The own option with the proposal's pick if it is compatible with the proposal (peers
+    /// with the same select tree switch to the same branch), else the first compatible one
+    /// in this end's preference order, by the negotiation rule (this end in the server's
+    /// place).
     fn decide(&self, p: &Prepare) -> Vote {
         let mut mismatches = Vec::new();
-        for (si, mine) in self.offers.iter().enumerate() {
+        let same = self.offers.iter().position(|o| o.pick == p.option.pick);
+        let order = same
+            .into_iter()
+            .chain((0..self.offers.len()).filter(|i| Some(*i) != same));
+        for si in order {
+            let mine = &self.offers[si];
             match check_compatible(&mine.chunnels, &p.option.chunnels, si as u16, 0) {
                 Ok(()) => {
                     return Vote {
@@ -729,6 +736,40 @@ mod tests {
     }
 
     #[test]
+    fn the_voter_prefers_the_proposed_pick_then_its_own_order() {
+        let now = Instant::now();
+        // Both options fit a "json" proposal: the one with the proposal's pick wins.
+        let mut b = Multilateral::new(
+            vec![option(0, "json"), option(1, "json")],
+            Policy::default(),
+        );
+        let prepare = |txn, pick| {
+            Prepare {
+                version: VERSION,
+                txn,
+                option: option(pick, "json"),
+            }
+            .encode()
+        };
+        b.handle_message(&prepare(1, 1), now);
+        let v = Vote::decode(&b.poll_transmit().unwrap()[1..]).unwrap();
+        assert!(matches!(v.verdict, Verdict::Yes { pick, .. } if pick.branches() == [1]));
+        // The proposal's pick does not fit here: the first option that does.
+        let mut b = Multilateral::new(both(), Policy::default());
+        b.handle_message(
+            &Prepare {
+                version: VERSION,
+                txn: 2,
+                option: option(1, "json"),
+            }
+            .encode(),
+            now,
+        );
+        let v = Vote::decode(&b.poll_transmit().unwrap()[1..]).unwrap();
+        assert!(matches!(v.verdict, Verdict::Yes { pick, .. } if pick.branches() == [0]));
+    }
+
+    #[test]
     fn a_repeated_prepare_gets_the_same_vote() {
         let now = Instant::now();
         let mut b = Multilateral::new(both(), Policy::default());
@@ -978,7 +1019,7 @@ where
             let r = conn.switch_with_marker(to, || control.0.send(marker)).await;
             match r {
                 // The proposer learns the outcome when the peer's switch point arrives.
-                Ok(_) => {}
+                Ok(()) => {}
                 Err(e) => {
                     // Nothing switched here. An initiator tells its peer (which waits for
                     // the decision); a follower's peer has switched already, so the

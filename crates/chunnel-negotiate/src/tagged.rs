@@ -506,3 +506,7 @@ impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
         send_data(&sh.inner, header, burst).await
     }
 }
+
+/// Nothing to hand over: every view shares the one base and its queues, which outlive a
+/// switch of the stack above them.
+impl<C: SendHeader + PeerHandoff> chunnel::Handover for Tagged<C> {}

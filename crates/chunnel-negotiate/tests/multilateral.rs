@@ -330,3 +330,30 @@ async fn an_end_not_allowed_to_switch_cannot_and_its_peer_still_can() -> Result<
     let _ = s.offers();
     Ok(())
 }
+
+#[tokio::test]
+async fn a_voter_whose_compatible_option_is_its_current_one_still_follows() -> Result<()> {
+    // The client's two branches are the same layer; the server's right branch has another
+    // key. The client proposes its right branch: the server's right option does not fit, its
+    // left one (the one it runs) does, so it votes for that and re-builds it at the markers.
+    let mut server = echo_server(stack(1, 2), Some(patient())).await?;
+    let s = stack(1, 1);
+    let conn = client_conn(&server, &s).await?;
+    let coord = Coordinator::start(&conn, &s, patient())?;
+    let (out, e) = tokio::join!(timeout(WAIT, coord.switch(Side::Right)), async {
+        for round in 0..10 {
+            exchange(&conn, round * 10, 10).await?;
+        }
+        anyhow::Ok(())
+    });
+    e?;
+    assert_eq!(
+        out.context("the switch did not complete")??,
+        Outcome::Switched
+    );
+    assert_eq!(conn.get_ref().side(), Side::Right);
+    exchange(&conn, 1000, 20).await?;
+    conn.send_one(Bytes::from("bye")).await?;
+    assert_eq!(timeout(WAIT, server.sides.recv()).await?, Some(Side::Left));
+    Ok(())
+}

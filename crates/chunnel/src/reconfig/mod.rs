@@ -338,19 +338,17 @@ where
     /// comes out of it as [`Error::EndOfEpoch`] (or already did), then move to the new one,
     /// so each direction changes stack exactly at its marker.
     ///
-    /// `Ok(false)` if the connection already runs on `to`. On an error building the new
-    /// branch or sending the marker, nothing changes.
-    pub async fn switch_with_marker<F, Fut>(&self, to: Side, marker: F) -> Result<bool, Error>
+    /// Switching to the branch the connection already runs on still builds a fresh
+    /// implementation of it and moves to it at the markers (the peer's marker ends what the
+    /// old one receives). On an error building the new branch or sending the marker, nothing
+    /// changes.
+    pub async fn switch_with_marker<F, Fut>(&self, to: Side, marker: F) -> Result<(), Error>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<(), Error>>,
     {
-        if self.core.side() == to {
-            return Ok(false);
-        }
         let new = self.core.build(to).await?;
-        self.core.switch_split(new, marker).await?;
-        Ok(true)
+        self.core.switch_split(new, marker).await
     }
 }
 
