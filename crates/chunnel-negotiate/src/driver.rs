@@ -87,7 +87,7 @@ impl std::fmt::Debug for Control {
     }
 }
 
-type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), chunnel::Error>> + Send + 'a>>;
+pub(crate) type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), chunnel::Error>> + Send + 'a>>;
 
 /// See [`Control`]. Off the data path: boxed futures are fine here.
 pub(crate) trait ControlPlane: Send + Sync {
@@ -99,23 +99,8 @@ pub(crate) trait ControlPlane: Send + Sync {
     fn send(&self, m: Bytes) -> SendFuture<'_>;
 }
 
-impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Tagged<C> {
-    fn enable(
-        &self,
-        machine: crate::commit::Multilateral,
-    ) -> Option<mpsc::Receiver<crate::commit::Work>> {
-        self.enable_control(machine)
-    }
-    fn machine(&self) -> Option<&Mutex<crate::commit::Multilateral>> {
-        self.control_state().map(|c| &c.machine)
-    }
-    fn send(&self, m: Bytes) -> SendFuture<'_> {
-        Box::pin(self.send_control(m))
-    }
-}
-
 fn control<C: SendHeader + PeerHandoff + 'static>(t: &Tagged<C>) -> Control {
-    Control(Arc::new(t.clone()))
+    Control(t.control_plane())
 }
 
 impl<C> Negotiated<C> {

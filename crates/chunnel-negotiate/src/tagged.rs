@@ -18,6 +18,7 @@ use chunnel::{ChunnelConnection, Error, PeerHandoff, SendHeader};
 use tokio::sync::mpsc;
 
 use crate::commit::{Event, Multilateral, Work};
+use crate::driver::{ControlPlane, SendFuture};
 use crate::wire::{Accept, Hello, Tag, split_accept_data};
 
 const DATA: &[u8] = &[Tag::Data as u8];
@@ -442,14 +443,20 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
     }
 }
 
-impl<C> Tagged<C> {
-    /// Enables multilateral reconfiguration on this connection; `None` if it already was.
-    pub(crate) fn enable_control(&self, machine: Multilateral) -> Option<mpsc::Receiver<Work>> {
+impl<C: SendHeader + PeerHandoff + 'static> Tagged<C> {
+    /// The connection's in-band control channel, type erased (shares the connection; no
+    /// allocation).
+    pub(crate) fn control_plane(&self) -> Arc<dyn ControlPlane> {
+        self.shared.clone()
+    }
+}
+
+impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
+    fn enable(&self, machine: Multilateral) -> Option<mpsc::Receiver<Work>> {
         // Bounded: a transaction makes a handful of work items; only a peer flooding control
         // messages fills it, and then loses the answers to its own flood.
         let (tx, rx) = mpsc::channel(256);
-        self.shared
-            .ctl
+        self.ctl
             .set(Ctl {
                 machine: Mutex::new(machine),
                 events: tx,
@@ -458,16 +465,12 @@ impl<C> Tagged<C> {
             .map(|()| rx)
     }
 
-    /// The reconfiguration state, once enabled.
-    pub(crate) fn control_state(&self) -> Option<&Ctl> {
-        self.shared.ctl.get()
+    fn machine(&self) -> Option<&Mutex<Multilateral>> {
+        self.ctl.get().map(|c| &c.machine)
     }
-}
 
-impl<C: SendHeader> Tagged<C> {
-    /// Sends one control message (tag included) on the base connection.
-    pub(crate) async fn send_control(&self, m: Bytes) -> Result<(), Error> {
-        self.shared.inner.send_with_header(&[], [m]).await
+    fn send(&self, m: Bytes) -> SendFuture<'_> {
+        Box::pin(self.inner.send_with_header(&[], [m]))
     }
 }
 
