@@ -87,7 +87,8 @@ impl std::fmt::Debug for Control {
     }
 }
 
-pub(crate) type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), chunnel::Error>> + Send + 'a>>;
+pub(crate) type SendFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<(), chunnel::Error>> + Send + 'a>>;
 
 /// See [`Control`]. Off the data path: boxed futures are fine here.
 pub(crate) trait ControlPlane: Send + Sync {
