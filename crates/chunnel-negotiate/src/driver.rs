@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use crate::Error;
 use crate::proto::{ClientHandshake, Decision, Outcome, Server, Timing};
 use crate::tagged::{Tagged, WeakTagged};
+use crate::ticker::Ticker;
 use crate::wire::{Tag, ZeroRtt};
 
 /// Negotiation settings shared by clients and servers.
@@ -189,7 +190,11 @@ fn coarse_by(t: Instant, grain: Duration) -> Instant {
 }
 
 /// Runs a client handshake over `base` to its outcome.
-async fn drive<C: SendHeader>(base: &C, hs: &mut ClientHandshake) -> Result<Outcome, Error> {
+async fn drive<C: SendHeader>(
+    base: &C,
+    hs: &mut ClientHandshake,
+    ticker: &Arc<Ticker>,
+) -> Result<Outcome, Error> {
     // Two: the accept and, for 0-RTT, the first reply (more only means more receive memory).
     let mut slots: [Option<Bytes>; 2] = Default::default();
     loop {
@@ -215,7 +220,7 @@ async fn drive<C: SendHeader>(base: &C, hs: &mut ClientHandshake) -> Result<Outc
                     }
                 }
             }
-            () = tokio::time::sleep_until(Instant::from_std(deadline)) => {
+            () = ticker.wait(deadline) => {
                 hs.handle_timeout(Instant::now().into_std());
             }
         }
@@ -227,6 +232,7 @@ async fn drive<C: SendHeader>(base: &C, hs: &mut ClientHandshake) -> Result<Outc
 pub struct Client {
     cfg: Config,
     cache: Mutex<HashMap<String, Pick>>,
+    ticker: Arc<Ticker>,
 }
 
 impl Client {
@@ -235,6 +241,7 @@ impl Client {
         Client {
             cfg,
             cache: Mutex::new(HashMap::new()),
+            ticker: Arc::default(),
         }
     }
 
@@ -309,7 +316,7 @@ impl Client {
             self.cfg.timing,
             Instant::now().into_std(),
         )?;
-        let out = drive(&base, &mut hs).await?;
+        let out = drive(&base, &mut hs, &self.ticker).await?;
         apply_known(&mut stack, &out.accept.client_pick)?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
@@ -380,7 +387,7 @@ impl Client {
             self.cfg.timing,
             Instant::now().into_std(),
         )?;
-        let out = drive(tagged.get_ref(), &mut hs).await?;
+        let out = drive(tagged.get_ref(), &mut hs, &self.ticker).await?;
         tagged.push_pending(out.early_replies);
         self.remember(server, &out.accept.client_pick);
         let hellos = out.hellos_sent;
@@ -739,7 +746,7 @@ impl Client {
             self.cfg.timing,
             Instant::now().into_std(),
         )?;
-        let out = drive(&base, &mut hs).await?;
+        let out = drive(&base, &mut hs, &self.ticker).await?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);

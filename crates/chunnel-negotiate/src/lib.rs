@@ -62,6 +62,7 @@ mod driver;
 mod error;
 pub mod proto;
 mod tagged;
+mod ticker;
 pub mod wire;
 
 pub use crate::driver::{
