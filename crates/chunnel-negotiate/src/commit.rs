@@ -301,13 +301,7 @@ impl Multilateral {
                     txn: *txn,
                     reason: AbortReason::Superseded,
                 });
-                self.transmit.push_back(
-                    Txn {
-                        version: VERSION,
-                        txn: *txn,
-                    }
-                    .encode(Tag::Abort),
-                );
+                self.transmit.push_back(txn_msg(Tag::Abort, *txn));
                 self.state = State::Idle;
                 self.decide(&p)
             }
@@ -397,11 +391,7 @@ impl Multilateral {
                 self.events.push_back(Event::Switch {
                     txn,
                     pick,
-                    marker: Txn {
-                        version: VERSION,
-                        txn,
-                    }
-                    .encode(Tag::Commit),
+                    marker: txn_msg(Tag::Commit, txn),
                 });
             }
             Verdict::No {
@@ -430,11 +420,7 @@ impl Multilateral {
         self.events.push_back(Event::Switch {
             txn,
             pick,
-            marker: Txn {
-                version: VERSION,
-                txn,
-            }
-            .encode(Tag::Done),
+            marker: txn_msg(Tag::Done, txn),
         });
     }
 
@@ -464,13 +450,7 @@ impl Multilateral {
         };
         if now >= *deadline {
             let txn = *txn;
-            self.transmit.push_back(
-                Txn {
-                    version: VERSION,
-                    txn,
-                }
-                .encode(Tag::Abort),
-            );
+            self.transmit.push_back(txn_msg(Tag::Abort, txn));
             self.state = State::Idle;
             self.events.push_back(Event::Aborted {
                 txn,
@@ -490,299 +470,6 @@ impl Multilateral {
     /// The next event, in order.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use chunnel::negotiate::ChunnelInfo;
-    use chunnel::{Capability, StackOption};
-
-    fn option(pick: u8, format: &'static str) -> StackOption {
-        StackOption {
-            chunnels: vec![ChunnelInfo {
-                id: format.into(),
-                capabilities: vec![Capability::exact("serialize", [format])],
-            }],
-            pick: Pick::from_branches(vec![pick]),
-        }
-    }
-
-    fn both() -> Vec<StackOption> {
-        vec![option(0, "json"), option(1, "bincode")]
-    }
-
-    /// Moves every queued message from `from` to `to`; returns how many.
-    fn deliver(from: &mut Multilateral, to: &mut Multilateral, now: Instant) -> usize {
-        let mut n = 0;
-        while let Some(m) = from.poll_transmit() {
-            to.handle_message(&m, now);
-            n += 1;
-        }
-        n
-    }
-
-    fn events(m: &mut Multilateral) -> Vec<Event> {
-        std::iter::from_fn(|| m.poll_event()).collect()
-    }
-
-    #[test]
-    fn both_switch_with_markers_in_order() {
-        let now = Instant::now();
-        let (mut a, mut b) = (
-            Multilateral::new(both(), Policy::default()),
-            Multilateral::new(both(), Policy::default()),
-        );
-        a.propose(&Pick::from_branches(vec![1]), 7, now).unwrap();
-        assert_eq!(deliver(&mut a, &mut b, now), 1);
-        assert!(
-            events(&mut b).is_empty(),
-            "the follower waits for the decision"
-        );
-        assert_eq!(deliver(&mut b, &mut a, now), 1);
-        let ev = events(&mut a);
-        let [
-            Event::Switch {
-                txn: 7,
-                pick,
-                marker,
-            },
-        ] = &ev[..]
-        else {
-            panic!("{ev:?}")
-        };
-        assert_eq!(pick.branches(), &[1]);
-        assert_eq!(marker[0], Tag::Commit as u8);
-        // The driver sends the marker at its switch point.
-        b.handle_message(marker, now);
-        let ev = events(&mut b);
-        assert!(
-            matches!(&ev[..], [Event::PeerSwitched { txn: 7 }, Event::Switch { txn: 7, pick, marker }]
-            if pick.branches() == [1] && marker[0] == Tag::Done as u8)
-        );
-        let Event::Switch { marker, .. } = &ev[1] else {
-            unreachable!()
-        };
-        a.handle_message(marker, now);
-        assert_eq!(events(&mut a), [Event::PeerSwitched { txn: 7 }]);
-        assert!(a.is_idle() && b.is_idle());
-    }
-
-    #[test]
-    fn refusal_and_policy_leave_both_idle() {
-        let now = Instant::now();
-        // Incompatible: the follower has only json.
-        let mut a = Multilateral::new(both(), Policy::default());
-        let mut b = Multilateral::new(vec![option(0, "json")], Policy::default());
-        a.propose(&Pick::from_branches(vec![1]), 1, now).unwrap();
-        deliver(&mut a, &mut b, now);
-        deliver(&mut b, &mut a, now);
-        assert!(
-            matches!(&events(&mut a)[..], [Event::Aborted { txn: 1, reason: AbortReason::Refused { reason: Refusal::Incompatible, message } }]
-            if message.contains("serialize"))
-        );
-        assert!(matches!(
-            &events(&mut b)[..],
-            [Event::Refused {
-                reason: Refusal::Incompatible,
-                ..
-            }]
-        ));
-
-        // Not allowed: the follower does not take switches from its peer.
-        let mut b = Multilateral::new(
-            both(),
-            Policy {
-                peer_may_initiate: false,
-                ..Policy::default()
-            },
-        );
-        a.propose(&Pick::from_branches(vec![1]), 2, now).unwrap();
-        deliver(&mut a, &mut b, now);
-        deliver(&mut b, &mut a, now);
-        assert!(matches!(
-            &events(&mut a)[..],
-            [Event::Aborted {
-                reason: AbortReason::Refused {
-                    reason: Refusal::NotAllowed,
-                    ..
-                },
-                ..
-            }]
-        ));
-        // And an end that may not initiate cannot propose.
-        assert_eq!(
-            b.propose(&Pick::from_branches(vec![0]), 3, now),
-            Ok(()),
-            "b may initiate"
-        );
-        let mut c = Multilateral::new(
-            both(),
-            Policy {
-                may_initiate: false,
-                ..Policy::default()
-            },
-        );
-        assert_eq!(
-            c.propose(&Pick::from_branches(vec![0]), 4, now),
-            Err(ProposeError::NotAllowed)
-        );
-    }
-
-    #[test]
-    fn silence_times_out_and_aborts() {
-        let t0 = Instant::now();
-        let p = Policy::default();
-        let mut a = Multilateral::new(both(), p);
-        a.propose(&Pick::from_branches(vec![1]), 9, t0).unwrap();
-        assert_eq!(a.poll_transmit().map(|m| m[0]), Some(Tag::Prepare as u8));
-        let t1 = a.poll_timeout().unwrap();
-        assert_eq!(t1, t0 + p.resend_after);
-        a.handle_timeout(t1);
-        assert_eq!(
-            a.poll_transmit().map(|m| m[0]),
-            Some(Tag::Prepare as u8),
-            "resent"
-        );
-        a.handle_timeout(t0 + p.vote_timeout);
-        assert_eq!(a.poll_transmit().map(|m| m[0]), Some(Tag::Abort as u8));
-        assert_eq!(
-            events(&mut a),
-            [Event::Aborted {
-                txn: 9,
-                reason: AbortReason::Timeout
-            }]
-        );
-        assert!(a.is_idle() && a.poll_timeout().is_none());
-    }
-
-    #[test]
-    fn a_commit_without_a_yes_vote_switches_nothing() {
-        let now = Instant::now();
-        let mut b = Multilateral::new(both(), Policy::default());
-        let commit = Txn {
-            version: VERSION,
-            txn: 5,
-        }
-        .encode(Tag::Commit);
-        b.handle_message(&commit, now);
-        assert!(events(&mut b).is_empty());
-        // Voted yes on txn 6; a commit for txn 5 still does nothing.
-        let prepare = Prepare {
-            version: VERSION,
-            txn: 6,
-            option: option(1, "bincode"),
-        }
-        .encode();
-        b.handle_message(&prepare, now);
-        b.handle_message(&commit, now);
-        assert!(events(&mut b).is_empty());
-        // An abort of txn 6 ends it; a late commit of 6 then does nothing.
-        b.handle_message(
-            &Txn {
-                version: VERSION,
-                txn: 6,
-            }
-            .encode(Tag::Abort),
-            now,
-        );
-        assert!(matches!(
-            &events(&mut b)[..],
-            [Event::Aborted {
-                txn: 6,
-                reason: AbortReason::PeerAborted
-            }]
-        ));
-        b.handle_message(
-            &Txn {
-                version: VERSION,
-                txn: 6,
-            }
-            .encode(Tag::Commit),
-            now,
-        );
-        assert!(events(&mut b).is_empty());
-    }
-
-    #[test]
-    fn concurrent_proposals_the_larger_txn_wins() {
-        let now = Instant::now();
-        let (mut a, mut b) = (
-            Multilateral::new(both(), Policy::default()),
-            Multilateral::new(both(), Policy::default()),
-        );
-        a.propose(&Pick::from_branches(vec![1]), 100, now).unwrap();
-        b.propose(&Pick::from_branches(vec![1]), 200, now).unwrap();
-        let (pa, pb) = (a.poll_transmit().unwrap(), b.poll_transmit().unwrap());
-        a.handle_message(&pb, now); // a loses: aborts its own, votes yes on 200
-        b.handle_message(&pa, now); // b wins: votes no (busy) on 100
-        assert!(matches!(
-            &events(&mut a)[..],
-            [Event::Aborted {
-                txn: 100,
-                reason: AbortReason::Superseded
-            }]
-        ));
-        deliver(&mut a, &mut b, now); // ABORT(100) and VOTE(200, yes)
-        deliver(&mut b, &mut a, now); // VOTE(100, busy): a ignores it (txn 100 is over)
-        let ev = events(&mut b);
-        assert!(
-            ev.iter()
-                .any(|e| matches!(e, Event::Switch { txn: 200, .. })),
-            "{ev:?}"
-        );
-        assert!(events(&mut a).is_empty());
-    }
-
-    #[test]
-    fn the_voter_prefers_the_proposed_pick_then_its_own_order() {
-        let now = Instant::now();
-        // Both options fit a "json" proposal: the one with the proposal's pick wins.
-        let mut b = Multilateral::new(
-            vec![option(0, "json"), option(1, "json")],
-            Policy::default(),
-        );
-        let prepare = |txn, pick| {
-            Prepare {
-                version: VERSION,
-                txn,
-                option: option(pick, "json"),
-            }
-            .encode()
-        };
-        b.handle_message(&prepare(1, 1), now);
-        let v = Vote::decode(&b.poll_transmit().unwrap()[1..]).unwrap();
-        assert!(matches!(v.verdict, Verdict::Yes { pick, .. } if pick.branches() == [1]));
-        // The proposal's pick does not fit here: the first option that does.
-        let mut b = Multilateral::new(both(), Policy::default());
-        b.handle_message(
-            &Prepare {
-                version: VERSION,
-                txn: 2,
-                option: option(1, "json"),
-            }
-            .encode(),
-            now,
-        );
-        let v = Vote::decode(&b.poll_transmit().unwrap()[1..]).unwrap();
-        assert!(matches!(v.verdict, Verdict::Yes { pick, .. } if pick.branches() == [0]));
-    }
-
-    #[test]
-    fn a_repeated_prepare_gets_the_same_vote() {
-        let now = Instant::now();
-        let mut b = Multilateral::new(both(), Policy::default());
-        let prepare = Prepare {
-            version: VERSION,
-            txn: 11,
-            option: option(0, "json"),
-        }
-        .encode();
-        b.handle_message(&prepare, now);
-        let v1 = b.poll_transmit().unwrap();
-        b.handle_message(&prepare, now);
-        assert_eq!(b.poll_transmit().unwrap(), v1);
     }
 }
 
@@ -844,6 +531,15 @@ struct CoordShared {
     refusals: Mutex<Vec<(Refusal, String)>>,
     /// The branch the connection runs on now.
     side: Box<dyn Fn() -> Side + Send + Sync>,
+}
+
+/// A `COMMIT`, `ABORT` or `DONE` message for `txn`.
+fn txn_msg(tag: Tag, txn: u64) -> Bytes {
+    Txn {
+        version: VERSION,
+        txn,
+    }
+    .encode(tag)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -1025,11 +721,7 @@ where
                     // the decision); a follower's peer has switched already, so the
                     // connection cannot continue.
                     if lock(&sh.waiters).contains_key(&txn) {
-                        let abort = Txn {
-                            version: VERSION,
-                            txn,
-                        }
-                        .encode(Tag::Abort);
+                        let abort = txn_msg(Tag::Abort, txn);
                         let _ = sh.control.0.send(abort).await;
                     }
                     finish(sh, txn, Err(Error::Chunnel(e)));
@@ -1042,5 +734,280 @@ where
         } => lock(&sh.refusals).push((reason, message)),
         // The proposer's transaction is complete; a follower has no waiter.
         Event::PeerSwitched { txn } => finish(sh, txn, Ok(Outcome::Switched)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chunnel::negotiate::ChunnelInfo;
+    use chunnel::{Capability, StackOption};
+
+    fn option(pick: u8, format: &'static str) -> StackOption {
+        StackOption {
+            chunnels: vec![ChunnelInfo {
+                id: format.into(),
+                capabilities: vec![Capability::exact("serialize", [format])],
+            }],
+            pick: Pick::from_branches(vec![pick]),
+        }
+    }
+
+    fn both() -> Vec<StackOption> {
+        vec![option(0, "json"), option(1, "bincode")]
+    }
+
+    /// Moves every queued message from `from` to `to`; returns how many.
+    fn deliver(from: &mut Multilateral, to: &mut Multilateral, now: Instant) -> usize {
+        let mut n = 0;
+        while let Some(m) = from.poll_transmit() {
+            to.handle_message(&m, now);
+            n += 1;
+        }
+        n
+    }
+
+    fn events(m: &mut Multilateral) -> Vec<Event> {
+        std::iter::from_fn(|| m.poll_event()).collect()
+    }
+
+    #[test]
+    fn both_switch_with_markers_in_order() {
+        let now = Instant::now();
+        let (mut a, mut b) = (
+            Multilateral::new(both(), Policy::default()),
+            Multilateral::new(both(), Policy::default()),
+        );
+        a.propose(&Pick::from_branches(vec![1]), 7, now).unwrap();
+        assert_eq!(deliver(&mut a, &mut b, now), 1);
+        assert!(
+            events(&mut b).is_empty(),
+            "the follower waits for the decision"
+        );
+        assert_eq!(deliver(&mut b, &mut a, now), 1);
+        let ev = events(&mut a);
+        let [
+            Event::Switch {
+                txn: 7,
+                pick,
+                marker,
+            },
+        ] = &ev[..]
+        else {
+            panic!("{ev:?}")
+        };
+        assert_eq!(pick.branches(), &[1]);
+        assert_eq!(marker[0], Tag::Commit as u8);
+        // The driver sends the marker at its switch point.
+        b.handle_message(marker, now);
+        let ev = events(&mut b);
+        assert!(
+            matches!(&ev[..], [Event::PeerSwitched { txn: 7 }, Event::Switch { txn: 7, pick, marker }]
+            if pick.branches() == [1] && marker[0] == Tag::Done as u8)
+        );
+        let Event::Switch { marker, .. } = &ev[1] else {
+            unreachable!()
+        };
+        a.handle_message(marker, now);
+        assert_eq!(events(&mut a), [Event::PeerSwitched { txn: 7 }]);
+        assert!(a.is_idle() && b.is_idle());
+    }
+
+    #[test]
+    fn refusal_and_policy_leave_both_idle() {
+        let now = Instant::now();
+        // Incompatible: the follower has only json.
+        let mut a = Multilateral::new(both(), Policy::default());
+        let mut b = Multilateral::new(vec![option(0, "json")], Policy::default());
+        a.propose(&Pick::from_branches(vec![1]), 1, now).unwrap();
+        deliver(&mut a, &mut b, now);
+        deliver(&mut b, &mut a, now);
+        assert!(
+            matches!(&events(&mut a)[..], [Event::Aborted { txn: 1, reason: AbortReason::Refused { reason: Refusal::Incompatible, message } }]
+            if message.contains("serialize"))
+        );
+        assert!(matches!(
+            &events(&mut b)[..],
+            [Event::Refused {
+                reason: Refusal::Incompatible,
+                ..
+            }]
+        ));
+
+        // Not allowed: the follower does not take switches from its peer.
+        let mut b = Multilateral::new(
+            both(),
+            Policy {
+                peer_may_initiate: false,
+                ..Policy::default()
+            },
+        );
+        a.propose(&Pick::from_branches(vec![1]), 2, now).unwrap();
+        deliver(&mut a, &mut b, now);
+        deliver(&mut b, &mut a, now);
+        assert!(matches!(
+            &events(&mut a)[..],
+            [Event::Aborted {
+                reason: AbortReason::Refused {
+                    reason: Refusal::NotAllowed,
+                    ..
+                },
+                ..
+            }]
+        ));
+        // And an end that may not initiate cannot propose.
+        assert_eq!(
+            b.propose(&Pick::from_branches(vec![0]), 3, now),
+            Ok(()),
+            "b may initiate"
+        );
+        let mut c = Multilateral::new(
+            both(),
+            Policy {
+                may_initiate: false,
+                ..Policy::default()
+            },
+        );
+        assert_eq!(
+            c.propose(&Pick::from_branches(vec![0]), 4, now),
+            Err(ProposeError::NotAllowed)
+        );
+    }
+
+    #[test]
+    fn silence_times_out_and_aborts() {
+        let t0 = Instant::now();
+        let p = Policy::default();
+        let mut a = Multilateral::new(both(), p);
+        a.propose(&Pick::from_branches(vec![1]), 9, t0).unwrap();
+        assert_eq!(a.poll_transmit().map(|m| m[0]), Some(Tag::Prepare as u8));
+        let t1 = a.poll_timeout().unwrap();
+        assert_eq!(t1, t0 + p.resend_after);
+        a.handle_timeout(t1);
+        assert_eq!(
+            a.poll_transmit().map(|m| m[0]),
+            Some(Tag::Prepare as u8),
+            "resent"
+        );
+        a.handle_timeout(t0 + p.vote_timeout);
+        assert_eq!(a.poll_transmit().map(|m| m[0]), Some(Tag::Abort as u8));
+        assert_eq!(
+            events(&mut a),
+            [Event::Aborted {
+                txn: 9,
+                reason: AbortReason::Timeout
+            }]
+        );
+        assert!(a.is_idle() && a.poll_timeout().is_none());
+    }
+
+    #[test]
+    fn a_commit_without_a_yes_vote_switches_nothing() {
+        let now = Instant::now();
+        let mut b = Multilateral::new(both(), Policy::default());
+        let commit = txn_msg(Tag::Commit, 5);
+        b.handle_message(&commit, now);
+        assert!(events(&mut b).is_empty());
+        // Voted yes on txn 6; a commit for txn 5 still does nothing.
+        let prepare = Prepare {
+            version: VERSION,
+            txn: 6,
+            option: option(1, "bincode"),
+        }
+        .encode();
+        b.handle_message(&prepare, now);
+        b.handle_message(&commit, now);
+        assert!(events(&mut b).is_empty());
+        // An abort of txn 6 ends it; a late commit of 6 then does nothing.
+        b.handle_message(&txn_msg(Tag::Abort, 6), now);
+        assert!(matches!(
+            &events(&mut b)[..],
+            [Event::Aborted {
+                txn: 6,
+                reason: AbortReason::PeerAborted
+            }]
+        ));
+        b.handle_message(&txn_msg(Tag::Commit, 6), now);
+        assert!(events(&mut b).is_empty());
+    }
+
+    #[test]
+    fn concurrent_proposals_the_larger_txn_wins() {
+        let now = Instant::now();
+        let (mut a, mut b) = (
+            Multilateral::new(both(), Policy::default()),
+            Multilateral::new(both(), Policy::default()),
+        );
+        a.propose(&Pick::from_branches(vec![1]), 100, now).unwrap();
+        b.propose(&Pick::from_branches(vec![1]), 200, now).unwrap();
+        let (pa, pb) = (a.poll_transmit().unwrap(), b.poll_transmit().unwrap());
+        a.handle_message(&pb, now); // a loses: aborts its own, votes yes on 200
+        b.handle_message(&pa, now); // b wins: votes no (busy) on 100
+        assert!(matches!(
+            &events(&mut a)[..],
+            [Event::Aborted {
+                txn: 100,
+                reason: AbortReason::Superseded
+            }]
+        ));
+        deliver(&mut a, &mut b, now); // ABORT(100) and VOTE(200, yes)
+        deliver(&mut b, &mut a, now); // VOTE(100, busy): a ignores it (txn 100 is over)
+        let ev = events(&mut b);
+        assert!(
+            ev.iter()
+                .any(|e| matches!(e, Event::Switch { txn: 200, .. })),
+            "{ev:?}"
+        );
+        assert!(events(&mut a).is_empty());
+    }
+
+    #[test]
+    fn the_voter_prefers_the_proposed_pick_then_its_own_order() {
+        let now = Instant::now();
+        // Both options fit a "json" proposal: the one with the proposal's pick wins.
+        let mut b = Multilateral::new(
+            vec![option(0, "json"), option(1, "json")],
+            Policy::default(),
+        );
+        let prepare = |txn, pick| {
+            Prepare {
+                version: VERSION,
+                txn,
+                option: option(pick, "json"),
+            }
+            .encode()
+        };
+        b.handle_message(&prepare(1, 1), now);
+        let v = Vote::decode(&b.poll_transmit().unwrap()[1..]).unwrap();
+        assert!(matches!(v.verdict, Verdict::Yes { pick, .. } if pick.branches() == [1]));
+        // The proposal's pick does not fit here: the first option that does.
+        let mut b = Multilateral::new(both(), Policy::default());
+        b.handle_message(
+            &Prepare {
+                version: VERSION,
+                txn: 2,
+                option: option(1, "json"),
+            }
+            .encode(),
+            now,
+        );
+        let v = Vote::decode(&b.poll_transmit().unwrap()[1..]).unwrap();
+        assert!(matches!(v.verdict, Verdict::Yes { pick, .. } if pick.branches() == [0]));
+    }
+
+    #[test]
+    fn a_repeated_prepare_gets_the_same_vote() {
+        let now = Instant::now();
+        let mut b = Multilateral::new(both(), Policy::default());
+        let prepare = Prepare {
+            version: VERSION,
+            txn: 11,
+            option: option(0, "json"),
+        }
+        .encode();
+        b.handle_message(&prepare, now);
+        let v1 = b.poll_transmit().unwrap();
+        b.handle_message(&prepare, now);
+        assert_eq!(b.poll_transmit().unwrap(), v1);
     }
 }

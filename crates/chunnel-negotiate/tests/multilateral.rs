@@ -9,70 +9,17 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use bytes::Bytes;
 use chunnel::{
-    Capability, Chunnel, ChunnelConnection, ConnectionExt, Error as CErr, Handover, LockFree,
-    Negotiate, Offers, Reconfigurable, Side, select,
+    Chunnel, ChunnelConnection, ConnectionExt, LockFree, Offers, Reconfigurable, Side, select,
 };
 use chunnel_negotiate::commit::{AbortReason, Coordinator, Outcome, Policy, ProposeError};
 use chunnel_negotiate::wire::Refusal;
 use chunnel_negotiate::{Client, Config, Error, listen};
 use chunnel_net::uds;
+use chunnel_test::Xor;
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// An exact-match layer: XORs every byte with its key. Peers with different keys garble
-/// each other's messages, so a message decoded by the wrong stack is caught.
-#[derive(Clone, Copy, Debug)]
-struct Xor(u8);
-
-#[derive(Debug)]
-struct XorConn<C> {
-    inner: C,
-    key: u8,
-}
-
-fn xor(m: &Bytes, key: u8) -> Bytes {
-    m.iter().map(|b| b ^ key).collect::<Vec<u8>>().into()
-}
-
-impl Negotiate for Xor {
-    fn id(&self) -> &'static str {
-        "test/xor/1"
-    }
-    fn capabilities(&self) -> Vec<Capability> {
-        vec![Capability::exact("xor", [self.0.to_string()])]
-    }
-}
-
-impl<C: ChunnelConnection<Data = Bytes> + Send> Chunnel<C> for Xor {
-    type Connection = XorConn<C>;
-    async fn connect_wrap(&mut self, inner: C) -> Result<XorConn<C>, CErr> {
-        Ok(XorConn { inner, key: self.0 })
-    }
-}
-
-impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for XorConn<C> {
-    type Data = Bytes;
-    async fn send<B>(&self, burst: B) -> Result<(), CErr>
-    where
-        B: IntoIterator<Item = Bytes> + Send,
-        B::IntoIter: Send,
-    {
-        let v: Vec<Bytes> = burst.into_iter().map(|m| xor(&m, self.key)).collect();
-        self.inner.send(v).await
-    }
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, CErr> {
-        let n = self.inner.recv(slots).await?;
-        for s in slots[..n].iter_mut().flatten() {
-            *s = xor(s, self.key);
-        }
-        Ok(n)
-    }
-}
-
-/// No state to hand over: the key is the implementation.
-impl<C: ChunnelConnection<Data = Bytes>> Handover for XorConn<C> {}
 
 type Stack = Reconfigurable<Xor, Xor, LockFree>;
 

@@ -18,7 +18,7 @@ use chunnel_negotiate::proto::Timing;
 use chunnel_negotiate::wire::{Hello, Tag, ZeroRtt};
 use chunnel_negotiate::{Client, Config, DynLayer, Error, Negotiated, Registry, listen};
 use chunnel_net::{tcp, udp};
-use chunnel_test::FaultInjector;
+use chunnel_test::{FaultInjector, Xor, xor};
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 
@@ -27,55 +27,8 @@ const WAIT: Duration = Duration::from_secs(10);
 // ---------------------------------------------------------------------------------------
 // Test Chunnels.
 
-/// XORs every byte with a key: an "encoding" both ends must agree on (exact capability).
-/// A mismatch would garble the echo, so a test that picks wrongly fails.
-#[derive(Clone, Copy, Debug)]
-struct Xor(u8);
-
-#[derive(Debug)]
-struct XorConn<C> {
-    inner: C,
-    key: u8,
-}
-
-fn xor(m: &Bytes, key: u8) -> Bytes {
-    m.iter().map(|b| b ^ key).collect::<Vec<u8>>().into()
-}
-
-impl Negotiate for Xor {
-    fn id(&self) -> &'static str {
-        "test/xor/1"
-    }
-    fn capabilities(&self) -> Vec<Capability> {
-        vec![Capability::exact("xor", [self.0.to_string()])]
-    }
-}
-
-impl<C: ChunnelConnection<Data = Bytes> + Send> Chunnel<C> for Xor {
-    type Connection = XorConn<C>;
-    async fn connect_wrap(&mut self, inner: C) -> Result<XorConn<C>, CErr> {
-        Ok(XorConn { inner, key: self.0 })
-    }
-}
-
-impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for XorConn<C> {
-    type Data = Bytes;
-    async fn send<B>(&self, burst: B) -> Result<(), CErr>
-    where
-        B: IntoIterator<Item = Bytes> + Send,
-        B::IntoIter: Send,
-    {
-        let v: Vec<Bytes> = burst.into_iter().map(|m| xor(&m, self.key)).collect();
-        self.inner.send(v).await
-    }
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, CErr> {
-        let n = self.inner.recv(slots).await?;
-        for s in slots[..n].iter_mut().flatten() {
-            *s = xor(s, self.key);
-        }
-        Ok(n)
-    }
-}
+// `Xor` (chunnel-test): XORs every byte with a key, an "encoding" both ends must agree on
+// (exact capability). A mismatch would garble the echo, so a test that picks wrongly fails.
 
 /// A one-sided layer with a compositional capability (a local meter): present at one end
 /// is enough.

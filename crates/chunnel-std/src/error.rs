@@ -28,6 +28,23 @@ pub enum Error {
         /// What was wrong.
         what: &'static str,
     },
+    /// A client-push sharding connection was used before it learned the server's shard set
+    /// (see `shard::ShardDirectory::learn`).
+    #[error("the shard set is not known yet: learn it from the negotiated server stack")]
+    ShardSetUnknown,
+    /// A shard-set advertisement (the `shard` capability's labels) did not parse, or names
+    /// a hash function this build does not implement.
+    #[error("bad shard-set advertisement: {what}")]
+    BadShardSet {
+        /// What was wrong.
+        what: String,
+    },
+    /// A shard of this process no longer takes requests (its thread ended).
+    #[error("shard {shard} is gone")]
+    ShardGone {
+        /// The shard's index.
+        shard: usize,
+    },
 }
 
 impl From<Error> for chunnel::Error {
@@ -35,6 +52,9 @@ impl From<Error> for chunnel::Error {
         let layer = match &e {
             Error::Encode { .. } | Error::Decode { .. } => "chunnel-std/serialize",
             Error::Header { layer, .. } => layer,
+            Error::ShardSetUnknown | Error::BadShardSet { .. } | Error::ShardGone { .. } => {
+                "chunnel-std/shard"
+            }
         };
         chunnel::Error::Layer {
             layer,

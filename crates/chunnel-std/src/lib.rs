@@ -17,5 +17,6 @@ mod error;
 pub mod ordered;
 pub mod reliable;
 pub mod serialize;
+pub mod shard;
 
 pub use crate::error::Error;

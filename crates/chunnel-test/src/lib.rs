@@ -13,7 +13,9 @@ use std::future::Future;
 use std::time::Duration;
 
 pub mod fault;
+pub mod xor;
 pub use fault::{FaultInjector, FaultStats, Faulty};
+pub use xor::{Xor, XorConn, xor};
 
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, ChunnelExt, Error, Listener};

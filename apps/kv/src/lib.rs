@@ -1,0 +1,624 @@
+//! # chunnel-kv: a sharded key-value store on Chunnels
+//!
+//! The store of the Bertha paper's §7.3 (and the HotNets paper's Listings 4–5): a server with
+//! `N` shards, each a thread with its own UDP socket and its own `HashMap`; clients reach a
+//! shard either **through the server** (server-side sharding: the canonical address forwards
+//! each request) or **directly** (client push: the client hashes the key and sends to the
+//! shard's socket). Which one is negotiated per client (`chunnel-negotiate`) from a `select`
+//! of the two branches, so one server serves both kinds at once ("mixed").
+//!
+//! ```text
+//! client stack:  select(ClientShard, ViaCanonical) | Serialize<Msg, bincode> | Tagged<UDP>
+//! server stack:  select(advertise, forward)        | Serialize<Msg, bincode> | Tagged<UDP>
+//! shard sockets: Serialize<Msg, bincode> | UDP  (no negotiation: same stack on every shard)
+//! ```
+//!
+//! The server prefers client push; a client that offers it learns the shard addresses from
+//! the ACCEPT (the `shard` capability of the server's stack, see `chunnel_std::shard`).
+//!
+//! ## Messages
+//!
+//! [`Msg`] (bincode): a [`Msg::Request`] carries the client's id, a request id and an [`Op`];
+//! a [`Msg::Response`] carries the request id and the value: for GET the current value, for
+//! PUT the previous one, for DELETE the removed one.
+//!
+//! ## Reliability
+//!
+//! UDP on loopback rarely drops, but it may (full socket buffers, full bounded queues). The
+//! client retries: a request that sees no reply within [`ClientConfig::timeout`] is sent again
+//! with the same request id, the timeout doubling each time, up to
+//! [`ClientConfig::attempts`] sends. A shard remembers the replies to the last
+//! [`REPLAY_CACHE`] requests it executed, by (client id, request id), and answers a retry from
+//! there without executing it again, so a retried PUT or DELETE is applied once and returns
+//! what the first execution returned. The guarantee ends where the cache does: a retry that
+//! arrives after 4096 later requests to the same shard is executed again. (The `Reliable`
+//! Chunnel is not used: a client-push client would need it on every shard socket, and request
+//! retries cover both paths alike.)
+//!
+//! ## Concurrency
+//!
+//! [`KvClient`]'s methods take `&self`: any number of tasks may issue requests at once (up to
+//! [`ClientConfig::max_outstanding`] in flight; more wait). Replies are matched to requests by
+//! id by one receive task.
+//!
+//! ## Example
+//!
+//! ```
+//! use chunnel_kv::{ClientConfig, KvClient, KvServer, ServerConfig, Sharding};
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel_kv::KvError> {
+//! let server = KvServer::start("127.0.0.1:0".parse().unwrap(), ServerConfig::new(4)).await?;
+//! let client = KvClient::connect(server.addr(), ClientConfig::default()).await?;
+//! assert_eq!(client.sharding(), Sharding::ClientPush); // the server's preference
+//! assert_eq!(client.put(b"k", b"v").await?, None);
+//! assert_eq!(client.get(b"k").await?.as_deref(), Some(&b"v"[..]));
+//! assert_eq!(client.delete(b"k").await?.as_deref(), Some(&b"v"[..]));
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs, missing_debug_implementations, rust_2018_idioms)]
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Either, Select, Stack, select};
+use chunnel_negotiate::{Negotiated, Tagged};
+use chunnel_net::udp;
+use chunnel_std::serialize::{Bincode, Serialize, SerializeConn};
+use chunnel_std::shard::{self, ClientShard, ClientShardConn, Keyed, ShardServer, ViaCanonical};
+use serde::{Deserialize, Serialize as SerdeSerialize};
+use tokio::sync::{Semaphore, oneshot};
+
+/// Replies each shard remembers for retried requests.
+pub const REPLAY_CACHE: usize = 4096;
+
+/// An operation on one key.
+#[derive(Clone, Debug, PartialEq, Eq, SerdeSerialize, Deserialize)]
+pub enum Op {
+    /// Reads the value.
+    Get {
+        /// The key.
+        key: Vec<u8>,
+    },
+    /// Writes the value; answers the previous one.
+    Put {
+        /// The key.
+        key: Vec<u8>,
+        /// The new value.
+        value: Vec<u8>,
+    },
+    /// Removes the key; answers the removed value.
+    Delete {
+        /// The key.
+        key: Vec<u8>,
+    },
+}
+
+impl Op {
+    /// The key the operation is on.
+    pub fn key(&self) -> &[u8] {
+        match self {
+            Op::Get { key } | Op::Put { key, .. } | Op::Delete { key } => key,
+        }
+    }
+}
+
+/// Every message of the store, both directions.
+#[derive(Clone, Debug, PartialEq, Eq, SerdeSerialize, Deserialize)]
+pub enum Msg {
+    /// A request.
+    Request {
+        /// The client's random id (scopes `id` in the shards' replay caches).
+        client: u64,
+        /// The request id, unique per client; the reply carries it.
+        id: u64,
+        /// What to do.
+        op: Op,
+    },
+    /// The reply to request `id`.
+    Response {
+        /// The request id.
+        id: u64,
+        /// GET: the value; PUT: the previous value; DELETE: the removed value.
+        value: Option<Vec<u8>>,
+    },
+}
+
+impl Keyed for Msg {
+    fn shard_key(&self) -> &[u8] {
+        match self {
+            Msg::Request { op, .. } => op.key(),
+            Msg::Response { .. } => &[],
+        }
+    }
+}
+
+/// The serialization Chunnel of the store.
+pub type Ser = Serialize<Msg, Bincode>;
+
+/// One shard's state: the map and the replay cache.
+#[derive(Debug, Default)]
+pub struct Store {
+    map: HashMap<Vec<u8>, Vec<u8>>,
+    replies: HashMap<(u64, u64), Option<Vec<u8>>>,
+    order: VecDeque<(u64, u64)>,
+}
+
+impl Store {
+    /// An empty shard.
+    pub fn new() -> Self {
+        Store::default()
+    }
+
+    /// Applies `op` to the map.
+    pub fn apply(&mut self, op: Op) -> Option<Vec<u8>> {
+        match op {
+            Op::Get { key } => self.map.get(&key).cloned(),
+            Op::Put { key, value } => self.map.insert(key, value),
+            Op::Delete { key } => self.map.remove(&key),
+        }
+    }
+
+    /// Handles one message: a request gets its response (from the replay cache if it is a
+    /// retry); anything else gets none.
+    pub fn handle(&mut self, msg: Msg) -> Option<Msg> {
+        let Msg::Request { client, id, op } = msg else {
+            return None;
+        };
+        if let Some(v) = self.replies.get(&(client, id)) {
+            return Some(Msg::Response {
+                id,
+                value: v.clone(),
+            });
+        }
+        let value = self.apply(op);
+        if self.order.len() >= REPLAY_CACHE
+            && let Some(old) = self.order.pop_front()
+        {
+            self.replies.remove(&old);
+        }
+        self.order.push_back((client, id));
+        self.replies.insert((client, id), value.clone());
+        Some(Msg::Response { id, value })
+    }
+
+    /// Keys stored.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether the shard is empty.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+/// UDP for shard sockets (server) and shard connections (client push).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Udp;
+
+fn parse_addr(addr: &str) -> Result<SocketAddr, chunnel::Error> {
+    addr.parse().map_err(|_| chunnel::Error::Malformed {
+        what: "shard address is not ip:port",
+    })
+}
+
+impl shard::Bind for Udp {
+    type Listener = udp::Listener;
+
+    async fn bind(&self, addr: &str) -> Result<(udp::Listener, String), chunnel::Error> {
+        let l = udp::Listener::bind(parse_addr(addr)?).await?;
+        let a = l.local_addr()?.to_string();
+        Ok((l, a))
+    }
+}
+
+impl shard::Dial for Udp {
+    type Conn = udp::Connection;
+
+    async fn dial(&self, addr: &str) -> Result<udp::Connection, chunnel::Error> {
+        udp::Connect::new(parse_addr(addr)?).connect_wrap(()).await
+    }
+}
+
+/// Errors of the store's client and server.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvError {
+    /// Negotiation with the server failed.
+    #[error("negotiation: {0}")]
+    Negotiate(#[from] chunnel_negotiate::Error),
+    /// The connection failed.
+    #[error(transparent)]
+    Chunnel(#[from] chunnel::Error),
+    /// The sharding layer refused (e.g. a bad shard-set advertisement).
+    #[error(transparent)]
+    Shard(#[from] chunnel_std::Error),
+    /// No reply after every attempt.
+    #[error("no reply after {attempts} attempts")]
+    Timeout {
+        /// Requests sent.
+        attempts: u32,
+    },
+    /// The client's connection ended.
+    #[error("the connection ended")]
+    Closed,
+}
+
+/// How the client reaches the shards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharding {
+    /// Client push: straight to the shard's socket.
+    ClientPush,
+    /// Server-side: through the canonical address.
+    ServerSide,
+}
+
+/// What a client offers in negotiation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offer {
+    /// Both branches; the server's preference decides.
+    Both,
+    /// Only client push.
+    ClientPush,
+    /// Only server-side sharding.
+    ServerSide,
+}
+
+/// Server settings.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct ServerConfig {
+    /// Number of shards (threads, sockets).
+    pub shards: usize,
+    /// Whether to offer client push (else only server-side sharding).
+    pub client_push: bool,
+    /// Queue bounds of the sharding machinery.
+    pub shard: shard::Config,
+    /// Negotiation settings.
+    pub negotiate: chunnel_negotiate::Config,
+}
+
+impl ServerConfig {
+    /// `shards` shards, client push offered, default bounds.
+    pub fn new(shards: usize) -> Self {
+        ServerConfig {
+            shards,
+            client_push: true,
+            shard: shard::Config::default(),
+            negotiate: chunnel_negotiate::Config::default(),
+        }
+    }
+
+    /// Sets [`ServerConfig::client_push`].
+    pub fn with_client_push(mut self, on: bool) -> Self {
+        self.client_push = on;
+        self
+    }
+}
+
+/// Connections a server accepted, by sharding mode.
+#[derive(Debug, Default)]
+pub struct ServerCounts {
+    /// Clients that negotiated client push.
+    pub client_push: AtomicU64,
+    /// Clients that negotiated server-side sharding.
+    pub server_side: AtomicU64,
+    /// Per-client negotiation failures.
+    pub failed: AtomicU64,
+}
+
+/// A running store: `N` shard threads plus a negotiating canonical listener (a task on the
+/// caller's runtime). Dropping it stops both.
+#[derive(Debug)]
+pub struct KvServer {
+    addr: SocketAddr,
+    shards: ShardServer<Msg>,
+    counts: Arc<ServerCounts>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for KvServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl KvServer {
+    /// Binds the canonical address `addr` and one shard socket per shard on the same IP
+    /// (ports picked by the system); serves until dropped. Must run in a tokio runtime.
+    pub async fn start(addr: SocketAddr, cfg: ServerConfig) -> Result<Self, KvError> {
+        let shard_addrs = vec![SocketAddr::new(addr.ip(), 0).to_string(); cfg.shards];
+        let shards = ShardServer::spawn(
+            Udp,
+            &shard_addrs,
+            Ser::default(),
+            |_| {
+                let mut store = Store::new();
+                move |m| store.handle(m)
+            },
+            cfg.shard,
+        )?;
+        let listener = udp::Listener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        // Preference: client push (when offered), else server-side. Both branches have the
+        // same type, so "no client push" is the forwarder twice.
+        let first = if cfg.client_push {
+            shards.advertise()
+        } else {
+            shards.forward()
+        };
+        let stack = chunnel::stack![select(first, shards.forward()), Ser::default()];
+        let mut nl = chunnel_negotiate::listen(stack, listener, cfg.negotiate);
+        let counts = Arc::new(ServerCounts::default());
+        let task = tokio::spawn({
+            let counts = Arc::clone(&counts);
+            let client_push = cfg.client_push;
+            async move {
+                // Dropped with the task: aborts every connection's forwarding.
+                let mut conns = tokio::task::JoinSet::new();
+                loop {
+                    while conns.try_join_next().is_some() {}
+                    match nl.accept().await {
+                        Ok(conn) => {
+                            let pushed = client_push
+                                && conn.info().server_pick.branches().first() == Some(&0);
+                            let c = if pushed {
+                                &counts.client_push
+                            } else {
+                                &counts.server_side
+                            };
+                            c.fetch_add(1, Ordering::Relaxed);
+                            conns.spawn(async move {
+                                // Drives the forwarding until the client goes away.
+                                let mut slot = [None];
+                                let _ = conn.recv(&mut slot).await;
+                            });
+                        }
+                        Err(chunnel_negotiate::Error::Chunnel(e)) if e.is_closed() => return,
+                        Err(_) => {
+                            counts.failed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        });
+        Ok(KvServer {
+            addr,
+            shards,
+            counts,
+            task,
+        })
+    }
+
+    /// The canonical address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The shard sockets' addresses, by index.
+    pub fn shard_addrs(&self) -> &[String] {
+        self.shards.addrs()
+    }
+
+    /// Request and drop counters of the shards.
+    pub fn shard_stats(&self) -> &shard::ShardStats {
+        self.shards.stats()
+    }
+
+    /// Accepted connections by mode.
+    pub fn counts(&self) -> &ServerCounts {
+        &self.counts
+    }
+}
+
+/// Client settings.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct ClientConfig {
+    /// Which branches to offer.
+    pub offer: Offer,
+    /// Requests in flight at once; further calls wait.
+    pub max_outstanding: usize,
+    /// Wait for a reply before the first retry (doubles per retry, at most 1 s).
+    pub timeout: Duration,
+    /// Sends of one request before [`KvError::Timeout`].
+    pub attempts: u32,
+    /// Negotiation settings.
+    pub negotiate: chunnel_negotiate::Config,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            offer: Offer::Both,
+            max_outstanding: 1024,
+            timeout: Duration::from_millis(100),
+            attempts: 8,
+            negotiate: chunnel_negotiate::Config::default(),
+        }
+    }
+}
+
+impl ClientConfig {
+    /// Sets [`ClientConfig::offer`].
+    pub fn with_offer(mut self, offer: Offer) -> Self {
+        self.offer = offer;
+        self
+    }
+}
+
+type Base = Tagged<udp::Connection>;
+type Canon = SerializeConn<Base, Msg, Bincode>;
+type ClientStack = Stack<Select<ClientShard<Udp, Ser>, ViaCanonical>, Ser>;
+type Conn = Negotiated<Either<ClientShardConn<Canon, Udp, Ser>, Canon>>;
+type Pending = Mutex<HashMap<u64, oneshot::Sender<Option<Vec<u8>>>>>;
+
+/// A store client. Methods take `&self`; share it (e.g. in an `Arc`) to issue requests from
+/// many tasks at once.
+#[derive(Debug)]
+pub struct KvClient {
+    conn: Arc<Conn>,
+    sharding: Sharding,
+    client: u64,
+    next: AtomicU64,
+    pending: Arc<Pending>,
+    slots: Semaphore,
+    cfg: ClientConfig,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for KvClient {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn random_id() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// Removes a request's entry however its call ends.
+struct Entry<'a> {
+    pending: &'a Pending,
+    id: u64,
+}
+
+impl Drop for Entry<'_> {
+    fn drop(&mut self) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+    }
+}
+
+impl KvClient {
+    /// Negotiates with the server at `addr` and, for client push, learns its shard set.
+    pub async fn connect(addr: SocketAddr, cfg: ClientConfig) -> Result<Self, KvError> {
+        let push = ClientShard::new(Udp, Ser::default()).enabled(cfg.offer != Offer::ServerSide);
+        let dir = push.directory();
+        let via = ViaCanonical::new().enabled(cfg.offer != Offer::ClientPush);
+        let stack: ClientStack = chunnel::stack![select(push, via), Ser::default()];
+        let base = udp::Connect::new(addr).connect_wrap(()).await?;
+        let negotiator = chunnel_negotiate::Client::new(cfg.negotiate);
+        let conn = negotiator.connect(&addr.to_string(), stack, base).await?;
+        let sharding = match conn.get_ref() {
+            Either::Left(_) => {
+                if dir.learn(&conn.info().server_stack)? == 0 {
+                    return Err(chunnel_std::Error::BadShardSet {
+                        what: "client push picked but the server advertised no shards".into(),
+                    }
+                    .into());
+                }
+                Sharding::ClientPush
+            }
+            Either::Right(_) => Sharding::ServerSide,
+        };
+        let conn = Arc::new(conn);
+        let pending: Arc<Pending> = Arc::default();
+        let task = tokio::spawn(receive(Arc::clone(&conn), Arc::clone(&pending)));
+        Ok(KvClient {
+            conn,
+            sharding,
+            client: random_id(),
+            next: AtomicU64::new(1),
+            pending,
+            slots: Semaphore::new(cfg.max_outstanding.max(1)),
+            cfg,
+            task,
+        })
+    }
+
+    /// The mode negotiation picked.
+    pub fn sharding(&self) -> Sharding {
+        self.sharding
+    }
+
+    /// The value of `key`.
+    pub async fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        self.call(Op::Get { key: key.to_vec() }).await
+    }
+
+    /// Sets `key` to `value`; returns the previous value.
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        self.call(Op::Put {
+            key: key.to_vec(),
+            value: value.to_vec(),
+        })
+        .await
+    }
+
+    /// Removes `key`; returns the removed value.
+    pub async fn delete(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        self.call(Op::Delete { key: key.to_vec() }).await
+    }
+
+    /// Sends `op` (retrying, see the [crate docs](crate)) and waits for its reply.
+    pub async fn call(&self, op: Op) -> Result<Option<Vec<u8>>, KvError> {
+        let _slot = self.slots.acquire().await.map_err(|_| KvError::Closed)?;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, mut rx) = oneshot::channel();
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+        let _entry = Entry {
+            pending: &self.pending,
+            id,
+        };
+        let mut wait = self.cfg.timeout;
+        let attempts = self.cfg.attempts.max(1);
+        for _ in 0..attempts {
+            let req = Msg::Request {
+                client: self.client,
+                id,
+                op: op.clone(),
+            };
+            self.conn.send_one(req).await?;
+            match tokio::time::timeout(wait, &mut rx).await {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(_)) => return Err(KvError::Closed),
+                Err(_) => wait = (wait * 2).min(Duration::from_secs(1)),
+            }
+        }
+        Err(KvError::Timeout { attempts })
+    }
+}
+
+/// Matches replies to waiting requests until the connection ends.
+async fn receive(conn: Arc<Conn>, pending: Arc<Pending>) {
+    let mut slots: Vec<Option<Msg>> = vec![None; 32];
+    loop {
+        match conn.recv(&mut slots).await {
+            Ok(n) => {
+                let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+                for m in slots[..n].iter_mut().filter_map(Option::take) {
+                    if let Msg::Response { id, value } = m
+                        && let Some(tx) = p.remove(&id)
+                    {
+                        let _ = tx.send(value);
+                    }
+                }
+            }
+            // A reply that did not decode: dropped (its request will be retried).
+            Err(chunnel::Error::Layer { .. } | chunnel::Error::Malformed { .. }) => {}
+            Err(_) => break,
+        }
+    }
+    // Wakes every waiter with `Closed`.
+    pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
