@@ -473,37 +473,7 @@ fn callgrind() -> Result<Value> {
 }
 
 fn callgrind_run(exe: &Path, layers: usize, bursts: usize) -> Result<u64> {
-    let out_file = std::env::temp_dir().join(format!(
-        "chunnel-callgrind-{}-{layers}-{bursts}.out",
-        std::process::id()
-    ));
-    let st = Command::new("valgrind")
-        .arg("--tool=callgrind")
-        .arg("--toggle-collect=*measured_loop*")
-        .arg(format!("--callgrind-out-file={}", out_file.display()))
-        .arg(exe)
-        .args([
-            "probe",
-            "--layers",
-            &layers.to_string(),
-            "--bursts",
-            &bursts.to_string(),
-        ])
-        .output()
-        .context("running valgrind")?;
-    if !st.status.success() {
-        bail!(
-            "callgrind run failed: {}",
-            String::from_utf8_lossy(&st.stderr)
-        );
-    }
-    let text = std::fs::read_to_string(&out_file).context("reading callgrind output")?;
-    let _ = std::fs::remove_file(&out_file);
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix("totals:")
-                .or_else(|| l.strip_prefix("summary:"))
-        })
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .context("no totals line in callgrind output")
+    let args = ["probe", "--layers", &layers.to_string(), "--bursts", &bursts.to_string()]
+        .map(String::from);
+    crate::probe::callgrind_ir(exe, "*measured_loop*", &args)
 }

@@ -71,8 +71,45 @@ where
     }))
 }
 
+/// Runs `exe args` under callgrind, counting only inside functions matching `toggle`, and
+/// returns the instruction total (`Ir`).
+pub(crate) fn callgrind_ir(exe: &std::path::Path, toggle: &str, args: &[String]) -> Result<u64> {
+    use anyhow::{Context, bail};
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let out_file = std::env::temp_dir().join(format!(
+        "chunnel-callgrind-{}-{}.out",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let st = std::process::Command::new("valgrind")
+        .arg("--tool=callgrind")
+        .arg(format!("--toggle-collect={toggle}"))
+        .arg(format!("--callgrind-out-file={}", out_file.display()))
+        .arg(exe)
+        .args(args)
+        .output()
+        .context("running valgrind")?;
+    if !st.status.success() {
+        bail!(
+            "callgrind run failed: {}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+    }
+    let text = std::fs::read_to_string(&out_file).context("reading callgrind output")?;
+    let _ = std::fs::remove_file(&out_file);
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("totals:")
+                .or_else(|| l.strip_prefix("summary:"))
+        })
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .context("no totals line in callgrind output")
+}
+
+/// The loop the callgrind probes count (`--toggle-collect='*measured_loop*'`): a burst down
+/// the client stack, reflected by a blocking socket in this thread, and received back up.
 #[inline(never)]
-async fn measured_loop<C: ChunnelConnection<Data = Bytes>>(
+pub(crate) async fn measured_loop<C: ChunnelConnection<Data = Bytes>>(
     conn: &C,
     reflector: &StdUdp,
     msg: &Bytes,

@@ -18,13 +18,13 @@
 //!    Then (unless `--no-callgrind`) the hidden `--probe` mode runs under callgrind: a
 //!    deterministic loop over UDP (as `overhead`'s probe; a Unix datagram socket queues only
 //!    10 datagrams, too few for a burst reflected in the same thread) against a blocking
-//!    reflector socket in the same thread, counted only inside `reconfig_probe_loop`, at two
+//!    reflector socket in the same thread, counted only inside `measured_loop`, at two
 //!    burst counts so fixed costs cancel; and natively, for heap allocations per message. The
 //!    gate is entered once per `send` or `recv` call, so its cost per message is its cost per
 //!    call divided by the burst (32). By hand:
 //!
 //!    ```text
-//!    valgrind --tool=callgrind --toggle-collect='*reconfig_probe_loop*' \
+//!    valgrind --tool=callgrind --toggle-collect='*measured_loop*' \
 //!        target/release/chunnel-bench reconfig --probe lock-free --probe-bursts 1000
 //!    ```
 //!
@@ -503,35 +503,13 @@ where
     let msg = numbered(0, a.size);
     let mut slots = vec![None; a.burst];
     let mut buf = vec![0u8; 65_536];
-    reconfig_probe_loop(&conn, reflector, &msg, &mut slots, &mut buf, 50).await?;
+    crate::probe::measured_loop(&conn, reflector, &msg, &mut slots, &mut buf, 50).await?;
     let before = crate::alloc::count();
-    reconfig_probe_loop(&conn, reflector, &msg, &mut slots, &mut buf, a.probe_bursts).await?;
+    crate::probe::measured_loop(&conn, reflector, &msg, &mut slots, &mut buf, a.probe_bursts).await?;
     let allocs = crate::alloc::count() - before;
     Ok(((a.probe_bursts * a.burst) as u64, allocs))
 }
 
-/// The loop counted by callgrind: a burst down the client stack, reflected by a blocking
-/// socket in this thread, and received back up the stack.
-#[inline(never)]
-async fn reconfig_probe_loop<C: ChunnelConnection<Data = Bytes>>(
-    conn: &C,
-    reflector: &StdUdp,
-    msg: &Bytes,
-    slots: &mut [Option<Bytes>],
-    buf: &mut [u8],
-    bursts: usize,
-) -> Result<()> {
-    let burst = slots.len();
-    for _ in 0..bursts {
-        conn.send(std::iter::repeat_n(msg, burst).cloned()).await?;
-        for _ in 0..burst {
-            let (n, from) = reflector.recv_from(buf)?;
-            reflector.send_to(&buf[..n], from)?;
-        }
-        recv_exact(conn, slots).await?;
-    }
-    Ok(())
-}
 
 fn self_exe() -> Result<PathBuf> {
     std::env::current_exe().context("locating chunnel-bench")
@@ -586,7 +564,7 @@ fn callgrind() -> Result<Value> {
         "gate_cost_per_traversal": { "lock-free": gate(1), "lock": gate(2) },
         "gate_cost_per_call": { "lock-free": gate(1) * 32.0, "lock": gate(2) * 32.0 },
         "method": format!(
-            "(Ir({b2} bursts) - Ir({b1} bursts)) / (1000 bursts x 32), reconfig_probe_loop \
+            "(Ir({b2} bursts) - Ir({b1} bursts)) / (1000 bursts x 32), measured_loop \
              only; gate cost per traversal = (variant - plain) / 2 (a message goes down on send, up \
              on recv); per call = that x 32 (one call per burst)"
         ),
@@ -594,40 +572,9 @@ fn callgrind() -> Result<Value> {
 }
 
 fn callgrind_run(exe: &Path, v: Variant, bursts: usize) -> Result<u64> {
-    let out_file = std::env::temp_dir().join(format!(
-        "chunnel-callgrind-reconfig-{}-{}-{bursts}.out",
-        std::process::id(),
-        v.name()
-    ));
-    let st = Command::new("valgrind")
-        .arg("--tool=callgrind")
-        .arg("--toggle-collect=*reconfig_probe_loop*")
-        .arg(format!("--callgrind-out-file={}", out_file.display()))
-        .arg(exe)
-        .args([
-            "reconfig",
-            "--probe",
-            v.name(),
-            "--probe-bursts",
-            &bursts.to_string(),
-        ])
-        .output()
-        .context("running valgrind")?;
-    if !st.status.success() {
-        bail!(
-            "callgrind run failed: {}",
-            String::from_utf8_lossy(&st.stderr)
-        );
-    }
-    let text = std::fs::read_to_string(&out_file).context("reading callgrind output")?;
-    let _ = std::fs::remove_file(&out_file);
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix("totals:")
-                .or_else(|| l.strip_prefix("summary:"))
-        })
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .context("no totals line in callgrind output")
+    let args = ["reconfig", "--probe", v.name(), "--probe-bursts", &bursts.to_string()]
+        .map(String::from);
+    crate::probe::callgrind_ir(exe, "*measured_loop*", &args)
 }
 
 // ---------------------------------------------------------------------------------------------
