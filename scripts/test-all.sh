@@ -46,6 +46,22 @@ log "chunnel-bench negotiate (short run: checks the tool works end to end)"
 cargo run --release --locked -q -p chunnel-bench -- negotiate --reps 1 --conns 200 \
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==3, d; print("bench JSON ok:", d["checks"])'
 
+log "chunnel-bench kv (short run: the YCSB generator against both sharding modes and the inline baselines)"
+cargo run --release --locked -q -p chunnel-bench -- kv --reps 1 --records 500 --loads 2000,4000 \
+  --warmup-ms 50 --run-ms 200 --ab-load 2000 --ab-ms 200 \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "kv" and d["p95_bound_us"] > 0 and d["p95_bound_why"], d
+for mode in ("client_push", "server_side"):
+    pts = d["sweep"][mode]
+    assert pts and all("offered_rps" in p and "p95_us" in p for p in pts), pts
+assert {"client_push", "server_side", "ratio_client_push_over_server_side"} <= set(d["max_load_meeting_bound"])
+for v in ("full", "no_chunnels", "no_chunnels_no_mux"):
+    assert d["full_vs_inline"]["variants"][v]["p50_us"]["runs"] == 1, v
+assert d["server"]["clients_client_push"] >= 1 and d["server"]["clients_server_side"] >= 1, d["server"]
+print("bench JSON ok: max loads", d["max_load_meeting_bound"])'
+
 log "chunnel-bench reconfig (short run: every switch delivered every message once, both kinds)"
 cargo run --release --locked -q -p chunnel-bench -- reconfig --reps 1 --millis 30 --pause-reps 1 \
   --messages 4000 --switch-every 500 --no-callgrind \

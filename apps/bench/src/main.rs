@@ -11,6 +11,7 @@
 //! * `probe` (internal): the deterministic loop that `overhead` runs under callgrind.
 
 mod alloc;
+mod kv;
 mod negotiate;
 mod overhead;
 mod probe;
@@ -41,6 +42,8 @@ enum Cmd {
     Negotiate(negotiate::Args),
     /// Unilateral reconfiguration: fast-path cost of a reconfigurable select, switch pause.
     Reconfig(reconfig::Args),
+    /// Sharded KV store under YCSB load: client vs server sharding, Chunnels vs inline.
+    Kv(kv::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -51,6 +54,7 @@ fn main() -> Result<()> {
         Cmd::Overhead(a) => overhead::run(a),
         Cmd::Negotiate(a) => negotiate::run(a),
         Cmd::Reconfig(a) => reconfig::run(a),
+        Cmd::Kv(a) => kv::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }

@@ -473,7 +473,13 @@ fn callgrind() -> Result<Value> {
 }
 
 fn callgrind_run(exe: &Path, layers: usize, bursts: usize) -> Result<u64> {
-    let args = ["probe", "--layers", &layers.to_string(), "--bursts", &bursts.to_string()]
-        .map(String::from);
+    let args = [
+        "probe",
+        "--layers",
+        &layers.to_string(),
+        "--bursts",
+        &bursts.to_string(),
+    ]
+    .map(String::from);
     crate::probe::callgrind_ir(exe, "*measured_loop*", &args)
 }

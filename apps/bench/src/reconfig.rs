@@ -505,11 +505,11 @@ where
     let mut buf = vec![0u8; 65_536];
     crate::probe::measured_loop(&conn, reflector, &msg, &mut slots, &mut buf, 50).await?;
     let before = crate::alloc::count();
-    crate::probe::measured_loop(&conn, reflector, &msg, &mut slots, &mut buf, a.probe_bursts).await?;
+    crate::probe::measured_loop(&conn, reflector, &msg, &mut slots, &mut buf, a.probe_bursts)
+        .await?;
     let allocs = crate::alloc::count() - before;
     Ok(((a.probe_bursts * a.burst) as u64, allocs))
 }
-
 
 fn self_exe() -> Result<PathBuf> {
     std::env::current_exe().context("locating chunnel-bench")
@@ -572,8 +572,14 @@ fn callgrind() -> Result<Value> {
 }
 
 fn callgrind_run(exe: &Path, v: Variant, bursts: usize) -> Result<u64> {
-    let args = ["reconfig", "--probe", v.name(), "--probe-bursts", &bursts.to_string()]
-        .map(String::from);
+    let args = [
+        "reconfig",
+        "--probe",
+        v.name(),
+        "--probe-bursts",
+        &bursts.to_string(),
+    ]
+    .map(String::from);
     crate::probe::callgrind_ir(exe, "*measured_loop*", &args)
 }
 

@@ -72,6 +72,8 @@ use chunnel_std::shard::{self, ClientShard, ClientShardConn, Keyed, ShardServer,
 use serde::{Deserialize, Serialize as SerdeSerialize};
 use tokio::sync::{Semaphore, oneshot};
 
+pub mod ycsb;
+
 /// Replies each shard remembers for retried requests.
 pub const REPLAY_CACHE: usize = 4096;
 
