@@ -461,12 +461,15 @@ where
             bind,
             addr,
             per_shard,
-            mut handler,
+            handler,
             jobs_tx,
             mut jobs_rx,
             stats,
             cfg,
         } = self;
+        // Shared by the forwarded jobs and by this shard's own clients, which run it inline
+        // (all on this thread: the lock is never contended).
+        let handler = Arc::new(std::sync::Mutex::new(handler));
         rt.block_on(async move {
             let mut listener = match bind.bind(&addr).await {
                 Ok((l, a)) => {
@@ -481,7 +484,8 @@ where
             let exec = async {
                 while let Some(Job { msg, reply }) = jobs_rx.recv().await {
                     stats.requests.fetch_add(1, Ordering::Relaxed);
-                    if let Some(r) = handler(msg)
+                    let r = (handler.lock().unwrap_or_else(|e| e.into_inner()))(msg);
+                    if let Some(r) = r
                         && reply.try_send(r).is_err()
                     {
                         stats.replies_dropped.fetch_add(1, Ordering::Relaxed);
@@ -490,7 +494,9 @@ where
             };
             let accept = async {
                 let peers = Arc::new(Semaphore::new(cfg.max_peers.max(1)));
-                let route: Arc<[mpsc::Sender<Job<T>>]> = Arc::from(vec![jobs_tx]);
+                // Jobs come only from canonical connections on other threads; the sender is
+                // kept so the queue stays open while the shard runs.
+                let _jobs_tx = jobs_tx;
                 loop {
                     let base = match listener.accept().await {
                         Ok(b) => b,
@@ -503,12 +509,11 @@ where
                         continue; // dropping `base` forgets the peer
                     };
                     let mut stack = per_shard.clone();
-                    let (route, stats) = (Arc::clone(&route), Arc::clone(&stats));
+                    let (handler, stats) = (Arc::clone(&handler), Arc::clone(&stats));
                     tokio::spawn(async move {
                         let _permit = permit;
                         if let Ok(conn) = stack.connect_wrap(base).await {
-                            let (tx, mut rx) = mpsc::channel(cfg.reply_queue.max(1));
-                            let _ = forward(&conn, &route, &tx, &mut rx, &stats, cfg.batch).await;
+                            let _ = serve_local(&conn, &handler, &stats, cfg.batch).await;
                         }
                     });
                 }
@@ -519,6 +524,54 @@ where
                 () = stop.notified() => {}
             }
         });
+    }
+}
+
+/// A client pushing straight to this shard: each batch of requests is handled inline, on the
+/// connection's task, and the replies go back in one send (no queue, no task hop). Returns
+/// only when `conn` fails; messages that do not decode are counted and skipped.
+async fn serve_local<C, T, H>(
+    conn: &C,
+    handler: &std::sync::Mutex<H>,
+    stats: &ShardStats,
+    batch: usize,
+) -> chunnel::Error
+where
+    C: ChunnelConnection<Data = T>,
+    T: Send,
+    H: FnMut(T) -> Option<T>,
+{
+    let batch = batch.clamp(1, 64);
+    let mut slots: Vec<Option<T>> = (0..batch).map(|_| None).collect();
+    let mut out: Vec<T> = Vec::with_capacity(batch);
+    loop {
+        match conn.recv(&mut slots).await {
+            Ok(n) => {
+                {
+                    let mut h = handler.lock().unwrap_or_else(|e| e.into_inner());
+                    for m in slots[..n].iter_mut().filter_map(Option::take) {
+                        stats.requests.fetch_add(1, Ordering::Relaxed);
+                        out.extend(h(m));
+                    }
+                }
+                if out.is_empty() {
+                    continue;
+                }
+                match conn.send(out.drain(..)).await {
+                    Ok(()) => {}
+                    Err(e) if e.is_closed() => return e,
+                    // E.g. a reply too large for the datapath: dropped.
+                    Err(_) => {
+                        stats.replies_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            // A message that did not decode: dropped, the connection goes on.
+            Err(chunnel::Error::Layer { .. } | chunnel::Error::Malformed { .. }) => {
+                stats.malformed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => return e,
+        }
     }
 }
 
