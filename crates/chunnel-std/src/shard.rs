@@ -1050,8 +1050,16 @@ where
     {
         let shards = self.shards().await?;
         let n = shards.len();
+        let mut it = burst.into_iter();
+        let Some(first) = it.next() else {
+            return Ok(());
+        };
+        let Some(second) = it.next() else {
+            // The usual request: one message, one shard, no grouping (no allocation).
+            return shards[shard_of(first.shard_key(), n)].send([first]).await;
+        };
         let mut groups: Vec<Vec<T>> = (0..n).map(|_| Vec::new()).collect();
-        for m in burst {
+        for m in [first, second].into_iter().chain(it) {
             groups[shard_of(m.shard_key(), n)].push(m);
         }
         for (c, g) in shards.iter().zip(groups) {
