@@ -48,3 +48,35 @@ async fn load_then_open_loop_run() {
         })
         .await;
 }
+
+/// The same seeded YCSB run (load, then workload A with zipfian keys) against a client-push
+/// store and a server-side-sharding store gives the same answer to every request.
+#[tokio::test(flavor = "current_thread")]
+async fn client_push_and_server_side_answer_the_same_ycsb_run() {
+    let records = 400;
+    let mut answers = Vec::new();
+    for offer in [Offer::ClientPush, Offer::ServerSide] {
+        let server = KvServer::start("127.0.0.1:0".parse().unwrap(), ServerConfig::new(3))
+            .await
+            .unwrap();
+        let client = KvClient::connect(server.addr(), ClientConfig::default().with_offer(offer))
+            .await
+            .unwrap();
+        ycsb::load(&client, records, 16, 8).await.unwrap();
+        let mut ops = OpGen::new(Workload::A, KeyDist::zipfian(records), 16, 42);
+        let mut got = Vec::with_capacity(3000);
+        for _ in 0..3000 {
+            got.push(client.call(ops.next_op()).await.unwrap());
+        }
+        answers.push(got);
+    }
+    assert_eq!(answers[0].len(), 3000);
+    assert!(
+        answers[0].iter().filter(|a| a.is_some()).count() > 2500,
+        "reads and updates of loaded keys return values"
+    );
+    assert_eq!(
+        answers[0], answers[1],
+        "the two sharding modes answered differently"
+    );
+}
