@@ -54,6 +54,13 @@ fn localhost() -> std::net::SocketAddr {
     "127.0.0.1:0".parse().unwrap()
 }
 
+/// A client of `server` offering `offer`.
+async fn client(server: &KvServer, offer: Offer) -> KvClient {
+    KvClient::connect(server.addr(), ClientConfig::default().with_offer(offer))
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_push_and_server_side_give_the_same_answers() {
     let ops = workload(0x5eed, 3000, 300, "");
@@ -82,18 +89,8 @@ async fn mixed_clients_share_one_server() {
     let server = KvServer::start(localhost(), ServerConfig::new(3))
         .await
         .unwrap();
-    let push = KvClient::connect(
-        server.addr(),
-        ClientConfig::default().with_offer(Offer::ClientPush),
-    )
-    .await
-    .unwrap();
-    let via = KvClient::connect(
-        server.addr(),
-        ClientConfig::default().with_offer(Offer::ServerSide),
-    )
-    .await
-    .unwrap();
+    let push = client(&server, Offer::ClientPush).await;
+    let via = client(&server, Offer::ServerSide).await;
     // Offering both, a client gets the server's preference: client push.
     let both = KvClient::connect(server.addr(), ClientConfig::default())
         .await
@@ -194,18 +191,8 @@ async fn malformed_datagrams_are_dropped_and_the_server_keeps_serving() {
     let server = KvServer::start(localhost(), ServerConfig::new(2))
         .await
         .unwrap();
-    let push = KvClient::connect(
-        server.addr(),
-        ClientConfig::default().with_offer(Offer::ClientPush),
-    )
-    .await
-    .unwrap();
-    let via = KvClient::connect(
-        server.addr(),
-        ClientConfig::default().with_offer(Offer::ServerSide),
-    )
-    .await
-    .unwrap();
+    let push = client(&server, Offer::ClientPush).await;
+    let via = client(&server, Offer::ServerSide).await;
     assert_eq!(push.put(b"x", b"1").await.unwrap(), None);
 
     let junk: [&[u8]; 6] = [

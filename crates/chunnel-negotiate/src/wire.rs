@@ -816,7 +816,9 @@ pub fn decode_control(msg: &[u8]) -> Result<Control, WireError> {
     }
 }
 
-/// Encodes a control message, tag included.
+/// Encodes a control message, tag included. An [`Control::AcceptData`] whose accept is too
+/// long to coalesce (over 65,535 bytes) encodes as the ACCEPT alone, without the data: a
+/// sender must then send the data separately (docs/wire.md §7.5).
 pub fn encode_control(c: &Control) -> Bytes {
     match c {
         Control::Hello(h) => h.encode(),
