@@ -836,3 +836,25 @@ pub fn encode_control(c: &Control) -> Bytes {
         Control::Done(t) => t.encode(Tag::Done),
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Stack records (docs/wire.md §15): one concrete stack, as a rendezvous store keeps it.
+
+/// Encodes one concrete stack (its Chunnels, top first) as a self-contained record: the
+/// version byte, then the Chunnel list exactly as in a HELLO option. Multi-party negotiation
+/// stores this in a key-value store (docs/wire.md §15).
+pub fn encode_stack(chunnels: &[ChunnelInfo]) -> Bytes {
+    let mut b = BytesMut::with_capacity(64);
+    b.put_u8(VERSION);
+    put_chunnels(&mut b, chunnels);
+    b.freeze()
+}
+
+/// Decodes a record written by [`encode_stack`]. Never panics; trailing bytes are an error.
+pub fn decode_stack(record: &[u8]) -> Result<Vec<ChunnelInfo>, WireError> {
+    let mut r = Reader { buf: record };
+    version(&mut r)?;
+    let list = r.chunnels()?;
+    r.finish()?;
+    Ok(list)
+}

@@ -1,0 +1,88 @@
+//! The crate's one error type.
+
+use chunnel::negotiate::Mismatch;
+
+/// Everything that can go wrong in multi-party negotiation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store could not be reached or answered with an error. Members already in a group keep
+    /// communicating; new joins fail until the store is back (retrying is the caller's policy).
+    #[error("rendezvous store ({backend}) unavailable: {detail}")]
+    Unavailable {
+        /// The backend (`"sqlite"`, `"redis"`, `"etcd"`).
+        backend: &'static str,
+        /// What the store or the client library said.
+        detail: String,
+    },
+    /// The group's committed stack is not compatible with any stack this participant offers.
+    #[error(
+        "group `{group}` uses a stack (epoch {epoch}) incompatible with every stack offered here; first mismatch: {first}"
+    )]
+    Incompatible {
+        /// The group.
+        group: String,
+        /// The committed epoch.
+        epoch: u64,
+        /// The mismatch with each of our options, in our preference order ("server" = the
+        /// group's committed stack, "client" = our option).
+        mismatches: Vec<Mismatch>,
+        /// The first mismatch, rendered (for the message).
+        first: String,
+    },
+    /// The participant offers no stack at all (every branch unavailable on this host).
+    #[error("no stack to offer: every option is unavailable on this host")]
+    NothingOffered,
+    /// The group's record changed under every one of our attempts to join.
+    #[error("group `{group}` kept changing: gave up joining after {attempts} attempts")]
+    Contended {
+        /// The group.
+        group: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// A group name or member id that the stores cannot hold.
+    #[error("invalid {what} `{name}`: 1 to 128 bytes, no control characters, no `/`")]
+    InvalidName {
+        /// "group name" or "member id".
+        what: &'static str,
+        /// The offending name (cut at 140 characters).
+        name: String,
+    },
+    /// The store holds bytes this version cannot read (written by something else).
+    #[error("corrupt rendezvous record: {0}")]
+    Corrupt(&'static str),
+    /// A stored stack record failed to decode.
+    #[error("undecodable stack record: {0}")]
+    Record(#[from] chunnel_negotiate::wire::WireError),
+    /// The proposed transition could not start: another is pending or the group moved on.
+    #[error("transition not started: {0}")]
+    Busy(&'static str),
+    /// A transition was refused or timed out; the group stays on its stack.
+    #[error("transition {id} aborted: {reason}")]
+    Aborted {
+        /// The transition's id.
+        id: u64,
+        /// Who refused and why, or "timeout".
+        reason: String,
+    },
+    /// This participant is no longer in the group (it left, or was closed).
+    #[error("participant has left the group")]
+    Closed,
+    /// The local stack refused a pick, or a connection failed.
+    #[error(transparent)]
+    Chunnel(#[from] chunnel::Error),
+    /// A socket error on the group's data plane.
+    #[error("group data plane: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// Shorthand for [`Error::Unavailable`].
+    pub fn unavailable(backend: &'static str, detail: impl std::fmt::Display) -> Error {
+        Error::Unavailable {
+            backend,
+            detail: detail.to_string(),
+        }
+    }
+}
