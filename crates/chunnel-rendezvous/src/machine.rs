@@ -1,0 +1,460 @@
+//! The participant's protocol logic as a sans-IO state machine: snapshots of the group record
+//! and the time go in, the store operations and local switches to perform come out. The async
+//! driver ([`crate::Participant`]) only reads the store, feeds the machine and carries out its
+//! actions, so the logic is tested deterministically (`tests` below) without a store.
+//!
+//! The protocol (docs/wire.md §15):
+//!
+//! * **Join**: propose our first option with a compare-and-swap; if a stack is already
+//!   committed, pick our first option compatible with it (the rules of point-to-point
+//!   negotiation, the committed stack in the server's role) and join at its epoch, or fail with
+//!   the mismatches. See [`join_choice`].
+//! * **Transition** (a two-phase commit through the store): a proposer records a transition
+//!   from the committed epoch; every member votes (yes = it can build the proposed stack, its
+//!   policy allows it, and it has prepared it); the proposer commits once every *live* member
+//!   voted yes, and aborts on the first no or at the deadline. Anyone aborts a transition whose
+//!   deadline passed long ago (the proposer died).
+//! * **Switch**: a member that reads a higher committed epoch switches to it. Senders tag every
+//!   message with their epoch, and receivers keep the previous epoch's stack for a while, so
+//!   messages sent around the switch are decoded by the stack that encoded them.
+
+use chunnel::negotiate::{ChunnelInfo, Mismatch, Pick, StackOption, choose};
+
+use crate::store::{Ballot, Snapshot, Transition};
+
+/// How long past a transition's deadline a member other than the proposer waits before it
+/// aborts the transition itself.
+pub const ORPHAN_GRACE_MS: u64 = 1_000;
+
+/// A member's local decision on a proposed stack, beyond compatibility: `Err(reason)` refuses.
+pub type Policy = std::sync::Arc<dyn Fn(&[ChunnelInfo]) -> Result<(), String> + Send + Sync>;
+
+/// Which of our options fits a committed stack.
+///
+/// `Ok(i)`: our option `i` (preference order) is compatible. `Err`: the mismatch of each of our
+/// options (the committed stack plays the server).
+pub fn join_choice(committed: &[ChunnelInfo], ours: &[StackOption]) -> Result<usize, Vec<Mismatch>> {
+    let theirs = [StackOption {
+        chunnels: committed.to_vec(),
+        pick: Pick::default(),
+    }];
+    choose(&theirs, ours, ours.len().max(1)).map(|c| c.client_option)
+}
+
+/// What the driver must do next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// We are not a member any more (our lease ran out, e.g. while the store was down): join
+    /// again at the committed epoch (or re-create the group with our current stack if the
+    /// store lost it).
+    Rejoin,
+    /// Build the stack of our option `option` for epoch `epoch`, so messages of that epoch can
+    /// be decoded (done before voting yes).
+    Prepare {
+        /// The epoch the stack is for.
+        epoch: u64,
+        /// Index into our offers.
+        option: usize,
+    },
+    /// Record our ballot on transition `id`.
+    Vote {
+        /// The transition.
+        id: u64,
+        /// Our ballot.
+        ballot: Ballot,
+    },
+    /// End transition `id` (commit or abort).
+    Finish {
+        /// The transition.
+        id: u64,
+        /// Commit (else abort).
+        commit: bool,
+        /// Why it was aborted (empty on commit).
+        reason: String,
+    },
+    /// The group committed epoch `epoch`: send with our option `option` from now on.
+    Switch {
+        /// The new epoch.
+        epoch: u64,
+        /// Index into our offers.
+        option: usize,
+    },
+    /// The group moved to a stack we cannot build (we missed its transition): leave.
+    Incompatible {
+        /// The epoch.
+        epoch: u64,
+        /// Why, per option of ours.
+        mismatches: Vec<Mismatch>,
+    },
+}
+
+/// One participant's protocol state.
+pub struct Machine {
+    me: String,
+    offers: Vec<StackOption>,
+    policy: Option<Policy>,
+    epoch: u64,
+    option: usize,
+    /// The transition we voted on and how, so we vote once.
+    voted: Option<(u64, bool)>,
+    /// Transitions we finished (the store may not show it yet): never finish twice.
+    finished: Option<u64>,
+}
+
+impl std::fmt::Debug for Machine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Machine")
+            .field("me", &self.me)
+            .field("epoch", &self.epoch)
+            .field("option", &self.option)
+            .field("voted", &self.voted)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Machine {
+    /// A member that joined at `epoch` using our option `option`.
+    pub fn new(
+        me: String,
+        offers: Vec<StackOption>,
+        policy: Option<Policy>,
+        epoch: u64,
+        option: usize,
+    ) -> Machine {
+        Machine {
+            me,
+            offers,
+            policy,
+            epoch,
+            option,
+            voted: None,
+            finished: None,
+        }
+    }
+
+    /// The epoch we send at.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Our option in use.
+    pub fn option(&self) -> usize {
+        self.option
+    }
+
+    /// Our offers.
+    pub fn offers(&self) -> &[StackOption] {
+        &self.offers
+    }
+
+    /// A transition we propose from the current epoch to our option `option`.
+    pub fn proposal(&self, id: u64, option: usize, deadline_ms: u64) -> Option<Transition> {
+        let o = self.offers.get(option)?;
+        Some(Transition {
+            id,
+            from_epoch: self.epoch,
+            proposer: self.me.clone(),
+            stack: chunnel_negotiate::wire::encode_stack(&o.chunnels),
+            deadline_ms,
+        })
+    }
+
+    /// Re-synchronises after a rejoin at `epoch` with `option`.
+    pub fn rejoined(&mut self, epoch: u64, option: usize) {
+        self.epoch = epoch;
+        self.option = option;
+    }
+
+    fn judge(&self, t: &Transition) -> (Ballot, Option<usize>) {
+        let stack = match chunnel_negotiate::wire::decode_stack(&t.stack) {
+            Ok(s) => s,
+            Err(e) => return (Ballot::No(format!("undecodable stack: {e}")), None),
+        };
+        let option = match join_choice(&stack, &self.offers) {
+            Ok(i) => i,
+            Err(m) => {
+                let why = m
+                    .first()
+                    .map_or_else(|| "no options".to_owned(), |m| m.to_string());
+                return (Ballot::No(format!("{}: incompatible: {why}", self.me)), None);
+            }
+        };
+        if let Some(p) = &self.policy
+            && let Err(why) = p(&stack)
+        {
+            return (Ballot::No(format!("{}: {why}", self.me)), None);
+        }
+        (Ballot::Yes, Some(option))
+    }
+
+    /// Feeds one snapshot read at `now_ms`; returns what to do, in order.
+    pub fn on_snapshot(&mut self, snap: &Snapshot, now_ms: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        let Some(committed) = &snap.committed else {
+            // The store lost the group (e.g. a Redis without persistence restarted).
+            out.push(Action::Rejoin);
+            return out;
+        };
+        if committed.epoch > self.epoch {
+            match chunnel_negotiate::wire::decode_stack(&committed.stack)
+                .map_err(|e| e.to_string())
+                .and_then(|s| join_choice(&s, &self.offers).map_err(|m| format!("{m:?}")))
+            {
+                Ok(option) => {
+                    self.epoch = committed.epoch;
+                    self.option = option;
+                    out.push(Action::Switch {
+                        epoch: self.epoch,
+                        option,
+                    });
+                }
+                Err(_) => {
+                    let mismatches = chunnel_negotiate::wire::decode_stack(&committed.stack)
+                        .ok()
+                        .and_then(|s| join_choice(&s, &self.offers).err())
+                        .unwrap_or_default();
+                    out.push(Action::Incompatible {
+                        epoch: committed.epoch,
+                        mismatches,
+                    });
+                    return out;
+                }
+            }
+        }
+        if !snap.is_member(&self.me) {
+            out.push(Action::Rejoin);
+            return out;
+        }
+        let Some(t) = &snap.transition else {
+            return out;
+        };
+        if t.from_epoch != self.epoch || self.finished == Some(t.id) {
+            return out;
+        }
+        if self.voted.map(|(id, _)| id) != Some(t.id) {
+            let (ballot, option) = self.judge(t);
+            if let Some(option) = option {
+                out.push(Action::Prepare {
+                    epoch: t.from_epoch + 1,
+                    option,
+                });
+            }
+            self.voted = Some((t.id, ballot == Ballot::Yes));
+            out.push(Action::Vote { id: t.id, ballot });
+            // Our own ballot is not in this snapshot yet: decide on the next one.
+            return out;
+        }
+        let live_no = snap.ballots.iter().find_map(|(m, b)| match b {
+            Ballot::No(why) if snap.is_member(m) => Some(why.clone()),
+            _ => None,
+        });
+        let all_yes = snap.members.iter().all(|m| {
+            snap.ballots
+                .iter()
+                .any(|(id, b)| id == &m.id && *b == Ballot::Yes)
+        });
+        let finish = if t.proposer == self.me {
+            if let Some(why) = live_no {
+                Some((false, format!("refused by {why}")))
+            } else if all_yes {
+                Some((true, String::new()))
+            } else if now_ms > t.deadline_ms {
+                let silent: Vec<&str> = snap
+                    .members
+                    .iter()
+                    .filter(|m| !snap.ballots.iter().any(|(id, _)| id == &m.id))
+                    .map(|m| m.id.as_str())
+                    .collect();
+                Some((false, format!("timeout: no vote from {}", silent.join(", "))))
+            } else {
+                None
+            }
+        } else if now_ms > t.deadline_ms.saturating_add(ORPHAN_GRACE_MS) {
+            Some((false, "timeout: the proposer did not finish".to_owned()))
+        } else {
+            None
+        };
+        if let Some((commit, reason)) = finish {
+            self.finished = Some(t.id);
+            out.push(Action::Finish {
+                id: t.id,
+                commit,
+                reason,
+            });
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use bytes::Bytes;
+    use chunnel::negotiate::Capability;
+
+    use super::*;
+    use crate::store::{Committed, Member};
+
+    fn option(label: &'static str, branch: u8) -> StackOption {
+        StackOption {
+            chunnels: vec![ChunnelInfo {
+                id: Cow::Borrowed("test/order/1"),
+                capabilities: vec![Capability::exact("ordering", [label])],
+            }],
+            pick: Pick::from_branches(vec![branch]),
+        }
+    }
+
+    fn offers() -> Vec<StackOption> {
+        vec![option("none", 0), option("total", 1)]
+    }
+
+    fn snap(epoch: u64, stack: &StackOption, members: &[&str]) -> Snapshot {
+        Snapshot {
+            committed: Some(Committed {
+                epoch,
+                stack: chunnel_negotiate::wire::encode_stack(&stack.chunnels),
+            }),
+            members: members
+                .iter()
+                .map(|m| Member {
+                    id: (*m).into(),
+                    addr: String::new(),
+                })
+                .collect(),
+            ..Snapshot::default()
+        }
+    }
+
+    #[test]
+    fn join_choice_picks_our_first_compatible_option() {
+        assert_eq!(join_choice(&option("total", 0).chunnels, &offers()), Ok(1));
+        let err = join_choice(&option("causal", 0).chunnels, &offers()).unwrap_err();
+        assert_eq!(err.len(), 2, "one mismatch per option of ours");
+    }
+
+    #[test]
+    fn proposer_commits_when_every_live_member_voted_yes() {
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        let t = a.proposal(7, 1, 10_000).unwrap();
+        let mut s = snap(1, &option("none", 0), &["a", "b"]);
+        s.transition = Some(t.clone());
+        let acts = a.on_snapshot(&s, 0);
+        assert_eq!(
+            acts,
+            vec![
+                Action::Prepare {
+                    epoch: 2,
+                    option: 1
+                },
+                Action::Vote {
+                    id: 7,
+                    ballot: Ballot::Yes
+                }
+            ]
+        );
+        s.ballots = vec![("a".into(), Ballot::Yes)];
+        assert!(a.on_snapshot(&s, 1).is_empty(), "b has not voted");
+        // A dead member's ballot does not count, nor does its silence.
+        s.ballots.push(("b".into(), Ballot::Yes));
+        s.ballots.push(("zombie".into(), Ballot::No("x".into())));
+        assert_eq!(
+            a.on_snapshot(&s, 2),
+            vec![Action::Finish {
+                id: 7,
+                commit: true,
+                reason: String::new()
+            }]
+        );
+        assert!(a.on_snapshot(&s, 3).is_empty(), "finished twice");
+        // The committed epoch arrives: switch to the proposed option.
+        let s2 = snap(2, &option("total", 0), &["a", "b"]);
+        assert_eq!(
+            a.on_snapshot(&s2, 4),
+            vec![Action::Switch {
+                epoch: 2,
+                option: 1
+            }]
+        );
+    }
+
+    #[test]
+    fn a_refusal_or_the_deadline_aborts() {
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        let t = a.proposal(9, 1, 100).unwrap();
+        let mut s = snap(1, &option("none", 0), &["a", "b", "c"]);
+        s.transition = Some(t);
+        a.on_snapshot(&s, 0);
+        s.ballots = vec![("a".into(), Ballot::Yes), ("b".into(), Ballot::No("b: policy".into()))];
+        match &a.on_snapshot(&s, 1)[..] {
+            [Action::Finish { commit: false, reason, .. }] => assert!(reason.contains("b: policy")),
+            other => panic!("{other:?}"),
+        }
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        s.transition = Some(a.proposal(10, 1, 100).unwrap());
+        a.on_snapshot(&s, 0);
+        s.ballots = vec![("a".into(), Ballot::Yes)];
+        assert!(a.on_snapshot(&s, 50).is_empty());
+        match &a.on_snapshot(&s, 101)[..] {
+            [Action::Finish { commit: false, reason, .. }] => {
+                assert!(reason.contains("b, c"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn voters_judge_compatibility_and_policy() {
+        let refuse: Policy = std::sync::Arc::new(|_| Err("not while busy".to_owned()));
+        let mut b = Machine::new("b".into(), offers(), Some(refuse), 1, 0);
+        let mut s = snap(1, &option("none", 0), &["a", "b", "c", "d"]);
+        s.transition = Some(Transition {
+            id: 3,
+            from_epoch: 1,
+            proposer: "a".into(),
+            stack: chunnel_negotiate::wire::encode_stack(&option("total", 0).chunnels),
+            deadline_ms: 100,
+        });
+        match &b.on_snapshot(&s, 0)[..] {
+            [Action::Vote { ballot: Ballot::No(why), .. }] => assert!(why.contains("busy")),
+            other => panic!("{other:?}"),
+        }
+        let mut c = Machine::new("c".into(), vec![option("none", 0)], None, 1, 0);
+        match &c.on_snapshot(&s, 0)[..] {
+            [Action::Vote { ballot: Ballot::No(why), .. }] => assert!(why.contains("incompatible")),
+            other => panic!("{other:?}"),
+        }
+        // Garbage in the store is a refusal, not a panic.
+        s.transition.as_mut().unwrap().stack = Bytes::from_static(b"\x01\xff");
+        let mut d = Machine::new("d".into(), offers(), None, 1, 0);
+        assert!(matches!(
+            &d.on_snapshot(&s, 0)[..],
+            [Action::Vote { ballot: Ballot::No(_), .. }]
+        ));
+        // A non-proposer aborts an orphaned transition only after the grace period.
+        let mut e = Machine::new("e".into(), offers(), None, 1, 0);
+        s.members.push(Member { id: "e".into(), addr: String::new() });
+        e.on_snapshot(&s, 0);
+        assert!(e.on_snapshot(&s, 100 + ORPHAN_GRACE_MS).is_empty());
+        assert!(matches!(
+            &e.on_snapshot(&s, 101 + ORPHAN_GRACE_MS)[..],
+            [Action::Finish { commit: false, .. }]
+        ));
+    }
+
+    #[test]
+    fn a_lost_lease_or_a_lost_group_means_rejoin() {
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        assert_eq!(
+            a.on_snapshot(&snap(1, &option("none", 0), &["b"]), 0),
+            vec![Action::Rejoin]
+        );
+        assert_eq!(a.on_snapshot(&Snapshot::default(), 0), vec![Action::Rejoin]);
+        let bad = snap(2, &option("causal", 0), &["a"]);
+        assert!(matches!(
+            &a.on_snapshot(&bad, 0)[..],
+            [Action::Incompatible { epoch: 2, .. }]
+        ));
+    }
+}

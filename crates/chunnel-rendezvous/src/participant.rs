@@ -1,0 +1,478 @@
+//! The async driver of [`crate::machine::Machine`]: joins a group through a [`Store`], keeps
+//! the lease alive, reads the group record every [`Config::poll`], votes, finishes
+//! transitions, and publishes what it sees as a [`View`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chunnel::negotiate::{ChunnelInfo, StackOption};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::machine::{Action, Machine, Policy, join_choice};
+use crate::store::{JoinReply, Member, Snapshot, Store, now_ms};
+use crate::Error;
+
+/// Timing of a participant.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The lease on our membership: a participant that dies without leaving disappears from
+    /// the group this long after its last renewal.
+    pub lease: Duration,
+    /// How often the lease is renewed (default a third of the lease).
+    pub renew_every: Duration,
+    /// How often the group record is read (membership changes, transitions): the delay with
+    /// which a participant notices them.
+    pub poll: Duration,
+    /// How long a proposer waits for every vote before it aborts.
+    pub transition_timeout: Duration,
+    /// Attempts at the join compare-and-swap before [`Error::Contended`].
+    pub join_attempts: u32,
+    /// Bound on each store operation (a store that hangs counts as unavailable).
+    pub op_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            lease: Duration::from_secs(3),
+            renew_every: Duration::from_secs(1),
+            poll: Duration::from_millis(20),
+            transition_timeout: Duration::from_secs(3),
+            join_attempts: 64,
+            op_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// What a participant knows about its group, republished whenever it changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct View {
+    /// The epoch this participant sends at.
+    pub epoch: u64,
+    /// Our option (index into our offers) in use at `epoch`.
+    pub option: usize,
+    /// The committed stack.
+    pub stack: Vec<ChunnelInfo>,
+    /// Live members, sorted by id (as of the last successful read).
+    pub members: Vec<Member>,
+    /// A prepared next epoch and our option for it (we voted yes on a pending transition).
+    pub prepared: Option<(u64, usize)>,
+    /// Whether the last store operation succeeded.
+    pub store_reachable: bool,
+    /// Set when this participant is out of the group for good (incompatible switch, or left).
+    pub closed: Option<String>,
+}
+
+enum Command {
+    Propose {
+        option: usize,
+        reply: oneshot::Sender<Result<(), Error>>,
+    },
+    Leave {
+        reply: oneshot::Sender<Result<(), Error>>,
+    },
+}
+
+/// A member of a group: the result of [`Participant::join`].
+///
+/// Dropping it stops the background task without leaving (the lease then runs out, like a
+/// crash); call [`Participant::leave`] to leave at once.
+#[derive(Debug)]
+pub struct Participant {
+    view: watch::Receiver<View>,
+    cmd: mpsc::Sender<Command>,
+    task: tokio::task::JoinHandle<()>,
+    created: bool,
+    id: String,
+}
+
+impl Drop for Participant {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn bounded<T>(
+    backend: &'static str,
+    limit: Duration,
+    f: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::unavailable(
+            backend,
+            format!("no answer within {limit:?}"),
+        )),
+    }
+}
+
+fn random_id(seed: &str) -> u64 {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    seed.hash(&mut h);
+    std::time::Instant::now().hash(&mut h);
+    h.finish()
+}
+
+/// The join protocol: propose our first option by compare-and-swap, else join the committed
+/// stack with our first compatible option. Returns (snapshot after joining, epoch, option,
+/// created).
+async fn join_once<St: Store>(
+    store: &St,
+    group: &str,
+    me: &Member,
+    offers: &[StackOption],
+    propose: Option<usize>,
+    config: &Config,
+) -> Result<(Snapshot, u64, usize, bool), Error> {
+    let proposal = propose
+        .map(|i| chunnel_negotiate::wire::encode_stack(&offers[i].chunnels));
+    let mut expect = None;
+    for _ in 0..config.join_attempts {
+        let reply = bounded(
+            store.backend(),
+            config.op_timeout,
+            store.join(group, me, proposal.as_ref(), expect, config.lease),
+        )
+        .await?;
+        let snap = match reply {
+            JoinReply::Created(s) => return Ok((s, 1, propose.unwrap_or(0), true)),
+            JoinReply::Joined(s) => {
+                let c = s.committed.as_ref().ok_or(Error::Corrupt("joined a group with no stack"))?;
+                let stack = chunnel_negotiate::wire::decode_stack(&c.stack)?;
+                let option = join_choice(&stack, offers).map_err(|_| {
+                    Error::Busy("the group switched to another stack while we joined")
+                })?;
+                return Ok((s.clone(), c.epoch, option, false));
+            }
+            JoinReply::Current(s) => s,
+        };
+        let Some(c) = &snap.committed else {
+            if proposal.is_none() {
+                // The group vanished between reads and we have nothing to propose: retry
+                // proposing our first option.
+                return Box::pin(join_once(store, group, me, offers, Some(0), config)).await;
+            }
+            continue;
+        };
+        let stack = chunnel_negotiate::wire::decode_stack(&c.stack)?;
+        match join_choice(&stack, offers) {
+            Ok(_) => expect = Some(c.epoch),
+            Err(mismatches) => {
+                let first = mismatches
+                    .first()
+                    .map_or_else(|| "none reported".to_owned(), |m| m.to_string());
+                return Err(Error::Incompatible {
+                    group: group.to_owned(),
+                    epoch: c.epoch,
+                    mismatches,
+                    first,
+                });
+            }
+        }
+    }
+    Err(Error::Contended {
+        group: group.to_owned(),
+        attempts: config.join_attempts,
+    })
+}
+
+impl Participant {
+    /// Joins `group` as `me` with `offers` (our stack options in preference order, e.g.
+    /// `stack.offers()`): creates the group with our first option if it has no stack, else
+    /// joins its committed stack with our first compatible option, else fails with
+    /// [`Error::Incompatible`] (nothing is written to the group then).
+    ///
+    /// `policy` may refuse proposed transitions (beyond compatibility). Must be called inside a
+    /// tokio runtime; the participant's task runs there.
+    pub async fn join<St: Store>(
+        store: Arc<St>,
+        group: &str,
+        me: Member,
+        offers: Vec<StackOption>,
+        policy: Option<Policy>,
+        config: Config,
+    ) -> Result<Participant, Error> {
+        if offers.is_empty() {
+            return Err(Error::NothingOffered);
+        }
+        crate::store::check_name("group name", group)?;
+        crate::store::check_name("member id", &me.id)?;
+        let (snap, epoch, option, created) =
+            join_once(&*store, group, &me, &offers, Some(0), &config).await?;
+        let view = View {
+            epoch,
+            option,
+            stack: offers[option].chunnels.clone(),
+            members: snap.members.clone(),
+            prepared: None,
+            store_reachable: true,
+            closed: None,
+        };
+        let (view_tx, view_rx) = watch::channel(view);
+        let (cmd_tx, cmd_rx) = mpsc::channel(8);
+        let id = me.id.clone();
+        let machine = Machine::new(me.id.clone(), offers, policy, epoch, option);
+        let driver = Driver {
+            store,
+            group: group.to_owned(),
+            me,
+            config,
+            machine,
+            view: view_tx,
+            pending: None,
+        };
+        let task = tokio::spawn(driver.run(cmd_rx));
+        Ok(Participant {
+            view: view_rx,
+            cmd: cmd_tx,
+            task,
+            created,
+            id,
+        })
+    }
+
+    /// Whether this participant created the group (its proposal won the compare-and-swap).
+    pub fn created(&self) -> bool {
+        self.created
+    }
+
+    /// Our member id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The current view.
+    pub fn view(&self) -> View {
+        self.view.borrow().clone()
+    }
+
+    /// A receiver told of every change (membership, epoch, reachability of the store).
+    pub fn watch(&self) -> watch::Receiver<View> {
+        self.view.clone()
+    }
+
+    /// Proposes switching the group to our option `option`; returns once the transition
+    /// committed (every live member voted yes; everyone then switches) or fails with
+    /// [`Error::Aborted`] (a refusal, or no vote before the timeout: the group stays on its
+    /// stack) or [`Error::Busy`] (another transition is pending).
+    pub async fn propose(&self, option: usize) -> Result<(), Error> {
+        let (reply, rx) = oneshot::channel();
+        self.cmd
+            .send(Command::Propose { option, reply })
+            .await
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Leaves the group at once (the store forgets us) and stops the background task.
+    pub async fn leave(&self) -> Result<(), Error> {
+        let (reply, rx) = oneshot::channel();
+        self.cmd
+            .send(Command::Leave { reply })
+            .await
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+}
+
+/// Our proposal in flight: its id, who to tell, and why we aborted it (if we did).
+type Proposal = (u64, oneshot::Sender<Result<(), Error>>, Option<String>);
+
+struct Driver<St: Store> {
+    store: Arc<St>,
+    group: String,
+    me: Member,
+    config: Config,
+    machine: Machine,
+    view: watch::Sender<View>,
+    /// Our own proposal in flight: its id and who to tell.
+    pending: Option<Proposal>,
+}
+
+impl<St: Store> Driver<St> {
+    fn backend(&self) -> &'static str {
+        self.store.backend()
+    }
+
+    fn set_reachable(&self, ok: bool) {
+        self.view.send_if_modified(|v| {
+            let changed = v.store_reachable != ok;
+            v.store_reachable = ok;
+            changed
+        });
+    }
+
+    async fn run(mut self, mut cmd: mpsc::Receiver<Command>) {
+        let mut poll = tokio::time::interval(self.config.poll);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut renew = tokio::time::interval(self.config.renew_every);
+        renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        renew.tick().await;
+        loop {
+            tokio::select! {
+                c = cmd.recv() => match c {
+                    Some(Command::Propose { option, reply }) => self.propose(option, reply).await,
+                    Some(Command::Leave { reply }) => {
+                        let r = bounded(self.backend(), self.config.op_timeout,
+                            self.store.leave(&self.group, &self.me.id)).await;
+                        self.view.send_modify(|v| v.closed = Some("left the group".into()));
+                        let _ = reply.send(r);
+                        return;
+                    }
+                    None => return,
+                },
+                _ = renew.tick() => {
+                    match bounded(self.backend(), self.config.op_timeout,
+                        self.store.renew(&self.group, &self.me.id, self.config.lease)).await {
+                        Ok(true) => self.set_reachable(true),
+                        Ok(false) => self.rejoin().await,
+                        Err(e) => {
+                            tracing::warn!(group = %self.group, error = %e, "lease renewal failed");
+                            self.set_reachable(false);
+                        }
+                    }
+                }
+                _ = poll.tick() => {
+                    if self.step().await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn propose(&mut self, option: usize, reply: oneshot::Sender<Result<(), Error>>) {
+        if self.pending.is_some() {
+            let _ = reply.send(Err(Error::Busy("this participant's proposal is pending")));
+            return;
+        }
+        let id = random_id(&self.me.id);
+        let deadline = now_ms() + self.config.transition_timeout.as_millis() as u64;
+        let Some(t) = self.machine.proposal(id, option, deadline) else {
+            let _ = reply.send(Err(Error::Busy("no such option")));
+            return;
+        };
+        match bounded(self.backend(), self.config.op_timeout, self.store.propose(&self.group, &t)).await {
+            Ok(true) => self.pending = Some((id, reply, None)),
+            Ok(false) => {
+                let _ = reply.send(Err(Error::Busy(
+                    "another transition is pending, or the group moved to another epoch",
+                )));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    async fn rejoin(&mut self) {
+        let offers = self.machine.offers().to_vec();
+        match join_once(&*self.store, &self.group, &self.me, &offers, Some(self.machine.option()), &self.config).await {
+            Ok((_, epoch, option, created)) => {
+                tracing::info!(group = %self.group, member = %self.me.id, epoch, created, "rejoined");
+                if epoch != self.machine.epoch() {
+                    self.machine.rejoined(epoch, option);
+                    self.view.send_modify(|v| {
+                        v.epoch = epoch;
+                        v.option = option;
+                        v.stack = offers[option].chunnels.clone();
+                    });
+                }
+                self.set_reachable(true);
+            }
+            Err(e) => {
+                tracing::warn!(group = %self.group, error = %e, "rejoin failed");
+                self.set_reachable(false);
+            }
+        }
+    }
+
+    /// One read of the group record and the actions it implies. `Err` ends the participant.
+    async fn step(&mut self) -> Result<(), ()> {
+        let snap = match bounded(self.backend(), self.config.op_timeout, self.store.snapshot(&self.group)).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(group = %self.group, error = %e, "snapshot failed");
+                self.set_reachable(false);
+                return Ok(());
+            }
+        };
+        self.set_reachable(true);
+        for action in self.machine.on_snapshot(&snap, now_ms()) {
+            match action {
+                Action::Rejoin => self.rejoin().await,
+                Action::Prepare { epoch, option } => {
+                    self.view.send_modify(|v| v.prepared = Some((epoch, option)));
+                }
+                Action::Vote { id, ballot } => {
+                    if let Err(e) = bounded(self.backend(), self.config.op_timeout,
+                        self.store.vote(&self.group, id, &self.me.id, &ballot)).await {
+                        tracing::warn!(group = %self.group, error = %e, "vote failed");
+                    }
+                }
+                Action::Finish { id, commit, reason } => {
+                    if let Some((pid, _, why)) = &mut self.pending
+                        && *pid == id
+                    {
+                        *why = Some(reason.clone());
+                    }
+                    if let Err(e) = bounded(self.backend(), self.config.op_timeout,
+                        self.store.finish(&self.group, id, commit)).await {
+                        tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
+                    }
+                }
+                Action::Switch { epoch, option } => {
+                    let stack = self.machine.offers()[option].chunnels.clone();
+                    self.view.send_modify(|v| {
+                        v.epoch = epoch;
+                        v.option = option;
+                        v.stack = stack;
+                        v.prepared = None;
+                    });
+                }
+                Action::Incompatible { epoch, mismatches } => {
+                    let why = format!(
+                        "the group switched to a stack (epoch {epoch}) we cannot build: {}",
+                        mismatches.first().map_or_else(String::new, |m| m.to_string())
+                    );
+                    tracing::error!(group = %self.group, "{why}");
+                    let _ = self.store.leave(&self.group, &self.me.id).await;
+                    self.view.send_modify(|v| v.closed = Some(why));
+                    return Err(());
+                }
+            }
+        }
+        // Membership, and a prepared epoch that never came (aborted).
+        let aborted = snap.transition.is_none();
+        self.view.send_if_modified(|v| {
+            let mut changed = false;
+            if v.members != snap.members {
+                v.members = snap.members.clone();
+                changed = true;
+            }
+            if aborted && v.prepared.is_some() {
+                v.prepared = None;
+                changed = true;
+            }
+            changed
+        });
+        // Our proposal's fate.
+        if let Some((id, _, _)) = &self.pending
+            && let Some(o) = snap.outcome
+            && o.id == *id
+        {
+            let (id, reply, why) = self.pending.take().expect("checked");
+            let r = if o.committed {
+                Ok(())
+            } else {
+                Err(Error::Aborted {
+                    id,
+                    reason: why.unwrap_or_else(|| "aborted by another member".to_owned()),
+                })
+            };
+            let _ = reply.send(r);
+        }
+        Ok(())
+    }
+}
