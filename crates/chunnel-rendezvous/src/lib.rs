@@ -14,20 +14,24 @@ mod error;
 pub mod machine;
 mod participant;
 pub mod plane;
-#[cfg(feature = "sqlite")]
-mod sqlite;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "etcd")]
+mod etcd;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 pub mod store;
 
 pub use crate::error::Error;
 pub use crate::machine::Policy;
 pub use crate::participant::{Config, Participant, View};
 pub use crate::plane::{EpochBase, Group};
-#[cfg(feature = "sqlite")]
-pub use crate::sqlite::SqliteStore;
 #[cfg(feature = "redis")]
 pub use crate::redis::RedisStore;
+#[cfg(feature = "etcd")]
+pub use crate::etcd::EtcdStore;
+#[cfg(feature = "sqlite")]
+pub use crate::sqlite::SqliteStore;
 pub use crate::store::{
     Ballot, Committed, JoinReply, Member, Outcome, Snapshot, Store, Transition,
 };

@@ -33,7 +33,10 @@ pub type Policy = std::sync::Arc<dyn Fn(&[ChunnelInfo]) -> Result<(), String> + 
 ///
 /// `Ok(i)`: our option `i` (preference order) is compatible. `Err`: the mismatch of each of our
 /// options (the committed stack plays the server).
-pub fn join_choice(committed: &[ChunnelInfo], ours: &[StackOption]) -> Result<usize, Vec<Mismatch>> {
+pub fn join_choice(
+    committed: &[ChunnelInfo],
+    ours: &[StackOption],
+) -> Result<usize, Vec<Mismatch>> {
     let theirs = [StackOption {
         chunnels: committed.to_vec(),
         pick: Pick::default(),
@@ -176,7 +179,10 @@ impl Machine {
                 let why = m
                     .first()
                     .map_or_else(|| "no options".to_owned(), |m| m.to_string());
-                return (Ballot::No(format!("{}: incompatible: {why}", self.me)), None);
+                return (
+                    Ballot::No(format!("{}: incompatible: {why}", self.me)),
+                    None,
+                );
             }
         };
         if let Some(p) = &self.policy
@@ -265,7 +271,10 @@ impl Machine {
                     .filter(|m| !snap.ballots.iter().any(|(id, _)| id == &m.id))
                     .map(|m| m.id.as_str())
                     .collect();
-                Some((false, format!("timeout: no vote from {}", silent.join(", "))))
+                Some((
+                    false,
+                    format!("timeout: no vote from {}", silent.join(", ")),
+                ))
             } else {
                 None
             }
@@ -386,9 +395,18 @@ mod tests {
         let mut s = snap(1, &option("none", 0), &["a", "b", "c"]);
         s.transition = Some(t);
         a.on_snapshot(&s, 0);
-        s.ballots = vec![("a".into(), Ballot::Yes), ("b".into(), Ballot::No("b: policy".into()))];
+        s.ballots = vec![
+            ("a".into(), Ballot::Yes),
+            ("b".into(), Ballot::No("b: policy".into())),
+        ];
         match &a.on_snapshot(&s, 1)[..] {
-            [Action::Finish { commit: false, reason, .. }] => assert!(reason.contains("b: policy")),
+            [
+                Action::Finish {
+                    commit: false,
+                    reason,
+                    ..
+                },
+            ] => assert!(reason.contains("b: policy")),
             other => panic!("{other:?}"),
         }
         let mut a = Machine::new("a".into(), offers(), None, 1, 0);
@@ -397,7 +415,13 @@ mod tests {
         s.ballots = vec![("a".into(), Ballot::Yes)];
         assert!(a.on_snapshot(&s, 50).is_empty());
         match &a.on_snapshot(&s, 101)[..] {
-            [Action::Finish { commit: false, reason, .. }] => {
+            [
+                Action::Finish {
+                    commit: false,
+                    reason,
+                    ..
+                },
+            ] => {
                 assert!(reason.contains("b, c"), "{reason}")
             }
             other => panic!("{other:?}"),
@@ -417,12 +441,22 @@ mod tests {
             deadline_ms: 100,
         });
         match &b.on_snapshot(&s, 0)[..] {
-            [Action::Vote { ballot: Ballot::No(why), .. }] => assert!(why.contains("busy")),
+            [
+                Action::Vote {
+                    ballot: Ballot::No(why),
+                    ..
+                },
+            ] => assert!(why.contains("busy")),
             other => panic!("{other:?}"),
         }
         let mut c = Machine::new("c".into(), vec![option("none", 0)], None, 1, 0);
         match &c.on_snapshot(&s, 0)[..] {
-            [Action::Vote { ballot: Ballot::No(why), .. }] => assert!(why.contains("incompatible")),
+            [
+                Action::Vote {
+                    ballot: Ballot::No(why),
+                    ..
+                },
+            ] => assert!(why.contains("incompatible")),
             other => panic!("{other:?}"),
         }
         // Garbage in the store is a refusal, not a panic.
@@ -430,11 +464,17 @@ mod tests {
         let mut d = Machine::new("d".into(), offers(), None, 1, 0);
         assert!(matches!(
             &d.on_snapshot(&s, 0)[..],
-            [Action::Vote { ballot: Ballot::No(_), .. }]
+            [Action::Vote {
+                ballot: Ballot::No(_),
+                ..
+            }]
         ));
         // A non-proposer aborts an orphaned transition only after the grace period.
         let mut e = Machine::new("e".into(), offers(), None, 1, 0);
-        s.members.push(Member { id: "e".into(), addr: String::new() });
+        s.members.push(Member {
+            id: "e".into(),
+            addr: String::new(),
+        });
         e.on_snapshot(&s, 0);
         assert!(e.on_snapshot(&s, 100 + ORPHAN_GRACE_MS).is_empty());
         assert!(matches!(

@@ -8,9 +8,9 @@ use std::time::Duration;
 use chunnel::negotiate::{ChunnelInfo, StackOption};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::Error;
 use crate::machine::{Action, Machine, Policy, join_choice};
 use crate::store::{JoinReply, Member, Snapshot, Store, now_ms};
-use crate::Error;
 
 /// Timing of a participant.
 #[derive(Clone, Debug)]
@@ -125,8 +125,7 @@ async fn join_once<St: Store>(
     propose: Option<usize>,
     config: &Config,
 ) -> Result<(Snapshot, u64, usize, bool), Error> {
-    let proposal = propose
-        .map(|i| chunnel_negotiate::wire::encode_stack(&offers[i].chunnels));
+    let proposal = propose.map(|i| chunnel_negotiate::wire::encode_stack(&offers[i].chunnels));
     let mut expect = None;
     for _ in 0..config.join_attempts {
         let reply = bounded(
@@ -138,7 +137,10 @@ async fn join_once<St: Store>(
         let snap = match reply {
             JoinReply::Created(s) => return Ok((s, 1, propose.unwrap_or(0), true)),
             JoinReply::Joined(s) => {
-                let c = s.committed.as_ref().ok_or(Error::Corrupt("joined a group with no stack"))?;
+                let c = s
+                    .committed
+                    .as_ref()
+                    .ok_or(Error::Corrupt("joined a group with no stack"))?;
                 let stack = chunnel_negotiate::wire::decode_stack(&c.stack)?;
                 let option = join_choice(&stack, offers).map_err(|_| {
                     Error::Busy("the group switched to another stack while we joined")
@@ -353,7 +355,13 @@ impl<St: Store> Driver<St> {
             let _ = reply.send(Err(Error::Busy("no such option")));
             return;
         };
-        match bounded(self.backend(), self.config.op_timeout, self.store.propose(&self.group, &t)).await {
+        match bounded(
+            self.backend(),
+            self.config.op_timeout,
+            self.store.propose(&self.group, &t),
+        )
+        .await
+        {
             Ok(true) => self.pending = Some((id, reply, None)),
             Ok(false) => {
                 let _ = reply.send(Err(Error::Busy(
@@ -368,7 +376,16 @@ impl<St: Store> Driver<St> {
 
     async fn rejoin(&mut self) {
         let offers = self.machine.offers().to_vec();
-        match join_once(&*self.store, &self.group, &self.me, &offers, Some(self.machine.option()), &self.config).await {
+        match join_once(
+            &*self.store,
+            &self.group,
+            &self.me,
+            &offers,
+            Some(self.machine.option()),
+            &self.config,
+        )
+        .await
+        {
             Ok((_, epoch, option, created)) => {
                 tracing::info!(group = %self.group, member = %self.me.id, epoch, created, "rejoined");
                 if epoch != self.machine.epoch() {
@@ -390,7 +407,13 @@ impl<St: Store> Driver<St> {
 
     /// One read of the group record and the actions it implies. `Err` ends the participant.
     async fn step(&mut self) -> Result<(), ()> {
-        let snap = match bounded(self.backend(), self.config.op_timeout, self.store.snapshot(&self.group)).await {
+        let snap = match bounded(
+            self.backend(),
+            self.config.op_timeout,
+            self.store.snapshot(&self.group),
+        )
+        .await
+        {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(group = %self.group, error = %e, "snapshot failed");
@@ -403,11 +426,17 @@ impl<St: Store> Driver<St> {
             match action {
                 Action::Rejoin => self.rejoin().await,
                 Action::Prepare { epoch, option } => {
-                    self.view.send_modify(|v| v.prepared = Some((epoch, option)));
+                    self.view
+                        .send_modify(|v| v.prepared = Some((epoch, option)));
                 }
                 Action::Vote { id, ballot } => {
-                    if let Err(e) = bounded(self.backend(), self.config.op_timeout,
-                        self.store.vote(&self.group, id, &self.me.id, &ballot)).await {
+                    if let Err(e) = bounded(
+                        self.backend(),
+                        self.config.op_timeout,
+                        self.store.vote(&self.group, id, &self.me.id, &ballot),
+                    )
+                    .await
+                    {
                         tracing::warn!(group = %self.group, error = %e, "vote failed");
                     }
                 }
@@ -417,8 +446,13 @@ impl<St: Store> Driver<St> {
                     {
                         *why = Some(reason.clone());
                     }
-                    if let Err(e) = bounded(self.backend(), self.config.op_timeout,
-                        self.store.finish(&self.group, id, commit)).await {
+                    if let Err(e) = bounded(
+                        self.backend(),
+                        self.config.op_timeout,
+                        self.store.finish(&self.group, id, commit),
+                    )
+                    .await
+                    {
                         tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
                     }
                 }
@@ -434,7 +468,9 @@ impl<St: Store> Driver<St> {
                 Action::Incompatible { epoch, mismatches } => {
                     let why = format!(
                         "the group switched to a stack (epoch {epoch}) we cannot build: {}",
-                        mismatches.first().map_or_else(String::new, |m| m.to_string())
+                        mismatches
+                            .first()
+                            .map_or_else(String::new, |m| m.to_string())
                     );
                     tracing::error!(group = %self.group, "{why}");
                     let _ = self.store.leave(&self.group, &self.me.id).await;

@@ -21,9 +21,9 @@ use chunnel::{Chunnel, ChunnelConnection};
 use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, watch};
 
+use crate::Error;
 use crate::participant::{Config, Participant, View};
 use crate::store::{Member, Store};
-use crate::Error;
 
 /// Tag byte of a group data datagram.
 pub const TAG_GROUP_DATA: u8 = 0x20;
@@ -111,7 +111,12 @@ impl ChunnelConnection for EpochBase {
             buf.extend_from_slice(&[TAG_GROUP_DATA]);
             buf.extend_from_slice(&self.epoch.to_be_bytes());
             buf.extend_from_slice(&msg);
-            let peers = self.shared.peers.read().unwrap_or_else(|p| p.into_inner()).clone();
+            let peers = self
+                .shared
+                .peers
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
             for p in peers {
                 // A member that went away refuses datagrams; the others still get theirs.
                 if let Err(e) = self.shared.socket.send_to(&buf, p).await {
@@ -306,7 +311,10 @@ where
     /// The live epochs, oldest first, after retiring those past their time.
     async fn live(&self) -> Vec<(u64, Arc<S::Connection>)> {
         let v = self.view.borrow().clone();
-        for e in [Some(v.epoch), v.prepared.map(|p| p.0)].into_iter().flatten() {
+        for e in [Some(v.epoch), v.prepared.map(|p| p.0)]
+            .into_iter()
+            .flatten()
+        {
             let _ = self.conn(e).await;
         }
         let mut conns = self.conns.lock().await;
@@ -316,9 +324,7 @@ where
                 *retired = Some(now + Self::RETIRE_AFTER);
             }
         }
-        conns.retain(|e, (_, r)| {
-            *e >= v.epoch || r.is_none_or(|deadline| now < deadline)
-        });
+        conns.retain(|e, (_, r)| *e >= v.epoch || r.is_none_or(|deadline| now < deadline));
         let floor = conns.keys().next().copied().unwrap_or(v.epoch);
         {
             let mut q = self.shared.queues.lock().unwrap_or_else(|p| p.into_inner());

@@ -2,6 +2,8 @@
 //! stopped by PID when the guard drops.
 #![allow(dead_code)]
 
+pub mod scenarios;
+
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
