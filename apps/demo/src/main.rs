@@ -11,6 +11,10 @@
 //! exact-match Chunnel with its peer's agreement (two-phase commit, in-band) while messages
 //! flow, and the demo prints the pause.
 //!
+//! Last, the multi-party part ([`rendezvous`]): a publisher and receivers agree on their
+//! group's stack through a rendezvous store (embedded SQLite), and the group switches ordering
+//! mode when a second receiver joins and back when it leaves (paper §7.2).
+//!
 //! Run: `cargo run --release -p chunnel-demo` (add `-- --messages N` to change the count).
 
 use std::time::{Duration, Instant};
@@ -24,6 +28,7 @@ use chunnel_net::{udp, uds};
 
 mod negotiation;
 mod reconfiguration;
+mod rendezvous;
 
 const MSG_LEN: usize = 64;
 const BURST: usize = 16;
@@ -37,7 +42,8 @@ fn main() -> Result<()> {
     rt.block_on(async {
         tour(messages).await?;
         negotiation::tour().await?;
-        reconfiguration::tour().await
+        reconfiguration::tour().await?;
+        rendezvous::tour().await
     })
 }
 

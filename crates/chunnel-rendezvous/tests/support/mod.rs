@@ -139,7 +139,8 @@ impl Drop for Server {
     }
 }
 
-/// A redis-server on a free port, no persistence.
+/// A redis-server on a free port, durable as a rendezvous store must be (an append-only file
+/// fsynced on every write, in the scratch directory): a restarted server still knows its groups.
 pub fn redis(scratch: &Scratch) -> (Server, String) {
     let port = free_port();
     let args: Vec<String> = [
@@ -150,7 +151,9 @@ pub fn redis(scratch: &Scratch) -> (Server, String) {
         "--save",
         "",
         "--appendonly",
-        "no",
+        "yes",
+        "--appendfsync",
+        "always",
         "--dir",
         scratch.0.to_str().unwrap(),
     ]

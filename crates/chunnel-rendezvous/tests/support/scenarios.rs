@@ -352,7 +352,7 @@ pub async fn store_outage<St, K, R, Fut>(
     restart: R,
 ) where
     St: Store,
-    Fut: Future<Output = Arc<St>>,
+    Fut: Future<Output = Result<Arc<St>, Error>>,
     K: FnOnce(),
     R: FnOnce(),
 {
@@ -380,13 +380,15 @@ pub async fn store_outage<St, K, R, Fut>(
         exchange(&b, &[&a], &format!("reply {i}")).await;
     }
     let t = Instant::now();
-    let err = tokio::time::timeout(
-        Duration::from_secs(15),
-        join(connect_fresh().await, &group, "c", select(Xor(1), Xor(2))),
-    )
-    .await
-    .expect("a join against a dead store hung")
-    .expect_err("joined through a dead store");
+    // A newcomer: connecting to the store, or joining through it, fails with a clear error.
+    let newcomer = async {
+        let store = connect_fresh().await?;
+        join(store, &group, "c", select(Xor(1), Xor(2))).await
+    };
+    let err = tokio::time::timeout(Duration::from_secs(15), newcomer)
+        .await
+        .expect("a join against a dead store hung")
+        .expect_err("joined through a dead store");
     assert!(
         matches!(err, Error::Unavailable { .. }),
         "unclear error: {err}"

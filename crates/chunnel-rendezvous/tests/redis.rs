@@ -1,0 +1,286 @@
+//! The Redis backend against a real redis-server: the store semantics every backend must have,
+//! a race of many first proposers, and the store dying and coming back.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use chunnel_rendezvous::{Error, JoinReply, Member, RedisStore, Store};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn member(i: usize) -> Member {
+    Member {
+        id: format!("m{i}"),
+        addr: format!("127.0.0.1:{}", 41000 + i),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_semantics() {
+    let scratch = support::Scratch::new("redis-conf");
+    let (_server, url) = support::redis(&scratch);
+    let store = RedisStore::connect(&url).await.unwrap();
+    assert_eq!(store.backend(), "redis");
+    chunnel_rendezvous::conformance::store_semantics(&store, "conf").await;
+    // Braces and `%` in group names are escaped in the keys' hash tag.
+    chunnel_rendezvous::conformance::store_semantics(&store, "{odd}%7B").await;
+}
+
+/// 64 participants, each with its own connection, race to create one group: exactly one wins,
+/// every other sees the winner's stack and then joins at its epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_racing_first_proposers() {
+    const N: usize = 64;
+    let scratch = support::Scratch::new("redis-race");
+    let (_server, url) = support::redis(&scratch);
+    let group = "race";
+    // Binary stacks: every byte value must survive the round trip.
+    let stack = |i: usize| Bytes::from(vec![0, 0xff, i as u8, b'\n', 0x80, b'"', 0]);
+    let barrier = Arc::new(tokio::sync::Barrier::new(N));
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let (url, barrier) = (url.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            let store = RedisStore::connect(&url).await.unwrap();
+            barrier.wait().await;
+            let first = store
+                .join(group, &member(i), Some(&stack(i)), None, LEASE)
+                .await
+                .unwrap();
+            (i, store, first)
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    let winners: Vec<usize> = results
+        .iter()
+        .filter(|(_, _, r)| matches!(r, JoinReply::Created(_)))
+        .map(|(i, _, _)| *i)
+        .collect();
+    assert_eq!(winners.len(), 1, "winners: {winners:?}");
+    let winner = winners[0];
+    for (i, _, r) in &results {
+        match r {
+            JoinReply::Created(s) => {
+                assert_eq!(s.epoch(), 1);
+                assert_eq!(s.committed.as_ref().unwrap().stack, stack(winner));
+                assert_eq!(s.members, vec![member(winner)]);
+            }
+            JoinReply::Current(s) => {
+                assert_eq!(s.epoch(), 1, "member {i}");
+                assert_eq!(s.committed.as_ref().unwrap().stack, stack(winner));
+                assert!(!s.is_member(&member(*i).id), "loser {i} was added");
+            }
+            JoinReply::Joined(_) => panic!("member {i} joined without expecting an epoch"),
+        }
+    }
+    let mut tasks = Vec::new();
+    for (i, store, _) in results {
+        tasks.push(tokio::spawn(async move {
+            store
+                .join(group, &member(i), None, Some(1), LEASE)
+                .await
+                .unwrap()
+        }));
+    }
+    for t in tasks {
+        assert!(matches!(t.await.unwrap(), JoinReply::Joined(_)));
+    }
+    let store = RedisStore::connect(&url).await.unwrap();
+    let s = store.snapshot(group).await.unwrap();
+    assert_eq!(s.epoch(), 1);
+    assert_eq!(s.committed.unwrap().stack, stack(winner));
+    let mut expected: Vec<Member> = (0..N).map(member).collect();
+    expected.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(s.members, expected);
+}
+
+/// A dead store fails operations quickly with `Unavailable`; once it is back, the same
+/// `RedisStore` works again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_down_and_back() {
+    let scratch = support::Scratch::new("redis-down");
+    let (mut server, url) = support::redis(&scratch);
+    let store = RedisStore::connect(&url).await.unwrap();
+    let stack = Bytes::from_static(b"stack-a");
+    assert!(matches!(
+        store
+            .join("g", &member(1), Some(&stack), None, LEASE)
+            .await
+            .unwrap(),
+        JoinReply::Created(_)
+    ));
+
+    server.stop();
+    let bound = Duration::from_secs(8);
+    for round in 0..2 {
+        let r = tokio::time::timeout(bound, store.join("g", &member(2), None, Some(1), LEASE))
+            .await
+            .unwrap_or_else(|_| panic!("join on a dead store hung past {bound:?} (round {round})"));
+        assert!(
+            matches!(
+                r,
+                Err(Error::Unavailable {
+                    backend: "redis",
+                    ..
+                })
+            ),
+            "join on a dead store: {r:?}"
+        );
+        let r = tokio::time::timeout(bound, store.snapshot("g"))
+            .await
+            .unwrap_or_else(|_| panic!("snapshot of a dead store hung past {bound:?}"));
+        assert!(
+            matches!(
+                r,
+                Err(Error::Unavailable {
+                    backend: "redis",
+                    ..
+                })
+            ),
+            "snapshot of a dead store: {r:?}"
+        );
+    }
+    // Connecting to a dead store fails too, and quickly.
+    let r = tokio::time::timeout(bound, RedisStore::connect(&url))
+        .await
+        .expect("connecting to a dead store hung");
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+
+    // Back (the server fsyncs its append-only file on every write, so the group survived the
+    // SIGKILL): the same store value works again.
+    server.restart(Duration::from_secs(10));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let reply = loop {
+        match tokio::time::timeout(bound, store.join("g", &member(2), None, Some(1), LEASE)).await {
+            Ok(Ok(reply)) => break reply,
+            Ok(Err(Error::Unavailable { .. })) | Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("join after the store came back: {other:?}"),
+        }
+    };
+    match reply {
+        JoinReply::Joined(s) => assert_eq!(s.members, vec![member(1), member(2)]),
+        other => panic!("the restarted store lost the group: {other:?}"),
+    }
+    let clone = store.clone();
+    assert!(
+        clone
+            .join("g", &member(3), None, Some(1), LEASE)
+            .await
+            .is_ok()
+    );
+    assert_eq!(store.snapshot("g").await.unwrap().members.len(), 3);
+}
+
+/// A store that accepts connections but never answers (stopped with SIGSTOP) fails operations
+/// with `Unavailable` after the store's timeout instead of hanging; once it runs again, the
+/// same `RedisStore` works again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_hung_times_out() {
+    let scratch = support::Scratch::new("redis-hung");
+    let (server, url) = support::redis(&scratch);
+    let pid = server.pid().expect("redis-server runs").to_string();
+    let signal = |sig: &str| {
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} {pid}: {status}");
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let stack = Bytes::from_static(b"stack-a");
+    store
+        .join("g", &member(1), Some(&stack), None, LEASE)
+        .await
+        .unwrap();
+
+    signal("-STOP");
+    let bound = RedisStore::TIMEOUT * 3;
+    // The first call waits on the open connection, the second on a new one.
+    for round in 0..2 {
+        let started = Instant::now();
+        let r = tokio::time::timeout(bound, store.snapshot("g"))
+            .await
+            .unwrap_or_else(|_| panic!("snapshot of a hung store hung past {bound:?} ({round})"));
+        assert!(
+            matches!(
+                r,
+                Err(Error::Unavailable {
+                    backend: "redis",
+                    ..
+                })
+            ),
+            "snapshot of a hung store: {r:?}"
+        );
+        assert!(started.elapsed() >= RedisStore::TIMEOUT / 2, "{r:?}");
+    }
+    // Many operations at once on clones of the store wait for one connection attempt, not
+    // for one after another.
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { tokio::time::timeout(bound, store.snapshot("g")).await })
+        })
+        .collect();
+    for t in tasks {
+        let r = t
+            .await
+            .unwrap()
+            .expect("a concurrent snapshot of a hung store hung");
+        assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    }
+
+    signal("-CONT");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let snap = loop {
+        match tokio::time::timeout(bound, store.snapshot("g")).await {
+            Ok(Ok(snap)) => break snap,
+            Ok(Err(Error::Unavailable { .. })) | Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("snapshot after the store resumed: {other:?}"),
+        }
+    };
+    assert_eq!(snap.members, vec![member(1)]);
+    assert_eq!(snap.committed.unwrap().stack, stack);
+}
+
+// ---------------------------------------------------------------------------------------
+// The group scenarios (the issue's bar) against a real redis-server.
+
+async fn group_store(url: &str) -> Arc<RedisStore> {
+    Arc::new(RedisStore::connect(url).await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_groups() {
+    let scratch = support::Scratch::new("redis-groups");
+    let (_server, url) = support::redis(&scratch);
+    // Every participant has its own connection.
+    support::scenarios::race_64(|| group_store(&url)).await;
+    support::scenarios::incompatible_late_joiner(group_store(&url).await).await;
+    support::scenarios::killed_member_expires(group_store(&url).await).await;
+    support::scenarios::transitions(group_store(&url).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_group_survives_a_store_outage() {
+    let scratch = support::Scratch::new("redis-outage");
+    let (server, url) = support::redis(&scratch);
+    let server = std::sync::Mutex::new(server);
+    support::scenarios::store_outage(
+        group_store(&url).await,
+        || async { RedisStore::connect(&url).await.map(Arc::new) },
+        || server.lock().unwrap().stop(),
+        || server.lock().unwrap().restart(Duration::from_secs(10)),
+    )
+    .await;
+}
