@@ -87,15 +87,13 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for OrderingConn<C> {
     }
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, chunnel::Error> {
         let n = self.inner.recv(slots).await?;
-        for s in slots[..n].iter_mut() {
-            if let Some(m) = s {
-                if m.first() != Some(&self.tag) {
-                    return Err(chunnel::Error::Malformed {
-                        what: "a message encoded by the other ordering mode",
-                    });
-                }
-                let _ = std::mem::replace(m, m.slice(1..));
+        for m in slots[..n].iter_mut().flatten() {
+            if m.first() != Some(&self.tag) {
+                return Err(chunnel::Error::Malformed {
+                    what: "a message encoded by the other ordering mode",
+                });
             }
+            *m = m.slice(1..);
         }
         Ok(n)
     }
