@@ -16,6 +16,7 @@ mod negotiate;
 mod overhead;
 mod probe;
 mod reconfig;
+mod rendezvous;
 mod stats;
 
 use anyhow::Result;
@@ -44,6 +45,8 @@ enum Cmd {
     Reconfig(reconfig::Args),
     /// Sharded KV store under YCSB load: client vs server sharding, Chunnels vs inline.
     Kv(kv::Args),
+    /// Multi-party negotiation: join and transition-commit latency per rendezvous backend.
+    Rendezvous(rendezvous::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -55,6 +58,7 @@ fn main() -> Result<()> {
         Cmd::Negotiate(a) => negotiate::run(a),
         Cmd::Reconfig(a) => reconfig::run(a),
         Cmd::Kv(a) => kv::run(a),
+        Cmd::Rendezvous(a) => rendezvous::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }

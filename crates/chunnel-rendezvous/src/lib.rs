@@ -11,25 +11,25 @@
 #[doc(hidden)]
 pub mod conformance;
 mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
 pub mod machine;
 mod participant;
 pub mod plane;
 #[cfg(feature = "redis")]
 mod redis;
-#[cfg(feature = "etcd")]
-mod etcd;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 pub mod store;
 
 pub use crate::error::Error;
+#[cfg(feature = "etcd")]
+pub use crate::etcd::EtcdStore;
 pub use crate::machine::Policy;
 pub use crate::participant::{Config, Participant, View};
 pub use crate::plane::{EpochBase, Group};
 #[cfg(feature = "redis")]
 pub use crate::redis::RedisStore;
-#[cfg(feature = "etcd")]
-pub use crate::etcd::EtcdStore;
 #[cfg(feature = "sqlite")]
 pub use crate::sqlite::SqliteStore;
 pub use crate::store::{

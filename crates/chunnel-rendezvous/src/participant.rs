@@ -362,7 +362,11 @@ impl<St: Store> Driver<St> {
         )
         .await
         {
-            Ok(true) => self.pending = Some((id, reply, None)),
+            Ok(true) => {
+                self.pending = Some((id, reply, None));
+                // Vote (and, alone, decide) at once rather than at the next poll.
+                let _ = self.step().await;
+            }
             Ok(false) => {
                 let _ = reply.send(Err(Error::Busy(
                     "another transition is pending, or the group moved to another epoch",
@@ -405,8 +409,21 @@ impl<St: Store> Driver<St> {
         }
     }
 
-    /// One read of the group record and the actions it implies. `Err` ends the participant.
+    /// Reads the group record and acts on it; reads again at once (at most twice more) after
+    /// writing a vote or a decision, so a proposer does not wait a poll for its own writes.
+    /// `Err` ends the participant.
     async fn step(&mut self) -> Result<(), ()> {
+        for _ in 0..3 {
+            if !self.step_once().await? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One read of the group record and the actions it implies; `Ok(true)` if it wrote a vote
+    /// or a decision.
+    async fn step_once(&mut self) -> Result<bool, ()> {
         let snap = match bounded(
             self.backend(),
             self.config.op_timeout,
@@ -418,11 +435,13 @@ impl<St: Store> Driver<St> {
             Err(e) => {
                 tracing::debug!(group = %self.group, error = %e, "snapshot failed");
                 self.set_reachable(false);
-                return Ok(());
+                return Ok(false);
             }
         };
         self.set_reachable(true);
+        let mut wrote = false;
         for action in self.machine.on_snapshot(&snap, now_ms()) {
+            wrote |= matches!(action, Action::Vote { .. } | Action::Finish { .. });
             match action {
                 Action::Rejoin => self.rejoin().await,
                 Action::Prepare { epoch, option } => {
@@ -509,6 +528,6 @@ impl<St: Store> Driver<St> {
             };
             let _ = reply.send(r);
         }
-        Ok(())
+        Ok(wrote)
     }
 }

@@ -87,8 +87,18 @@ impl SqliteStore {
         &self.path
     }
 
-    /// Runs `f` in one `IMMEDIATE` transaction on a blocking thread.
+    /// Runs `f` in one `IMMEDIATE` transaction (a writer) on a blocking thread.
     async fn txn<T, F>(&self, f: F) -> Result<T, Error>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T, Error> + Send + 'static,
+    {
+        self.run(TransactionBehavior::Immediate, f).await
+    }
+
+    /// Runs `f` in one transaction of the given kind on a blocking thread (a `DEFERRED` one
+    /// that only reads sees one consistent snapshot and takes no write lock, in WAL mode).
+    async fn run<T, F>(&self, behavior: TransactionBehavior, f: F) -> Result<T, Error>
     where
         T: Send + 'static,
         F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T, Error> + Send + 'static,
@@ -96,9 +106,7 @@ impl SqliteStore {
         let conn = self.conn.clone();
         tokio::task::spawn_blocking(move || {
             let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(db)?;
+            let tx = conn.transaction_with_behavior(behavior).map_err(db)?;
             let out = f(&tx)?;
             tx.commit().map_err(db)?;
             Ok(out)
@@ -126,8 +134,9 @@ fn reap(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// Reads the group record. Expired members are filtered out here (and deleted by the next
+/// write), so a read needs no write lock.
 fn read(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<Snapshot, Error> {
-    reap(tx, group)?;
     let mut snap = Snapshot::default();
     let row = tx
         .query_row(
@@ -157,10 +166,12 @@ fn read(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<Snapshot, Error> 
         }
     }
     let mut q = tx
-        .prepare_cached("SELECT id, addr FROM chunnel_members WHERE grp = ?1 ORDER BY id")
+        .prepare_cached(
+            "SELECT id, addr FROM chunnel_members WHERE grp = ?1 AND expires_ms > ?2 ORDER BY id",
+        )
         .map_err(db)?;
     snap.members = q
-        .query_map(params![group], |r| {
+        .query_map(params![group, to_sql(now_ms())], |r| {
             Ok(Member {
                 id: r.get(0)?,
                 addr: r.get(1)?,
@@ -236,6 +247,7 @@ impl Store for SqliteStore {
         check_name("member id", &member.id)?;
         let (group, member, propose) = (group.to_owned(), member.clone(), propose.cloned());
         self.txn(move |tx| {
+            reap(tx, &group)?;
             let snap = read(tx, &group)?;
             match (&snap.committed, propose) {
                 (None, Some(stack)) => {
@@ -293,7 +305,8 @@ impl Store for SqliteStore {
 
     async fn snapshot(&self, group: &str) -> Result<Snapshot, Error> {
         let group = group.to_owned();
-        self.txn(move |tx| read(tx, &group)).await
+        self.run(TransactionBehavior::Deferred, move |tx| read(tx, &group))
+            .await
     }
 
     async fn propose(&self, group: &str, t: &Transition) -> Result<bool, Error> {

@@ -1,0 +1,225 @@
+//! `chunnel-bench rendezvous`: what multi-party negotiation costs (issue 5, item 7), per
+//! rendezvous backend, as the group grows.
+//!
+//! For every backend and every group size N (`--sizes`, default 1, 4, 16, 64):
+//!
+//! * **join**: N-1 members are in the group; a newcomer joins (the compare-and-swap that finds
+//!   the committed stack, the compatibility check, the join at its epoch) and leaves again,
+//!   `--reps` times. Latency from the call to `Participant::join` to its return.
+//! * **commit**: the N members are in the group; one proposes a transition to its other
+//!   option and waits until it committed (every member read the proposal, voted, the proposer
+//!   read all N yes votes and committed), `--reps` times, alternating between two stacks.
+//!
+//! Every participant has its own store client (its own SQLite connection, Redis connection or
+//! etcd client), as separate processes would, and reads the group record every `--poll-ms`:
+//! the poll interval bounds how fast members notice a proposal, so commit latency is a few
+//! poll intervals plus the store's own latency under the load of N pollers.
+//!
+//! The servers are started here, on free loopback ports, and stopped at the end: redis-server
+//! (append-only file fsynced on every write, in a temporary directory) and etcd (one member,
+//! and a three-member cluster, `etcd3`). Redis and etcd need the `stores` feature
+//! (`cargo build --release -p chunnel-bench --features stores`; etcd's client needs `protoc`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use chunnel::negotiate::{Capability, ChunnelInfo, Pick, StackOption};
+use chunnel_rendezvous::{Config, Member, Participant, SqliteStore, Store};
+use chunnel_test::services::Scratch;
+use serde_json::{Value, json};
+
+use crate::stats::quantile;
+
+/// Options of `chunnel-bench rendezvous`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct Args {
+    /// Group sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    sizes: Vec<usize>,
+    /// Backends: sqlite, redis, etcd, etcd3 (a three-member etcd cluster).
+    #[arg(long, value_delimiter = ',', default_value = "sqlite,redis,etcd,etcd3")]
+    backends: Vec<String>,
+    /// Joins and commits measured per backend and size.
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// How often every participant reads the group record, in ms.
+    #[arg(long, default_value_t = 10)]
+    poll_ms: u64,
+}
+
+fn option(label: &'static str, branch: u8) -> StackOption {
+    StackOption {
+        chunnels: vec![ChunnelInfo {
+            id: "bench/ordering/1".into(),
+            capabilities: vec![Capability::exact("ordering", [label])],
+        }],
+        pick: Pick::from_branches(vec![branch]),
+    }
+}
+
+fn offers() -> Vec<StackOption> {
+    vec![option("receiver", 0), option("service", 1)]
+}
+
+fn config(poll_ms: u64) -> Config {
+    Config {
+        poll: Duration::from_millis(poll_ms),
+        lease: Duration::from_secs(10),
+        renew_every: Duration::from_secs(3),
+        transition_timeout: Duration::from_secs(10),
+        ..Config::default()
+    }
+}
+
+fn summary(mut ms: Vec<f64>) -> Value {
+    ms.sort_by(f64::total_cmp);
+    json!({
+        "p50_ms": quantile(&ms, 0.5),
+        "p90_ms": quantile(&ms, 0.9),
+        "max_ms": ms.last(),
+        "n": ms.len(),
+    })
+}
+
+async fn member<St: Store>(
+    store: Arc<St>,
+    group: &str,
+    id: String,
+    poll_ms: u64,
+) -> Result<Participant> {
+    let me = Member {
+        addr: format!("127.0.0.1:{}", 1 + id.len()),
+        id,
+    };
+    Ok(Participant::join(store, group, me, offers(), None, config(poll_ms)).await?)
+}
+
+/// One backend: every size, join and commit latencies.
+async fn measure<St, F, Fut>(name: &str, connect: F, a: &Args) -> Result<Value>
+where
+    St: Store,
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Arc<St>>>,
+{
+    let mut out = serde_json::Map::new();
+    for &n in &a.sizes {
+        let group = format!("bench-{n}-{}", std::process::id());
+        let mut residents = Vec::new();
+        for i in 0..n.saturating_sub(1) {
+            residents.push(member(connect().await?, &group, format!("r{i:03}"), a.poll_ms).await?);
+        }
+        let mut joins = Vec::new();
+        for rep in 0..a.reps {
+            let store = connect().await?;
+            let t = Instant::now();
+            let p = member(store, &group, format!("newcomer{rep}"), a.poll_ms).await?;
+            joins.push(t.elapsed().as_secs_f64() * 1e3);
+            p.leave().await?;
+        }
+        // The proposer is the N-th member.
+        let proposer = member(connect().await?, &group, "proposer".into(), a.poll_ms).await?;
+        let mut w = proposer.watch();
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while w.borrow_and_update().members.len() != n {
+                w.changed().await?;
+            }
+            anyhow::Ok(())
+        })
+        .await
+        .context("members did not all appear")??;
+        let mut commits = Vec::new();
+        for rep in 0..a.reps {
+            let to = if proposer.view().option == 0 { 1 } else { 0 };
+            let t = Instant::now();
+            proposer
+                .propose(to)
+                .await
+                .with_context(|| format!("{name}: transition {rep} with {n} members"))?;
+            commits.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        proposer.leave().await?;
+        for r in residents {
+            r.leave().await?;
+        }
+        let (j, c) = (summary(joins), summary(commits));
+        eprintln!(
+            "{name:>6} N={n:>2}: join p50 {:.2} ms, commit p50 {:.2} ms",
+            j["p50_ms"].as_f64().unwrap_or(f64::NAN),
+            c["p50_ms"].as_f64().unwrap_or(f64::NAN)
+        );
+        out.insert(n.to_string(), json!({ "join": j, "commit": c }));
+    }
+    Ok(Value::Object(out))
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(a))
+}
+
+async fn run_async(a: Args) -> Result<()> {
+    let scratch = Scratch::new("bench-rendezvous");
+    let mut backends = serde_json::Map::new();
+    for b in &a.backends {
+        let v = match b.as_str() {
+            "sqlite" => {
+                let path = scratch.0.join("groups.sqlite");
+                measure(
+                    "sqlite",
+                    || async { Ok(Arc::new(SqliteStore::open(&path)?)) },
+                    &a,
+                )
+                .await?
+            }
+            #[cfg(feature = "redis")]
+            "redis" => {
+                let (_server, url) = chunnel_test::services::redis(&scratch);
+                measure(
+                    "redis",
+                    || async {
+                        Ok(Arc::new(
+                            chunnel_rendezvous::RedisStore::connect(&url).await?,
+                        ))
+                    },
+                    &a,
+                )
+                .await?
+            }
+            #[cfg(feature = "etcd")]
+            "etcd" | "etcd3" => {
+                let n = if b == "etcd" { 1 } else { 3 };
+                let (_servers, endpoints) = chunnel_test::services::etcd_cluster(&scratch, n);
+                measure(
+                    b,
+                    || async {
+                        Ok(Arc::new(
+                            chunnel_rendezvous::EtcdStore::connect(&endpoints).await?,
+                        ))
+                    },
+                    &a,
+                )
+                .await?
+            }
+            b if ["redis", "etcd", "etcd3"].contains(&b) => {
+                bail!(
+                    "backend {b} needs the `stores` feature: cargo build --release -p chunnel-bench --features stores"
+                )
+            }
+            other => bail!("unknown backend {other:?} (sqlite, redis, etcd, etcd3)"),
+        };
+        backends.insert(b.clone(), v);
+    }
+    let out = json!({
+        "bench": "rendezvous",
+        "poll_ms": a.poll_ms,
+        "reps": a.reps,
+        "sizes": a.sizes,
+        "backends": backends,
+    });
+    println!("{}", serde_json::to_string(&out)?);
+    Ok(())
+}
