@@ -9,7 +9,8 @@
 //! after the tag, which is what those targets decode) and `<dir>/server/*` (whole hellos, tag
 //! included, as `Server::handle_hello` takes them) and `<dir>/accept_data/*` (whole
 //! `ACCEPT_DATA` messages, as a client receives them) and `<dir>/commit/*` (reconfiguration
-//! scenarios, see `commits`). The output is deterministic, so
+//! scenarios, see `commits`) and `<dir>/stack_record/*` (stack records, docs/wire.md §15.1).
+//! The output is deterministic, so
 //! re-running it leaves an up-to-date corpus unchanged.
 
 use std::fs;
@@ -21,7 +22,7 @@ use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
 use chunnel::{Capability, Pick, StackOption};
 use chunnel_negotiate::wire::{
     Accept, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag, Txn, VERSION, Verdict,
-    Vote, ZeroRtt, encode_control,
+    Vote, ZeroRtt, encode_control, encode_stack,
 };
 
 fn info(id: &'static str, capabilities: Vec<Capability>) -> ChunnelInfo {
@@ -292,5 +293,15 @@ fn main() -> Result<()> {
     for (name, bytes) in commits() {
         write(&dir, "commit", name, &bytes)?;
     }
+    // Stack records (what a rendezvous store holds): each offered option, and an empty stack.
+    for (i, o) in offers().iter().enumerate() {
+        write(
+            &dir,
+            "stack_record",
+            &format!("option{i}"),
+            &encode_stack(&o.chunnels),
+        )?;
+    }
+    write(&dir, "stack_record", "empty", &encode_stack(&[]))?;
     Ok(())
 }

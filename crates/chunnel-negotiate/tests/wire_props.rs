@@ -16,7 +16,8 @@ use chunnel::{Capability, Pick, StackOption};
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
     ACCEPT_DATA_PREFIX, Accept, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag, Txn,
-    VERSION, Verdict, Vote, ZeroRtt, decode_control, encode_control, split_accept_data,
+    VERSION, Verdict, Vote, ZeroRtt, decode_control, decode_stack, encode_control, encode_stack,
+    split_accept_data,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -584,6 +585,23 @@ fn fresh_client() -> ClientHandshake {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    #[test]
+    fn stack_record_round_trips(c in chunnels()) {
+        let enc = encode_stack(&c);
+        prop_assert_eq!(decode_stack(&enc), Ok(c));
+        // Any proper prefix is an error, never a panic or a shorter stack.
+        for cut in 0..enc.len() {
+            prop_assert!(decode_stack(&enc[..cut]).is_err());
+        }
+    }
+
+    #[test]
+    fn stack_record_decoder_never_panics(b in vec(any::<u8>(), 0..256)) {
+        if let Ok(c) = decode_stack(&b) {
+            prop_assert_eq!(&encode_stack(&c)[..], &b[..], "not canonical");
+        }
+    }
 
     #[test]
     fn hello_round_trips(h in hello()) {

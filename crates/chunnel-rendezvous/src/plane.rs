@@ -436,3 +436,28 @@ async fn demux(shared: Arc<Shared>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn header_round_trips(epoch in any::<u64>(), payload in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut d = vec![TAG_GROUP_DATA];
+            d.extend_from_slice(&epoch.to_be_bytes());
+            d.extend_from_slice(&payload);
+            prop_assert_eq!(parse_header(&d), Some((epoch, &payload[..])));
+        }
+
+        #[test]
+        fn header_parser_never_panics(d in proptest::collection::vec(any::<u8>(), 0..32)) {
+            match parse_header(&d) {
+                Some((_, p)) => prop_assert!(d.len() >= HEADER_LEN && d[0] == TAG_GROUP_DATA && p.len() == d.len() - HEADER_LEN),
+                None => prop_assert!(d.len() < HEADER_LEN || d[0] != TAG_GROUP_DATA),
+            }
+        }
+    }
+}
