@@ -127,7 +127,15 @@ where
             anyhow::Ok(())
         })
         .await
-        .context("members did not all appear")??;
+        .with_context(|| {
+            let ids: Vec<String> = proposer
+                .view()
+                .members
+                .iter()
+                .map(|m| m.id.clone())
+                .collect();
+            format!("{name}: waiting for {n} members, the proposer sees {ids:?}")
+        })??;
         let mut commits = Vec::new();
         for rep in 0..a.reps {
             let to = if proposer.view().option == 0 { 1 } else { 0 };

@@ -1,11 +1,48 @@
 //! Multi-party negotiation (paper §5.3): the participants of a group agree on one stack through a
 //! rendezvous in a key-value store, instead of with a peer.
 //!
+//! # Tour
+//!
 //! * [`Store`] is the rendezvous trait: a handful of atomic operations on a group's record
 //!   (the committed stack and its epoch, members under leases, one pending transition and its
-//!   ballots). Three backends implement it: [`SqliteStore`] (the embedded default, no server,
-//!   shared by the processes of one host), `RedisStore` (feature `redis`) and `EtcdStore`
-//!   (feature `etcd`).
+//!   ballots). Three backends implement it: [`SqliteStore`] (the embedded default: no server,
+//!   shared by the processes of one host), `RedisStore` (feature `redis`: one Lua script per
+//!   operation) and `EtcdStore` (feature `etcd`: transactions with compares, a lease per
+//!   member). [`conformance::store_semantics`] is what every backend must do.
+//! * [`machine::Machine`] is the protocol as a sans-IO state machine (snapshots and time in,
+//!   store operations and switches out); [`Participant`] drives it: join by compare-and-swap
+//!   (our first option, or our first option compatible with the committed stack, or
+//!   [`Error::Incompatible`]), renew the lease, read the group every [`Config::poll`], vote on
+//!   transitions (compatibility and a [`Policy`]), commit or abort the ones it proposed, and
+//!   publish a [`View`] (members, epoch, store reachability) on every change.
+//! * [`Group`] adds a data plane: a UDP fan-out to every live member, each epoch's stack built
+//!   on its own [`EpochBase`], so messages sent around a switch are decoded by the stack that
+//!   encoded them. Members keep talking while the store is down.
+//!
+//! The protocol and the bytes are specified in `docs/wire.md` §15.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use bytes::Bytes;
+//! use chunnel::select;
+//! use chunnel_rendezvous::{Config, Group, SqliteStore};
+//! use chunnel_test::Xor; // a byte layer with an exact capability `xor = {key}`
+//!
+//! # async fn run() -> Result<(), chunnel_rendezvous::Error> {
+//! let store = Arc::new(SqliteStore::open("/tmp/groups.sqlite")?);
+//! // Prefer xor=1, accept xor=2: the first member's preference becomes the group's stack.
+//! let g = Group::join(store, "orders", "rx-1", "127.0.0.1:0".parse().unwrap(),
+//!                     select(Xor(1), Xor(2)), None, Config::default()).await?;
+//! g.send([Bytes::from_static(b"to every other member")]).await?;
+//! let _from_anyone = g.recv().await?;
+//! // Switch the whole group to our second option; every live member must vote yes.
+//! g.propose(1).await?;
+//! println!("{} members at epoch {}", g.participant().view().members.len(),
+//!          g.participant().view().epoch);
+//! # Ok(()) }
+//! ```
 #![warn(missing_docs)]
 
 #[doc(hidden)]
