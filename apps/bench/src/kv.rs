@@ -629,7 +629,14 @@ async fn phase<T: Target + 'static>(
 
 async fn kv_client(addr: SocketAddr, offer: Offer) -> Result<Rc<KvClient>> {
     Ok(Rc::new(
-        KvClient::connect(addr, ClientConfig::default().with_offer(offer)).await?,
+        // The receive task joins the generator's `LocalSet`, as the inline variants' do.
+        KvClient::connect(
+            addr,
+            ClientConfig::default()
+                .with_offer(offer)
+                .with_local_receiver(true),
+        )
+        .await?,
     ))
 }
 

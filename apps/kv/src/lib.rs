@@ -83,18 +83,22 @@ pub enum Op {
     /// Reads the value.
     Get {
         /// The key.
+        #[serde(with = "bytes")]
         key: Vec<u8>,
     },
     /// Writes the value; answers the previous one.
     Put {
         /// The key.
+        #[serde(with = "bytes")]
         key: Vec<u8>,
         /// The new value.
+        #[serde(with = "bytes")]
         value: Vec<u8>,
     },
     /// Removes the key; answers the removed value.
     Delete {
         /// The key.
+        #[serde(with = "bytes")]
         key: Vec<u8>,
     },
 }
@@ -125,8 +129,105 @@ pub enum Msg {
         /// The request id.
         id: u64,
         /// GET: the value; PUT: the previous value; DELETE: the removed value.
+        #[serde(with = "opt_bytes")]
         value: Option<Vec<u8>>,
     },
+}
+
+/// Byte strings as serde *bytes* (as the `serde_bytes` crate does): one length and one copy,
+/// where serde's default for `Vec<u8>` is a sequence visited byte by byte. In bincode both are
+/// the same bytes on the wire (a varint length, then the bytes), so only the cost changes.
+mod bytes {
+    use std::fmt;
+
+    use serde::de::{SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub(crate) fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(v)
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        d.deserialize_byte_buf(ByteBuf)
+    }
+
+    pub(crate) struct ByteBuf;
+
+    impl<'de> Visitor<'de> for ByteBuf {
+        type Value = Vec<u8>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a byte string")
+        }
+
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+
+        fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+            Ok(v)
+        }
+
+        // Self-describing formats without a bytes type (JSON) give a sequence.
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+            let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+            while let Some(b) = seq.next_element()? {
+                v.push(b);
+            }
+            Ok(v)
+        }
+    }
+}
+
+/// `Option<Vec<u8>>` with the value as serde bytes (see [`bytes`]).
+mod opt_bytes {
+    use std::fmt;
+
+    use serde::de::Visitor;
+    use serde::{Deserializer, Serializer};
+
+    struct Bytes<'a>(&'a [u8]);
+
+    impl serde::Serialize for Bytes<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(self.0)
+        }
+    }
+
+    pub(crate) fn serialize<S: Serializer>(v: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(v) => s.serialize_some(&Bytes(v)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Vec<u8>>, D::Error> {
+        d.deserialize_option(OptByteBuf)
+    }
+
+    struct OptByteBuf;
+
+    impl<'de> Visitor<'de> for OptByteBuf {
+        type Value = Option<Vec<u8>>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an optional byte string")
+        }
+
+        fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_byte_buf(super::bytes::ByteBuf).map(Some)
+        }
+    }
 }
 
 impl Keyed for Msg {
@@ -429,6 +530,11 @@ pub struct ClientConfig {
     pub timeout: Duration,
     /// Sends of one request before [`KvError::Timeout`].
     pub attempts: u32,
+    /// Run the task that receives replies on the current [`tokio::task::LocalSet`]
+    /// (`spawn_local`) instead of the runtime (`tokio::spawn`). For callers that issue their
+    /// requests from tasks of a `LocalSet`: a reply then wakes its caller without leaving the
+    /// set. [`KvClient::connect`] must then be called inside that `LocalSet`.
+    pub local_receiver: bool,
     /// Negotiation settings.
     pub negotiate: chunnel_negotiate::Config,
 }
@@ -440,6 +546,7 @@ impl Default for ClientConfig {
             max_outstanding: 1024,
             timeout: Duration::from_millis(100),
             attempts: 8,
+            local_receiver: false,
             negotiate: chunnel_negotiate::Config::default(),
         }
     }
@@ -449,6 +556,12 @@ impl ClientConfig {
     /// Sets [`ClientConfig::offer`].
     pub fn with_offer(mut self, offer: Offer) -> Self {
         self.offer = offer;
+        self
+    }
+
+    /// Sets [`ClientConfig::local_receiver`].
+    pub fn with_local_receiver(mut self, on: bool) -> Self {
+        self.local_receiver = on;
         self
     }
 }
@@ -532,7 +645,12 @@ impl KvClient {
         };
         let conn = Arc::new(conn);
         let pending: Arc<Pending> = Arc::default();
-        let task = tokio::spawn(receive(Arc::clone(&conn), Arc::clone(&pending)));
+        let rx = receive(Arc::clone(&conn), Arc::clone(&pending));
+        let task = if cfg.local_receiver {
+            tokio::task::spawn_local(rx)
+        } else {
+            tokio::spawn(rx)
+        };
         Ok(KvClient {
             conn,
             sharding,
@@ -623,4 +741,116 @@ async fn receive(conn: Arc<Conn>, pending: Arc<Pending>) {
     }
     // Wakes every waiter with `Closed`.
     pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use chunnel_std::serialize::{Bincode, Format, Json};
+
+    use super::*;
+
+    /// `Msg` as it was declared before its byte strings became serde bytes.
+    #[derive(SerdeSerialize, Deserialize, Debug, PartialEq)]
+    enum PlainOp {
+        Get { key: Vec<u8> },
+        Put { key: Vec<u8>, value: Vec<u8> },
+        Delete { key: Vec<u8> },
+    }
+
+    #[derive(SerdeSerialize, Deserialize, Debug, PartialEq)]
+    enum PlainMsg {
+        Request { client: u64, id: u64, op: PlainOp },
+        Response { id: u64, value: Option<Vec<u8>> },
+    }
+
+    #[test]
+    fn byte_strings_keep_the_wire_format() {
+        let v = vec![7u8; 300];
+        let pairs = [
+            (
+                Msg::Request {
+                    client: 9,
+                    id: 1 << 40,
+                    op: Op::Put {
+                        key: b"user1".to_vec(),
+                        value: v.clone(),
+                    },
+                },
+                PlainMsg::Request {
+                    client: 9,
+                    id: 1 << 40,
+                    op: PlainOp::Put {
+                        key: b"user1".to_vec(),
+                        value: v.clone(),
+                    },
+                },
+            ),
+            (
+                Msg::Request {
+                    client: 1,
+                    id: 2,
+                    op: Op::Get { key: Vec::new() },
+                },
+                PlainMsg::Request {
+                    client: 1,
+                    id: 2,
+                    op: PlainOp::Get { key: Vec::new() },
+                },
+            ),
+            (
+                Msg::Request {
+                    client: 1,
+                    id: 3,
+                    op: Op::Delete { key: b"k".to_vec() },
+                },
+                PlainMsg::Request {
+                    client: 1,
+                    id: 3,
+                    op: PlainOp::Delete { key: b"k".to_vec() },
+                },
+            ),
+            (
+                Msg::Response {
+                    id: 5,
+                    value: Some(v.clone()),
+                },
+                PlainMsg::Response {
+                    id: 5,
+                    value: Some(v),
+                },
+            ),
+            (
+                Msg::Response { id: 6, value: None },
+                PlainMsg::Response { id: 6, value: None },
+            ),
+        ];
+        for (m, p) in pairs {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            Bincode::encode(&m, &mut a).unwrap();
+            Bincode::encode(&p, &mut b).unwrap();
+            assert_eq!(a, b, "{m:?}");
+            assert_eq!(Bincode::decode::<Msg>(&b).unwrap(), m);
+            assert_eq!(Bincode::decode::<PlainMsg>(&a).unwrap(), p);
+            // JSON (a sequence of numbers) reads back too.
+            let mut j = Vec::new();
+            Json::encode(&p, &mut j).unwrap();
+            assert_eq!(Json::decode::<Msg>(&j).unwrap(), m);
+            let mut j = Vec::new();
+            Json::encode(&m, &mut j).unwrap();
+            assert_eq!(Json::decode::<Msg>(&j).unwrap(), m);
+        }
+        // Truncated byte strings fail to decode, they do not panic.
+        let mut a = Vec::new();
+        Bincode::encode(
+            &Msg::Response {
+                id: 1,
+                value: Some(vec![1; 50]),
+            },
+            &mut a,
+        )
+        .unwrap();
+        for n in 0..a.len() {
+            assert!(Bincode::decode::<Msg>(&a[..n]).is_err());
+        }
+    }
 }

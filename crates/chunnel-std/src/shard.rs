@@ -131,8 +131,10 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::Poll;
 
 use chunnel::{Capability, Chunnel, ChunnelConnection, ChunnelInfo, Listener, Negotiate};
 use tokio::sync::{Notify, Semaphore, mpsc};
@@ -968,20 +970,36 @@ where
             per_shard: self.per_shard.clone(),
             dir: self.dir.clone(),
             shards: tokio::sync::OnceCell::new(),
+            dialled: Notify::new(),
+            announced: AtomicBool::new(false),
+            turn: AtomicUsize::new(0),
             merge,
         })
     }
 }
 
+/// Shard connections a [`ClientShardConn`]'s `recv` reads itself; replies of further shards
+/// (and whatever the canonical address sends) come through the merge queue.
+const DIRECT: usize = 4;
+
 /// A client-push connection (see [`ClientShard`]). Shards are dialled on the first `send`;
-/// `recv` merges the replies of every shard (and anything from the canonical address) through
-/// one bounded queue, and is cancel safe.
+/// `recv` is cancel safe and delivers the replies of every shard and anything from the
+/// canonical address. It reads the first [`DIRECT`] (4) shard connections itself, each with a
+/// share of the caller's slots, so a reply reaches the caller with no task in between; a task
+/// per further shard, and one for the canonical connection, moves their messages into one
+/// bounded queue that `recv` reads as well.
 pub struct ClientShardConn<C: ChunnelConnection, D: Dial, S: Chunnel<D::Conn>> {
     inner: Arc<C>,
     dial: D,
     per_shard: S,
     dir: ShardDirectory,
     shards: tokio::sync::OnceCell<Vec<Arc<S::Connection>>>,
+    /// Wakes receivers that started before the shards were dialled.
+    dialled: Notify,
+    /// Whether `dialled` was notified.
+    announced: AtomicBool,
+    /// Which source a `recv` polls first (rotates, so no shard starves another).
+    turn: AtomicUsize,
     merge: Merge<C::Data>,
 }
 
@@ -1019,17 +1037,88 @@ where
             .get_or_try_init(|| async {
                 let addrs = self.dir.get().ok_or(Error::ShardSetUnknown)?;
                 let mut v = Vec::with_capacity(addrs.len());
-                for a in addrs {
+                for (i, a) in addrs.iter().enumerate() {
                     let base = self.dial.dial(a).await?;
                     let mut stack = self.per_shard.clone();
                     let c = Arc::new(stack.connect_wrap(base).await?);
-                    self.merge.pump(Arc::clone(&c));
+                    if i >= DIRECT {
+                        self.merge.pump(Arc::clone(&c));
+                    }
                     v.push(c);
                 }
                 Ok::<_, chunnel::Error>(v)
             })
             .await?;
+        if !self.announced.load(Ordering::Acquire) && !self.announced.swap(true, Ordering::AcqRel) {
+            self.dialled.notify_waiters();
+        }
         Ok(v)
+    }
+
+    /// Polls every source at once — the `direct` shard connections and the merge queue —
+    /// each into its own part of `buf` (at least one slot per source); the first that yields
+    /// wins and its messages are moved to the front. `None`: the shards were dialled while
+    /// none was read directly; start over.
+    async fn poll_sources(
+        &self,
+        direct: &[Arc<S::Connection>],
+        buf: &mut [Option<T>],
+        dialled: Pin<&mut tokio::sync::futures::Notified<'_>>,
+    ) -> Option<Result<usize, chunnel::Error>> {
+        let mut dialled = dialled;
+        // One part per direct shard, the rest (at least as large) for the merge queue.
+        let part = buf.len() / (direct.len() + 1);
+        debug_assert!(part >= 1);
+        let merged_len = buf.len() - part * direct.len();
+        let first = self.turn.fetch_add(1, Ordering::Relaxed);
+        let won = {
+            let (merged, rest) = buf.split_at_mut(merged_len);
+            let mut parts = rest.chunks_mut(part.max(1));
+            let mut next = |i: usize| {
+                let p = parts.next();
+                direct.get(i).zip(p).map(|(c, p)| c.recv(p))
+            };
+            let f0 = next(0);
+            let f1 = next(1);
+            let f2 = next(2);
+            let f3 = next(3);
+            let fm = self.merge.recv(merged);
+            tokio::pin!(f0, f1, f2, f3, fm);
+            std::future::poll_fn(|cx| {
+                for k in 0..=DIRECT {
+                    let src = (first + k) % (DIRECT + 1);
+                    let r = match src {
+                        0 => f0.as_mut().as_pin_mut().map(|f| f.poll(cx)),
+                        1 => f1.as_mut().as_pin_mut().map(|f| f.poll(cx)),
+                        2 => f2.as_mut().as_pin_mut().map(|f| f.poll(cx)),
+                        3 => f3.as_mut().as_pin_mut().map(|f| f.poll(cx)),
+                        _ => Some(fm.as_mut().poll(cx)),
+                    };
+                    if let Some(Poll::Ready(r)) = r {
+                        return Poll::Ready(Some((src, r)));
+                    }
+                }
+                if direct.is_empty() && dialled.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(None);
+                }
+                Poll::Pending
+            })
+            .await
+        };
+        let (src, r) = won?;
+        let n = match r {
+            Ok(n) => n,
+            Err(e) => return Some(Err(e)),
+        };
+        let at = if src < DIRECT {
+            merged_len + src * part
+        } else {
+            0
+        };
+        for j in 0..n {
+            buf.swap(j, at + j);
+        }
+        Some(Ok(n))
     }
 }
 
@@ -1070,11 +1159,40 @@ where
         Ok(())
     }
 
-    fn recv<'a>(
-        &'a self,
-        slots: &'a mut [Option<T>],
-    ) -> impl Future<Output = Result<usize, chunnel::Error>> + Send + 'a {
-        self.merge.recv(slots)
+    async fn recv<'a>(&'a self, slots: &'a mut [Option<T>]) -> Result<usize, chunnel::Error> {
+        if slots.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            let dialled = self.dialled.notified();
+            tokio::pin!(dialled);
+            dialled.as_mut().enable();
+            let direct: &[Arc<S::Connection>] = match self.shards.get() {
+                Some(v) => &v[..v.len().min(DIRECT)],
+                None => &[],
+            };
+            let sources = direct.len() + 1;
+            let r = if slots.len() >= sources {
+                self.poll_sources(direct, slots, dialled.as_mut()).await
+            } else {
+                // Fewer slots than sources: one slot each in a buffer of our own; the source
+                // that yields fills one, which fits.
+                let mut own: [Option<T>; DIRECT + 1] = std::array::from_fn(|_| None);
+                let r = self
+                    .poll_sources(direct, &mut own[..sources], dialled.as_mut())
+                    .await;
+                if let Some(Ok(n)) = r {
+                    debug_assert!(n <= slots.len());
+                    for (s, m) in slots.iter_mut().zip(own[..n].iter_mut()) {
+                        *s = m.take();
+                    }
+                }
+                r
+            };
+            if let Some(r) = r {
+                return r;
+            }
+        }
     }
 }
 
@@ -1362,6 +1480,117 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct KeyedMsg {
+        key: String,
+        shard: u32,
+    }
+
+    impl Keyed for KeyedMsg {
+        fn shard_key(&self) -> &[u8] {
+            self.key.as_bytes()
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    struct TestUdp;
+
+    impl Bind for TestUdp {
+        type Listener = chunnel_net::udp::Listener;
+        async fn bind(
+            &self,
+            addr: &str,
+        ) -> Result<(chunnel_net::udp::Listener, String), chunnel::Error> {
+            let l = chunnel_net::udp::Listener::bind(addr.parse().unwrap()).await?;
+            let a = l.local_addr()?.to_string();
+            Ok((l, a))
+        }
+    }
+
+    impl Dial for TestUdp {
+        type Conn = chunnel_net::udp::Connection;
+        async fn dial(&self, addr: &str) -> Result<chunnel_net::udp::Connection, chunnel::Error> {
+            chunnel_net::udp::Connect::new(addr.parse().unwrap())
+                .connect_wrap(())
+                .await
+        }
+    }
+
+    /// Client push over more shards than `recv` reads itself (the rest through the merge
+    /// queue), with one-slot and many-slot receives, and a receiver that started before the
+    /// shards were dialled: every reply arrives once, from the right shard.
+    #[tokio::test(flavor = "current_thread")]
+    async fn client_push_receives_from_every_shard() {
+        use chunnel::ConnectionExt;
+        let ser = crate::serialize::Serialize::<KeyedMsg, _>::bincode();
+        let n = DIRECT + 3;
+        let shards = ShardServer::spawn(
+            TestUdp,
+            &vec!["127.0.0.1:0".to_owned(); n],
+            ser,
+            |i| {
+                move |mut m: KeyedMsg| {
+                    m.shard = i as u32;
+                    Some(m)
+                }
+            },
+            Config::default(),
+        )
+        .unwrap();
+        let canonical = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let push = ClientShard::new(TestUdp, ser);
+        push.directory().set(shards.addrs().to_vec()).unwrap();
+        let base = chunnel_net::udp::Connect::new(canonical.local_addr().unwrap())
+            .connect_wrap(())
+            .await
+            .unwrap();
+        let conn = Arc::new(chunnel::stack![push, ser].connect_wrap(base).await.unwrap());
+        let total = 40 * n;
+        // Started before the first send: it waits on nothing but the canonical connection
+        // until the shards are dialled.
+        let early = tokio::spawn({
+            let conn = Arc::clone(&conn);
+            async move { conn.recv_one().await }
+        });
+        tokio::task::yield_now().await;
+        let msgs: Vec<KeyedMsg> = (0..total)
+            .map(|i| KeyedMsg {
+                key: format!("key-{i}"),
+                shard: u32::MAX,
+            })
+            .collect();
+        for chunk in msgs.chunks(7) {
+            conn.send(chunk.to_vec()).await.unwrap();
+        }
+        let mut got = vec![early.await.unwrap().unwrap()];
+        let mut slots: Vec<Option<KeyedMsg>> = vec![None; 32];
+        let mut one = true;
+        while got.len() < total {
+            let r = if one {
+                conn.recv(&mut slots[..1])
+            } else {
+                conn.recv(&mut slots)
+            };
+            let k = tokio::time::timeout(std::time::Duration::from_secs(5), r)
+                .await
+                .expect("a reply is missing")
+                .unwrap();
+            assert!(k >= 1 && (!one || k == 1));
+            got.extend(slots[..k].iter_mut().map(|s| s.take().unwrap()));
+            one = !one;
+        }
+        assert_eq!(got.len(), total);
+        got.sort_by(|a, b| a.key.cmp(&b.key));
+        got.dedup_by(|a, b| a.key == b.key);
+        assert_eq!(got.len(), total, "a reply was delivered twice");
+        let mut used = vec![false; n];
+        for m in &got {
+            assert_eq!(m.shard as usize, shard_of(m.key.as_bytes(), n), "{m:?}");
+            used[m.shard as usize] = true;
+        }
+        assert!(used.iter().all(|&u| u), "every shard answered some");
+    }
 
     #[test]
     fn fnv1a_known_values() {
