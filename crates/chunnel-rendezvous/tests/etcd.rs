@@ -535,3 +535,73 @@ where
         }
     }
 }
+
+/// Participants spread over the three members of a cluster (each with its own client) stay
+/// members through many lease renewals: every snapshot, through any member, lists all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_cluster_members_stay_through_renewals() {
+    use chunnel::negotiate::{Capability, ChunnelInfo, Pick, StackOption};
+    use chunnel_rendezvous::{Config, Participant};
+
+    const N: usize = 15;
+    let scratch = Scratch::new("etcd-cluster-renew");
+    let (_servers, endpoints) = support::etcd_cluster(&scratch, 3);
+    ready_store(&endpoints).await;
+    let group = "renewals";
+    let offers = vec![StackOption {
+        chunnels: vec![ChunnelInfo {
+            id: "test/renew/1".into(),
+            capabilities: vec![Capability::exact("renew", ["a"])],
+        }],
+        pick: Pick::from_branches(vec![0]),
+    }];
+    let config = Config {
+        lease: Duration::from_secs(3),
+        renew_every: Duration::from_secs(1),
+        poll: Duration::from_millis(10),
+        ..Config::default()
+    };
+    let mut participants = Vec::new();
+    for i in 0..N {
+        let store = EtcdStore::connect(&endpoints).await.unwrap();
+        let me = Member {
+            id: format!("p{i:02}"),
+            addr: format!("127.0.0.1:{}", 6000 + i),
+        };
+        let p = Participant::join(
+            std::sync::Arc::new(store),
+            group,
+            me,
+            offers.clone(),
+            None,
+            config.clone(),
+        )
+        .await
+        .unwrap();
+        participants.push(p);
+    }
+    // One observer per member.
+    let mut observers = Vec::new();
+    for e in &endpoints {
+        observers.push(EtcdStore::connect(std::slice::from_ref(e)).await.unwrap());
+    }
+    let all: Vec<String> = (0..N).map(|i| format!("p{i:02}")).collect();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(10) {
+        for (i, o) in observers.iter().enumerate() {
+            let s = o.snapshot(group).await.unwrap();
+            let ids: Vec<String> = s.members.iter().map(|m| m.id.clone()).collect();
+            assert_eq!(
+                ids,
+                all,
+                "after {:?}, etcd member {i} lists {} of {N} participants",
+                t0.elapsed(),
+                ids.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for p in &participants {
+        p.leave().await.unwrap();
+    }
+}

@@ -6,13 +6,23 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A free loopback TCP port (bound then released; racy in principle, unique in practice).
+/// A free loopback TCP port: bound then released, and never handed out twice by this process
+/// (the kernel may offer a just-released port again). Another process can still take it before
+/// the server binds it; [`Server::start`] then sees the server exit and fails clearly.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// A scratch directory removed on drop.
@@ -99,6 +109,18 @@ impl Server {
         let deadline = Instant::now() + timeout;
         loop {
             if TcpStream::connect_timeout(&self.ready, Duration::from_millis(200)).is_ok() {
+                // Something answers on the port; make sure it is our process (a server that lost
+                // the port to another process exits at once) before calling it ready.
+                std::thread::sleep(Duration::from_millis(100));
+                if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                    panic!(
+                        "{} exited ({status}) although {} answers: the port was taken by another \
+                         process; log: {}",
+                        self.name,
+                        self.ready,
+                        std::fs::read_to_string(&self.log).unwrap_or_default()
+                    );
+                }
                 return;
             }
             if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
