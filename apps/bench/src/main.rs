@@ -17,6 +17,7 @@ mod overhead;
 mod probe;
 mod reconfig;
 mod rendezvous;
+mod shm;
 mod stats;
 
 use anyhow::Result;
@@ -47,6 +48,8 @@ enum Cmd {
     Kv(kv::Args),
     /// Multi-party negotiation: join and transition-commit latency per rendezvous backend.
     Rendezvous(rendezvous::Args),
+    /// Shared memory vs kernel UDP: echo round trip through chunnel-shm, a raw ring, and UDP.
+    Shm(shm::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -59,6 +62,7 @@ fn main() -> Result<()> {
         Cmd::Reconfig(a) => reconfig::run(a),
         Cmd::Kv(a) => kv::run(a),
         Cmd::Rendezvous(a) => rendezvous::run(a),
+        Cmd::Shm(a) => shm::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }

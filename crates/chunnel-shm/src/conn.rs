@@ -1,0 +1,378 @@
+//! The connection over the two rings, and how a receiver waits for an empty ring.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use chunnel::{ChunnelConnection, Error, SendHeader};
+
+use crate::ring::{ATTACHED, CLOSED, Consumer, Producer, Region};
+use crate::{Role, WaitPolicy};
+
+/// How long a receiver spins in place before giving the runtime a turn (when it spins longer
+/// than this in total, other tasks of its runtime still run every this often).
+const SPIN_SLICE: Duration = Duration::from_micros(20);
+
+/// State shared by a connection and its waiter thread.
+#[derive(Debug)]
+struct Shared {
+    region: Region,
+    role: Role,
+    wait: WaitPolicy,
+    /// Receivers parked on an empty ring.
+    notify: tokio::sync::Notify,
+    /// A receiver asked the waiter thread to watch the ring.
+    armed: AtomicBool,
+    /// The connection was dropped: the waiter thread ends.
+    shutdown: AtomicBool,
+}
+
+impl Shared {
+    fn rx_ring(&self) -> usize {
+        match self.role {
+            Role::Client => 1,
+            Role::Server => 0,
+        }
+    }
+
+    fn tx_ring(&self) -> usize {
+        1 - self.rx_ring()
+    }
+
+    fn me(&self) -> usize {
+        match self.role {
+            Role::Client => 0,
+            Role::Server => 1,
+        }
+    }
+
+    fn peer(&self) -> usize {
+        1 - self.me()
+    }
+
+    /// The peer closed its end on purpose (a cheap load, checked on every empty poll).
+    fn peer_closed(&self) -> bool {
+        self.region.state(self.peer()).load(Ordering::Acquire) == CLOSED
+    }
+
+    /// The peer closed or its process died (its lock on the region was released): a system
+    /// call, so checked only every [`WaitPolicy::liveness`].
+    fn peer_gone(&self) -> bool {
+        self.peer_closed()
+            || !crate::sys::lock_held(self.region.mapping().file(), self.peer() as i64)
+                .unwrap_or(false)
+    }
+
+    /// The waiter thread: blocks on the receive ring's futex while a receiver is parked,
+    /// wakes receivers when records arrive, the peer goes away or the connection is dropped.
+    fn watch(self: Arc<Self>) {
+        let ring = self.rx_ring();
+        loop {
+            if self.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            if !self.armed.load(Ordering::Acquire) {
+                std::thread::park_timeout(Duration::from_secs(1));
+                continue;
+            }
+            let seen = self.region.bell(ring).load(Ordering::Acquire);
+            if self.region.has_data(ring)
+                || self.shutdown.load(Ordering::Acquire)
+                || self.peer_gone()
+            {
+                self.armed.store(false, Ordering::Release);
+                self.notify.notify_waiters();
+                continue;
+            }
+            crate::sys::futex_wait(self.region.bell(ring), seen, self.wait.liveness);
+        }
+    }
+}
+
+/// A connection over shared memory, built by [`crate::LocalFastPath`] when negotiation picked
+/// it. `Data = Bytes`; messages up to [`ShmConnection::max_message`] bytes.
+///
+/// * **Send** copies each message into the ring (the send side's one copy) and publishes the
+///   burst with one release store; a receiver that is parked is woken by a futex wake (a
+///   system call only then). A full ring makes `send` wait (spinning, then sleeping with a
+///   backoff of up to 1 ms) until the receiver frees room: the ring is bounded.
+/// * **Recv** copies each message out into a reused block (the receive side's one copy; no
+///   allocation per message once the application drops what it received) and waits on an
+///   empty ring as [`WaitPolicy`] says.
+/// * The peer closing (drop) or dying ends the connection: `recv` returns the messages still
+///   in the ring, then [`Error::PeerClosed`]; `send` fails with it at once.
+///
+/// `recv` is cancel safe. Many tasks may send and receive at once (each ring end is behind a
+/// short lock held only while copying).
+#[derive(Debug)]
+pub struct ShmConnection<C> {
+    sh: Arc<Shared>,
+    tx: Mutex<Producer>,
+    rx: Mutex<Consumer>,
+    waiter: OnceLock<std::thread::Thread>,
+    inner: C,
+}
+
+impl<C> ShmConnection<C> {
+    pub(crate) fn new(region: Region, role: Role, wait: WaitPolicy, inner: C) -> Self {
+        let sh = Arc::new(Shared {
+            region,
+            role,
+            wait,
+            notify: tokio::sync::Notify::new(),
+            armed: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+        });
+        let (tx, rx) = (sh.tx_ring(), sh.rx_ring());
+        ShmConnection {
+            sh,
+            tx: Mutex::new(Producer::new(tx)),
+            rx: Mutex::new(Consumer::new(rx)),
+            waiter: OnceLock::new(),
+            inner,
+        }
+    }
+
+    /// The largest message this connection carries (set by the client's
+    /// [`crate::Config::max_message`]).
+    pub fn max_message(&self) -> usize {
+        self.sh.region.max_msg()
+    }
+
+    /// The connection negotiation was run on (kept open, unused, for the connection's life).
+    pub fn inner(&self) -> &C {
+        &self.inner
+    }
+
+    fn try_recv(&self, slots: &mut [Option<Bytes>]) -> Result<usize, Error> {
+        let mut rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+        rx.pop(&self.sh.region, slots)
+    }
+
+    /// Nothing to read and the peer is gone: the end of the stream. Re-checks the ring after
+    /// seeing the peer's close, since records published before it must still be delivered.
+    fn end_of_stream(&self, slots: &mut [Option<Bytes>]) -> Result<usize, Error> {
+        match self.try_recv(slots)? {
+            0 => Err(Error::PeerClosed),
+            n => Ok(n),
+        }
+    }
+
+    fn waiter(&self) -> Result<&std::thread::Thread, Error> {
+        if let Some(t) = self.waiter.get() {
+            return Ok(t);
+        }
+        let sh = Arc::clone(&self.sh);
+        let handle = std::thread::Builder::new()
+            .name("chunnel-shm-wait".into())
+            .spawn(move || sh.watch())
+            .map_err(|e| Error::Io {
+                op: "spawn the shared-memory waiter thread",
+                source: e,
+            })?;
+        // A racing receiver may have set it first; its thread serves, ours ends with the
+        // connection like it.
+        Ok(self.waiter.get_or_init(|| handle.thread().clone()))
+    }
+
+    async fn recv_inner(&self, slots: &mut [Option<Bytes>]) -> Result<usize, Error> {
+        if slots.is_empty() {
+            return Ok(0);
+        }
+        let sh = &*self.sh;
+        let ring = sh.rx_ring();
+        let started = Instant::now();
+        let mut last_check = started;
+        let mut parked = false;
+        loop {
+            let n = self.try_recv(slots)?;
+            if n > 0 {
+                if parked {
+                    sh.region.sleeping(ring).store(0, Ordering::Relaxed);
+                }
+                return Ok(n);
+            }
+            if sh.peer_closed() {
+                return self.end_of_stream(slots);
+            }
+            let now = Instant::now();
+            if now.duration_since(last_check) >= sh.wait.liveness {
+                last_check = now;
+                if sh.peer_gone() {
+                    return self.end_of_stream(slots);
+                }
+            }
+            let spent = now.duration_since(started);
+            if spent < sh.wait.spin {
+                // Busy-poll in place for a slice, then let the runtime run other tasks.
+                let slice_end = now + SPIN_SLICE.min(sh.wait.spin - spent);
+                let mut i = 0u32;
+                while !sh.region.has_data(ring) {
+                    std::hint::spin_loop();
+                    i = i.wrapping_add(1);
+                    if i.is_multiple_of(64) && Instant::now() >= slice_end {
+                        break;
+                    }
+                }
+                if !sh.region.has_data(ring) {
+                    tokio::task::yield_now().await;
+                }
+                continue;
+            }
+            // Park: ask the producer to ring, re-check, and let the waiter thread block on
+            // the futex for us.
+            let notified = sh.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            sh.region.sleeping(ring).store(1, Ordering::Relaxed);
+            parked = true;
+            // Pairs with the producer's fence between publishing `head` and reading
+            // `sleeping` (see `Region::ring_bell`).
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if sh.region.has_data(ring) || sh.peer_closed() {
+                continue;
+            }
+            let waiter = self.waiter()?;
+            sh.armed.store(true, Ordering::Release);
+            waiter.unpark();
+            notified.await;
+        }
+    }
+
+    async fn send_parts<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes>,
+    {
+        let sh = &*self.sh;
+        let max = sh.region.max_msg();
+        let mut burst = burst.into_iter().peekable();
+        while burst.peek().is_some() {
+            if sh.peer_closed() {
+                return Err(Error::PeerClosed);
+            }
+            {
+                let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+                let mut pushed = 0usize;
+                let mut full = false;
+                while let Some(m) = burst.peek() {
+                    let len = header.len() + m.len();
+                    if len > max {
+                        if pushed > 0 {
+                            tx.publish(&sh.region);
+                        }
+                        return Err(Error::MessageTooLarge { len, max });
+                    }
+                    if !tx.push(&sh.region, [header, m])? {
+                        full = true;
+                        break;
+                    }
+                    burst.next();
+                    pushed += 1;
+                }
+                if pushed > 0 {
+                    tx.publish(&sh.region);
+                }
+                if !full {
+                    return Ok(());
+                }
+            }
+            self.wait_for_room().await?;
+        }
+        Ok(())
+    }
+
+    /// The ring is full: wait until the receiver frees some room (or goes away).
+    async fn wait_for_room(&self) -> Result<(), Error> {
+        let sh = &*self.sh;
+        let ring = sh.tx_ring();
+        let before = sh.region.tail(ring).load(Ordering::Acquire);
+        let started = Instant::now();
+        let mut last_check = started;
+        let mut backoff = Duration::from_micros(50);
+        loop {
+            if sh.region.tail(ring).load(Ordering::Acquire) != before {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if sh.peer_closed() {
+                return Err(Error::PeerClosed);
+            }
+            if now.duration_since(last_check) >= sh.wait.liveness {
+                last_check = now;
+                if sh.peer_gone() {
+                    return Err(Error::PeerClosed);
+                }
+            }
+            if now.duration_since(started) < sh.wait.spin {
+                std::hint::spin_loop();
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+impl<C> Drop for ShmConnection<C> {
+    fn drop(&mut self) {
+        let sh = &*self.sh;
+        sh.region.state(sh.me()).store(CLOSED, Ordering::Release);
+        // Wake the peer's parked receiver so it sees the close now.
+        sh.region.wake(sh.tx_ring());
+        // End our waiter thread (it holds the mapping until then).
+        sh.shutdown.store(true, Ordering::Release);
+        sh.region.wake(sh.rx_ring());
+        if let Some(t) = self.waiter.get() {
+            t.unpark();
+        }
+    }
+}
+
+pub(crate) fn mark_attached(region: &Region, role: Role) {
+    let me = match role {
+        Role::Client => 0,
+        Role::Server => 1,
+    };
+    region.state(me).store(ATTACHED, Ordering::Release);
+}
+
+pub(crate) fn peer_attached(region: &Region) -> bool {
+    region.state(1).load(Ordering::Acquire) != 0
+}
+
+impl<C: Send + Sync> ChunnelConnection for ShmConnection<C> {
+    type Data = Bytes;
+
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
+    where
+        B: IntoIterator<Item = Bytes> + Send,
+        B::IntoIter: Send,
+    {
+        self.send_parts(&[], burst)
+    }
+
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Bytes>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        self.recv_inner(slots)
+    }
+}
+
+/// The header is copied into the ring in front of each message (no extra cost: the message
+/// is copied anyway).
+impl<C: Send + Sync> SendHeader for ShmConnection<C> {
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
+    where
+        B: IntoIterator<Item = Bytes> + Send + 'a,
+        B::IntoIter: Send,
+    {
+        self.send_parts(header, burst)
+    }
+}
