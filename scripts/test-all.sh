@@ -96,4 +96,14 @@ for b, sizes in d["backends"].items():
             assert s["n"] == 3 and s["p50_ms"] > 0, (b, n, what, s)
 print("bench JSON ok:", {b: v["4"]["commit"]["p50_ms"] for b, v in d["backends"].items()})'
 
+log "chunnel-bench shm (short run: shared memory vs kernel UDP through the library)"
+cargo run --release --locked -q -p chunnel-bench -- shm --msgs 2000 \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "shm", d
+for k in ("raw_ring", "chunnel_shm", "chunnel_udp"):
+    assert d["results"][k]["rtt_p50_us"]["median"] > 0, (k, d["results"][k])
+print("bench JSON ok: UDP/shm p50", round(d["p50_ratio_udp_over_shm"]["median"], 1), d["checks"])'
+
 log "all tests passed"
