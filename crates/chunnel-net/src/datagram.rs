@@ -272,7 +272,51 @@ fn conn_err(op: &'static str, peer: &(dyn std::fmt::Debug + Sync), e: io::Error)
     }
 }
 
+/// Spare vectors for [`Spill`]: a send that has to wait for writability with messages it
+/// already took from its burst parks them in one of these, so neither the messages nor a
+/// batch-sized array live in the send future. Reused, so a blocked send does not allocate
+/// once the pool is warm.
+#[derive(Debug, Default)]
+struct SpillPool(Mutex<Vec<Vec<Bytes>>>);
+
+/// Spare vectors kept per socket (one per send blocked at the same time, beyond which they
+/// are freed).
+const SPILL_POOL: usize = 8;
+
+/// Messages of a burst taken from its iterator but not sent yet, kept across a wait.
+struct Spill<'a> {
+    pool: &'a SpillPool,
+    v: Option<Vec<Bytes>>,
+}
+
+impl Spill<'_> {
+    fn keep(&mut self, msgs: impl Iterator<Item = Bytes>) {
+        let pool = self.pool;
+        let v = self.v.get_or_insert_with(|| {
+            lock(&pool.0)
+                .pop()
+                .unwrap_or_else(|| Vec::with_capacity(MAX_BATCH))
+        });
+        v.extend(msgs);
+    }
+}
+
+impl Drop for Spill<'_> {
+    fn drop(&mut self) {
+        if let Some(mut v) = self.v.take() {
+            v.clear();
+            let mut pool = lock(&self.pool.0);
+            if pool.len() < SPILL_POOL {
+                pool.push(v);
+            }
+        }
+    }
+}
+
 /// Sends a burst in batches of `sendmmsg`, waiting for writability as needed.
+///
+/// The batch arrays live in [`send_step`]'s stack frame, not in this future: a future is
+/// copied when a task is spawned and when it finishes, and 64-entry arrays made it ~4.8 KB.
 async fn send_burst<S: DgramSocket, B>(
     sock: &S,
     cfg: &Config,
@@ -280,53 +324,95 @@ async fn send_burst<S: DgramSocket, B>(
     peer: &(dyn std::fmt::Debug + Sync),
     header: &[u8],
     burst: B,
+    pool: &SpillPool,
 ) -> Result<(), Error>
 where
     B: IntoIterator<Item = Bytes>,
 {
     let max = cfg.max_payload.saturating_sub(header.len());
     let mut it = burst.into_iter();
-    let mut batch: [Bytes; MAX_BATCH] = [const { Bytes::new() }; MAX_BATCH];
+    let mut spill = Spill { pool, v: None };
+    let mut too_large = None;
+    loop {
+        match send_step(
+            sock,
+            cfg,
+            dest,
+            header,
+            max,
+            &mut it,
+            &mut spill,
+            &mut too_large,
+        ) {
+            Ok(true) => break,
+            Ok(false) => sock
+                .ready(Interest::WRITABLE)
+                .await
+                .map_err(|e| conn_err("send", peer, e))?,
+            Err(e) => return Err(conn_err("send", peer, e)),
+        }
+    }
+    match too_large {
+        Some(len) => Err(Error::MessageTooLarge { len, max }),
+        None => Ok(()),
+    }
+}
+
+/// Sends what it can of a burst without waiting: first the messages `spill` kept, then
+/// more from `it`, in batches of `cfg.batch`. Returns `Ok(true)` when the burst is done (or
+/// stopped at a message over `max`, recorded in `too_large`), `Ok(false)` when the socket is
+/// full (the unsent messages are in `spill`).
+#[allow(clippy::too_many_arguments)]
+fn send_step<S: DgramSocket>(
+    sock: &S,
+    cfg: &Config,
+    dest: Option<&sys::RawAddr>,
+    header: &[u8],
+    max: usize,
+    it: &mut impl Iterator<Item = Bytes>,
+    spill: &mut Spill<'_>,
+    too_large: &mut Option<usize>,
+) -> io::Result<bool> {
+    let mut batch: [Option<Bytes>; MAX_BATCH] = [const { None }; MAX_BATCH];
+    let fd = sock.as_raw_fd();
     loop {
         let mut n = 0;
-        let mut too_large = None;
-        for m in it.by_ref() {
-            if m.len() > max {
-                too_large = Some(m.len());
-                break;
+        if let Some(v) = spill.v.as_mut() {
+            // At most one batch's remainder was kept.
+            for m in v.drain(..) {
+                batch[n] = Some(m);
+                n += 1;
             }
-            batch[n] = m;
-            n += 1;
-            if n == cfg.batch {
-                break;
+        }
+        let mut more = too_large.is_none();
+        while more && n < cfg.batch {
+            match it.next() {
+                Some(m) if m.len() > max => {
+                    *too_large = Some(m.len());
+                    more = false;
+                }
+                Some(m) => {
+                    batch[n] = Some(m);
+                    n += 1;
+                }
+                None => more = false,
             }
         }
         let mut sent = 0;
         while sent < n {
-            let mut views: [&[u8]; MAX_BATCH] = [&[]; MAX_BATCH];
-            for (v, m) in views.iter_mut().zip(&batch[sent..n]) {
-                *v = m.as_ref();
-            }
-            let fd = sock.as_raw_fd();
             match sock.try_io_with(Interest::WRITABLE, || {
-                sys::send_batch(fd, header, &views[..n - sent], dest)
+                sys::send_batch(fd, header, &batch[sent..n], dest)
             }) {
                 Ok(k) => sent += k,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => sock
-                    .ready(Interest::WRITABLE)
-                    .await
-                    .map_err(|e| conn_err("send", peer, e))?,
-                Err(e) => return Err(conn_err("send", peer, e)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    spill.keep(batch[sent..n].iter_mut().filter_map(Option::take));
+                    return Ok(false);
+                }
+                Err(e) => return Err(e),
             }
         }
-        for b in &mut batch[..n] {
-            *b = Bytes::new();
-        }
-        if let Some(len) = too_large {
-            return Err(Error::MessageTooLarge { len, max });
-        }
-        if n < cfg.batch {
-            return Ok(());
+        if !more {
+            return Ok(true);
         }
     }
 }
@@ -340,6 +426,7 @@ pub struct Connection<S: DgramSocket> {
     rx: Mutex<RxScratch>,
     stats: Stats,
     closed: AtomicBool,
+    spill: SpillPool,
 }
 
 impl std::fmt::Debug for RxScratch {
@@ -357,6 +444,7 @@ impl<S: DgramSocket> Connection<S> {
             rx: Mutex::new(RxScratch::new()),
             stats: Stats::default(),
             closed: AtomicBool::new(false),
+            spill: SpillPool::default(),
         }
     }
 
@@ -399,7 +487,16 @@ impl<S: DgramSocket> SendHeader for Connection<S> {
         B::IntoIter: Send,
     {
         self.check_open()?;
-        send_burst(&self.sock, &self.cfg, None, &self.peer, header, burst).await
+        send_burst(
+            &self.sock,
+            &self.cfg,
+            None,
+            &self.peer,
+            header,
+            burst,
+            &self.spill,
+        )
+        .await
     }
 }
 
@@ -464,6 +561,93 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
     }
 }
 
+/// The hash of the peer map, looked up for every datagram a listener receives.
+///
+/// `SipHash` (std's default) cost more than the rest of demultiplexing a datagram. This is
+/// a keyed folded multiply (the construction of `foldhash`/`ahash`'s fallback): each word
+/// is mixed as `fold(acc ^ word, key)`, where `fold` multiplies to 128 bits and XORs the
+/// halves. Trade-off: peers choose their source ports (and, off-path, addresses), so an
+/// unkeyed fast hash (FxHash) would let one client flood a bucket; here the 64-bit key is
+/// random per listener and never leaves the process, so collisions cannot be precomputed.
+/// It is not a cryptographic PRF (an attacker able to measure lookup timing over many
+/// probes may learn about the key), which is the same minimal-DoS-resistance level as
+/// `foldhash`; the per-peer queues and the backlog stay bounded either way.
+#[derive(Clone, Debug)]
+struct PeerHash {
+    key: u64,
+}
+
+impl PeerHash {
+    fn new() -> Self {
+        use std::hash::BuildHasher;
+        // std's per-process random keys, advanced per `RandomState`.
+        let key = std::hash::RandomState::new().hash_one(0x5eed_u64) | 1;
+        PeerHash { key }
+    }
+}
+
+impl std::hash::BuildHasher for PeerHash {
+    type Hasher = PeerHasher;
+    fn build_hasher(&self) -> PeerHasher {
+        PeerHasher {
+            acc: self.key,
+            key: self.key,
+        }
+    }
+}
+
+struct PeerHasher {
+    acc: u64,
+    key: u64,
+}
+
+impl PeerHasher {
+    #[inline]
+    fn mix(&mut self, word: u64) {
+        const K: u64 = 0x9e37_79b9_7f4a_7c15;
+        let p = u128::from(self.acc ^ word) * u128::from(self.key ^ K);
+        self.acc = (p as u64) ^ ((p >> 64) as u64);
+    }
+}
+
+impl std::hash::Hasher for PeerHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.mix(u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            // The length keeps "a" and "a\0" apart.
+            self.mix(u64::from_le_bytes(w) ^ ((rest.len() as u64) << 59));
+        }
+    }
+    fn write_u8(&mut self, n: u8) {
+        self.mix(u64::from(n));
+    }
+    fn write_u16(&mut self, n: u16) {
+        self.mix(u64::from(n));
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.mix(u64::from(n));
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.mix(n);
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.mix(n as u64);
+        self.mix((n >> 64) as u64);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.mix(n as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.acc
+    }
+}
+
 /// Per-peer state on a listener.
 #[derive(Debug)]
 struct Peer {
@@ -474,7 +658,7 @@ struct Peer {
 
 #[derive(Debug)]
 struct Demux<A> {
-    peers: HashMap<A, Arc<Peer>>,
+    peers: HashMap<A, Arc<Peer>, PeerHash>,
     backlog: VecDeque<(A, Arc<Peer>)>,
 }
 
@@ -493,6 +677,7 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// place to fall vacant), so a datagram wakes one task, not every connection.
     reader: AtomicBool,
     reader_vacant: Notify,
+    spill: SpillPool,
 }
 
 /// Held by the task that waits on the socket; gives the place up on drop (also when the
@@ -602,7 +787,7 @@ impl<S: DgramSocket> Listener<S> {
                 sock,
                 cfg,
                 demux: Mutex::new(Demux {
-                    peers: HashMap::new(),
+                    peers: HashMap::with_hasher(PeerHash::new()),
                     backlog: VecDeque::new(),
                 }),
                 rx: Mutex::new(RxScratch::new()),
@@ -611,6 +796,7 @@ impl<S: DgramSocket> Listener<S> {
                 listener_open: AtomicBool::new(true),
                 reader: AtomicBool::new(false),
                 reader_vacant: Notify::new(),
+                spill: SpillPool::default(),
             }),
         }
     }
@@ -781,7 +967,16 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
         }
         let dest = self.addr.to_raw();
         let sh = &self.shared;
-        send_burst(&sh.sock, &sh.cfg, Some(&dest), &self.addr, header, burst).await
+        send_burst(
+            &sh.sock,
+            &sh.cfg,
+            Some(&dest),
+            &self.addr,
+            header,
+            burst,
+            &sh.spill,
+        )
+        .await
     }
 }
 

@@ -293,10 +293,11 @@ pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) ->
 
 /// Sends `msgs` with one `sendmmsg` call, to `dest` (or the connected peer when `None`).
 /// Returns how many were sent (a prefix); non-blocking.
-pub(crate) fn send_batch(
+/// Empty slots (`None`) are sent as empty datagrams; callers pass filled ones only.
+pub(crate) fn send_batch<M: AsRef<[u8]>>(
     fd: RawFd,
     header: &[u8],
-    msgs: &[&[u8]],
+    msgs: &[Option<M>],
     dest: Option<&RawAddr>,
 ) -> io::Result<usize> {
     let count = msgs.len().min(MAX_BATCH);
@@ -316,9 +317,10 @@ pub(crate) fn send_batch(
             });
             k = 1;
         }
+        let msg: &[u8] = msgs[i].as_ref().map_or(&[], AsRef::as_ref);
         iovs[i][k].write(libc::iovec {
-            iov_base: msgs[i].as_ptr() as *mut libc::c_void,
-            iov_len: msgs[i].len(),
+            iov_base: msg.as_ptr() as *mut libc::c_void,
+            iov_len: msg.len(),
         });
         // SAFETY: plain old data.
         let mut h: libc::mmsghdr = unsafe { mem::zeroed() };
