@@ -1,0 +1,358 @@
+//! # chunnel-xdp: an AF_XDP datapath, wire-compatible with kernel UDP
+//!
+//! [`AfXdpUdp`] serves UDP on (interface, IPv4 address, port) from an AF_XDP socket instead of
+//! a kernel socket. A small XDP program (`bpf/xdp_udp_steer.c`, built by `build.rs` with
+//! clang and embedded in the library) looks at every frame arriving on the interface and
+//! redirects only IPv4/UDP frames for the configured address and port to the socket's queue
+//! through an `XSKMAP`; everything else — ARP, ICMP, other ports, fragments — is passed to the
+//! kernel, so the interface keeps working normally (in particular the kernel keeps answering
+//! ARP, so peers need no static neighbour entries). The program counts each verdict in a
+//! per-CPU array ([`Counters`], [`Listener::counters`]).
+//!
+//! Peers are ordinary kernel UDP sockets: frames are plain Ethernet II / IPv4 / UDP, the
+//! IPv4 header checksum and the UDP checksum are computed on transmission, and replies go to
+//! the MAC address the peer's frame came from.
+//!
+//! ```no_run
+//! use chunnel::{select, ConnectionExt, Listener as _};
+//! use chunnel_xdp::{AfXdpUdp, BindListener, Config, KernelUdp};
+//! # async fn demo() -> Result<(), chunnel::Error> {
+//! let addr = "10.77.0.2:7000".parse().unwrap();
+//! // AF_XDP when this host can run it, kernel UDP otherwise.
+//! let mut listener = select(AfXdpUdp::new(Config::new("veth0", addr)), KernelUdp::new(addr.into()))
+//!     .bind()
+//!     .await?;
+//! let conn = listener.accept().await?;
+//! let m = conn.recv_one().await?;
+//! conn.send_one(m).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Availability and fallback
+//!
+//! [`AfXdpUdp`] implements [`chunnel::Negotiate`] with id [`ID`] and no capability: the wire
+//! format is kernel UDP's, so a kernel UDP client needs to know nothing. Its
+//! `check_available` fails with [`chunnel::Error::NotAvailable`] and a clear reason when the
+//! XDP program was not built (no clang at build time) and no object file is configured, when
+//! the process lacks `CAP_NET_ADMIN` / `CAP_NET_RAW` / `CAP_BPF` (or `CAP_SYS_ADMIN`), when the
+//! interface does not exist, or when the kernel refuses AF_XDP sockets. Loading or attaching
+//! the program can still fail at [`AfXdpUdp::listen`] (another XDP program on the interface,
+//! a verifier rejection): that is `NotAvailable` too, and [`BindListener`] on a
+//! [`chunnel::Select`] then binds the fallback branch, so
+//! `select(AfXdpUdp, KernelUdp).bind()` always yields a working listener.
+//!
+//! ## Datapath
+//!
+//! * One AF_XDP socket bound to one queue (default 0) in copy mode with `XDP_USE_NEED_WAKEUP`
+//!   (zero-copy is not supported on veth). Use single-queue interfaces, or steer the flows to
+//!   the bound queue: the program redirects by the frame's receive queue.
+//! * UMEM: [`Config::frames`] chunks of [`Config::frame_size`] bytes; half are receive buffers
+//!   (recycled to the fill ring as soon as a frame's payload is copied out), half the
+//!   transmit pool (recycled from the completion ring).
+//! * Batching: the receive task drains up to [`Config::batch`] descriptors per RX-ring access
+//!   and refills the fill ring with one producer update; `send` writes a whole burst into the
+//!   TX ring with one producer update and kicks the kernel (`sendto`) once per ring access.
+//! * Waiting: the receive task waits on the socket through tokio's `AsyncFd` (epoll), with a
+//!   5 ms timeout as a safety net; it wakes the kernel's fill path only when the ring asks.
+//! * Messages up to [`Config::max_payload`] bytes (default 1472: a 1500-byte MTU); larger
+//!   ones fail with `MessageTooLarge`. No IP fragmentation.
+//! * Received UDP checksums are not verified (a kernel sender on veth leaves them to the
+//!   device, `CHECKSUM_PARTIAL`); the IPv4 header checksum is.
+//!
+//! The unsafe code is in `xsk.rs` (the socket and its rings, written against the kernel ABI
+//! with `libc`; no libxdp) and in the aya loader it calls.
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+
+mod bpf;
+mod frame;
+mod listener;
+mod xsk;
+
+use std::future::Future;
+use std::net::{SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
+
+use chunnel::{ChunnelConnection, Either, Error, Negotiate, Offers, Select, Side};
+
+pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
+use crate::listener::not_available;
+pub use crate::listener::{Listener, ServerConnection, Stats};
+
+/// The Chunnel's stable id.
+pub const ID: &str = "chunnel/af-xdp-udp/1";
+
+/// Largest payload with the default 1500-byte MTU (1500 − 20 IP − 8 UDP).
+pub const MAX_PAYLOAD: usize = 1472;
+
+/// Configuration of an AF_XDP UDP endpoint.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The interface to attach to.
+    pub interface: String,
+    /// The local IPv4 address and UDP port to serve. Address `0.0.0.0` matches any
+    /// destination address on the interface.
+    pub local: SocketAddrV4,
+    /// The interface queue to bind (default 0).
+    pub queue: u32,
+    /// How to attach the XDP program (default: native, falling back to generic).
+    pub mode: AttachMode,
+    /// A BPF object file to load instead of the one embedded at build time.
+    pub bpf_object: Option<PathBuf>,
+    /// UMEM chunks (power of two; default 4096: 2048 for reception, 2048 for transmission).
+    pub frames: u32,
+    /// Bytes per UMEM chunk (2048 or 4096; default 2048).
+    pub frame_size: u32,
+    /// Descriptors taken per RX-ring access (default 64).
+    pub batch: usize,
+    /// Datagrams queued per peer before new ones are dropped (default 1024).
+    pub peer_queue: usize,
+    /// New peers waiting for `accept` before their datagrams are dropped (default 128).
+    pub backlog: usize,
+    /// Largest payload sent (default [`MAX_PAYLOAD`]; capped by the chunk size).
+    pub max_payload: usize,
+}
+
+impl Config {
+    /// Defaults for serving `local` on `interface`.
+    pub fn new(interface: impl Into<String>, local: SocketAddrV4) -> Self {
+        Config {
+            interface: interface.into(),
+            local,
+            queue: 0,
+            mode: AttachMode::Auto,
+            bpf_object: None,
+            frames: 4096,
+            frame_size: 2048,
+            batch: 64,
+            peer_queue: 1024,
+            backlog: 128,
+            max_payload: MAX_PAYLOAD,
+        }
+    }
+}
+
+/// The AF_XDP UDP datapath (server side): a [`Negotiate`] leaf whose [`AfXdpUdp::listen`]
+/// yields a [`Listener`].
+#[derive(Clone, Debug)]
+pub struct AfXdpUdp {
+    cfg: Config,
+}
+
+impl AfXdpUdp {
+    /// A datapath with `cfg`.
+    pub fn new(cfg: Config) -> Self {
+        AfXdpUdp { cfg }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Creates the socket, loads and attaches the XDP program and starts receiving. Must be
+    /// called inside a tokio runtime (with timers and I/O enabled).
+    pub async fn listen(&self) -> Result<Listener, Error> {
+        self.check_available()?;
+        let obj = bpf::object(self.cfg.bpf_object.as_deref()).map_err(not_available)?;
+        let ifindex = ifindex(&self.cfg.interface)?;
+        Listener::start(self.cfg.clone(), &obj, ifindex)
+    }
+}
+
+fn ifindex(name: &str) -> Result<u32, Error> {
+    let c = std::ffi::CString::new(name)
+        .map_err(|_| not_available(format!("bad interface name {name:?}")))?;
+    // SAFETY: a valid C string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if i == 0 {
+        Err(not_available(format!(
+            "no interface named {name} in this network namespace"
+        )))
+    } else {
+        Ok(i)
+    }
+}
+
+/// The effective capability set of this process, or `None` if it cannot be read.
+fn effective_caps() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("CapEff:"))?;
+    u64::from_str_radix(line["CapEff:".len()..].trim(), 16).ok()
+}
+
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_NET_RAW: u32 = 13;
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_BPF: u32 = 39;
+
+impl Negotiate for AfXdpUdp {
+    fn id(&self) -> &'static str {
+        ID
+    }
+
+    fn check_available(&self) -> Result<(), Error> {
+        if self.cfg.bpf_object.is_none() && !embedded_program_available() {
+            bpf::object(None).map_err(not_available)?;
+        }
+        if let Some(p) = &self.cfg.bpf_object
+            && !p.is_file()
+        {
+            return Err(not_available(format!(
+                "the XDP object {} does not exist",
+                p.display()
+            )));
+        }
+        if let Some(caps) = effective_caps() {
+            let has = |c: u32| caps & (1u64 << c) != 0;
+            let mut missing = Vec::new();
+            if !has(CAP_NET_ADMIN) {
+                missing.push("CAP_NET_ADMIN");
+            }
+            if !has(CAP_NET_RAW) {
+                missing.push("CAP_NET_RAW");
+            }
+            if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
+                missing.push("CAP_BPF (or CAP_SYS_ADMIN)");
+            }
+            if !missing.is_empty() {
+                return Err(not_available(format!(
+                    "the process lacks {} (run as root or grant them)",
+                    missing.join(", ")
+                )));
+            }
+        }
+        ifindex(&self.cfg.interface)?;
+        xsk::probe()
+            .map_err(|e| not_available(format!("the kernel refuses AF_XDP sockets: {e}")))?;
+        Ok(())
+    }
+}
+
+/// Kernel UDP as a [`BindListener`] (the fallback branch of a server-side select).
+#[derive(Clone, Debug)]
+pub struct KernelUdp {
+    addr: SocketAddr,
+    cfg: chunnel_net::udp::Config,
+}
+
+impl KernelUdp {
+    /// Binds `addr` with the default UDP configuration.
+    pub fn new(addr: SocketAddr) -> Self {
+        KernelUdp {
+            addr,
+            cfg: chunnel_net::udp::Config::default(),
+        }
+    }
+
+    /// Uses `cfg`.
+    pub fn with_config(mut self, cfg: chunnel_net::udp::Config) -> Self {
+        self.cfg = cfg;
+        self
+    }
+}
+
+impl Negotiate for KernelUdp {
+    fn id(&self) -> &'static str {
+        "chunnel/udp/1"
+    }
+}
+
+/// A datapath whose server side is a [`chunnel::Listener`]: the listener-side counterpart of
+/// `Chunnel<()>`, so that `select(a, b).bind()` falls back like `select(a, b).connect_wrap(())`.
+pub trait BindListener: Offers {
+    /// The listener.
+    type Listener: chunnel::Listener;
+
+    /// Binds the listener.
+    fn bind(&self) -> impl Future<Output = Result<Self::Listener, Error>> + Send;
+}
+
+impl BindListener for AfXdpUdp {
+    type Listener = Listener;
+
+    fn bind(&self) -> impl Future<Output = Result<Listener, Error>> + Send {
+        self.listen()
+    }
+}
+
+impl BindListener for KernelUdp {
+    type Listener = chunnel_net::udp::Listener;
+
+    async fn bind(&self) -> Result<Self::Listener, Error> {
+        chunnel_net::udp::Listener::bind_with(self.addr, self.cfg.clone()).await
+    }
+}
+
+impl<A, B> BindListener for Select<A, B>
+where
+    A: BindListener + Sync,
+    B: BindListener + Sync,
+    <B::Listener as chunnel::Listener>::Connection: ChunnelConnection<
+        Data = <<A::Listener as chunnel::Listener>::Connection as ChunnelConnection>::Data,
+    >,
+{
+    type Listener = EitherListener<A::Listener, B::Listener>;
+
+    /// Binds the branch [`Select::resolve`] names. If the preferred branch passed its
+    /// availability check but fails to bind with `NotAvailable` (say, the XDP program cannot
+    /// be attached) and no branch was fixed, binds the fallback branch instead.
+    async fn bind(&self) -> Result<Self::Listener, Error> {
+        match self.resolve()? {
+            Side::Left => match self.left.bind().await {
+                Ok(l) => Ok(EitherListener::Left(l)),
+                Err(e @ Error::NotAvailable { .. }) if self.choice().is_none() => {
+                    match self.right.available() {
+                        Ok(()) => Ok(EitherListener::Right(self.right.bind().await?)),
+                        Err(right) => Err(Error::NoBranch {
+                            left: Box::new(e),
+                            right: Box::new(right),
+                        }),
+                    }
+                }
+                Err(e) => Err(e),
+            },
+            Side::Right => Ok(EitherListener::Right(self.right.bind().await?)),
+        }
+    }
+}
+
+/// The listener of a server-side select: one of two listeners whose connections carry the
+/// same `Data`; accepted connections are [`chunnel::Either`]s.
+#[derive(Debug)]
+pub enum EitherListener<L, R> {
+    /// The preferred branch.
+    Left(L),
+    /// The fallback branch.
+    Right(R),
+}
+
+impl<L, R> EitherListener<L, R> {
+    /// Which branch was bound.
+    pub fn side(&self) -> Side {
+        match self {
+            EitherListener::Left(_) => Side::Left,
+            EitherListener::Right(_) => Side::Right,
+        }
+    }
+}
+
+impl<L, R> chunnel::Listener for EitherListener<L, R>
+where
+    L: chunnel::Listener,
+    R: chunnel::Listener,
+    R::Connection: ChunnelConnection<Data = <L::Connection as ChunnelConnection>::Data>,
+{
+    type Connection = Either<L::Connection, R::Connection>;
+
+    async fn accept(&mut self) -> Result<Self::Connection, Error> {
+        match self {
+            EitherListener::Left(l) => l.accept().await.map(Either::Left),
+            EitherListener::Right(r) => r.accept().await.map(Either::Right),
+        }
+    }
+}
