@@ -19,6 +19,7 @@ mod reconfig;
 mod rendezvous;
 mod shm;
 mod stats;
+mod uring;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -50,6 +51,8 @@ enum Cmd {
     Rendezvous(rendezvous::Args),
     /// Shared memory vs kernel UDP: echo round trip through chunnel-shm, a raw ring, and UDP.
     Shm(shm::Args),
+    /// io_uring UDP datapath vs. a raw io_uring echo: round trip p50/p99, 64 B throughput.
+    Uring(uring::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -63,6 +66,7 @@ fn main() -> Result<()> {
         Cmd::Kv(a) => kv::run(a),
         Cmd::Rendezvous(a) => rendezvous::run(a),
         Cmd::Shm(a) => shm::run(a),
+        Cmd::Uring(a) => uring::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }
