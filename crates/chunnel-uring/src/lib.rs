@@ -79,7 +79,7 @@
 //! tokio's `epoll_wait` (`EINTR`, a second `epoll_wait`), the tokio task wake-up, the lock and
 //! the copy — a few microseconds per round trip. Linking the sends of a burst (for order)
 //! serialises them in the kernel, which costs burst throughput against unlinked entries or
-//! `sendmmsg`. The examples `pingpong` and `raw_wait` isolate these costs.
+//! `sendmmsg`. The example `pingpong` isolates these costs.
 //!
 //! ## Availability
 //!
