@@ -112,4 +112,12 @@ for k in ("raw_ring", "chunnel_shm", "chunnel_udp"):
     assert d["results"][k]["rtt_p50_us"]["median"] > 0, (k, d["results"][k])
 print("bench JSON ok: UDP/shm p50", round(d["p50_ratio_udp_over_shm"]["median"], 1), d["checks"])'
 
+log "chunnel-bench uring (short run: io_uring through the library vs a raw io_uring echo)"
+cargo run --release --locked -q -p chunnel-bench -- uring --msgs 2000 \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "uring" and set(d["variants"]) == {"kernel_lib", "raw_uring", "uring_lib"}, d
+print("bench JSON ok:", d["checks"])'
+
 log "all tests passed"
