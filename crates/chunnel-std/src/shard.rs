@@ -984,7 +984,7 @@ const DIRECT: usize = 4;
 
 /// A client-push connection (see [`ClientShard`]). Shards are dialled on the first `send`;
 /// `recv` is cancel safe and delivers the replies of every shard and anything from the
-/// canonical address. It reads the first [`DIRECT`] (4) shard connections itself, each with a
+/// canonical address. It reads the first `DIRECT` (4) shard connections itself, each with a
 /// share of the caller's slots, so a reply reaches the caller with no task in between; a task
 /// per further shard, and one for the canonical connection, moves their messages into one
 /// bounded queue that `recv` reads as well.
