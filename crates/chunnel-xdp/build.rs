@@ -1,6 +1,8 @@
-//! Builds the XDP program (bpf/xdp_udp_steer.c) with clang when clang is available.
+//! Builds the XDP programs with clang when clang is available: bpf/xdp_udp_steer.c (the
+//! AF_XDP datapath) and bpf/xdp_shard.c (the sharding offload, `src/shard.rs`).
 //!
-//! The object is embedded in the library (`include_bytes!`) under `cfg(chunnel_xdp_bpf)`. If
+//! Each object is embedded in the library (`include_bytes!`) under `cfg(chunnel_xdp_bpf)`
+//! (resp. `cfg(chunnel_xdp_shard_bpf)`, failure reason in `CHUNNEL_XDP_SHARD_BPF_ERROR`). If
 //! clang is missing or fails, the crate still builds: the datapath then reports
 //! `Error::NotAvailable` with the reason recorded here (`CHUNNEL_XDP_BPF_ERROR`), unless a
 //! prebuilt object is given at run time (`Config::bpf_object`, built by scripts/build-bpf.sh).
@@ -13,7 +15,9 @@ use std::process::Command;
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(chunnel_xdp_bpf)");
+    println!("cargo::rustc-check-cfg=cfg(chunnel_xdp_shard_bpf)");
     println!("cargo::rerun-if-changed=bpf/xdp_udp_steer.c");
+    println!("cargo::rerun-if-changed=bpf/xdp_shard.c");
     println!("cargo::rerun-if-env-changed=CHUNNEL_XDP_CLANG");
     println!("cargo::rerun-if-env-changed=CHUNNEL_XDP_NO_BPF");
 
@@ -23,7 +27,7 @@ fn main() {
     let error = if std::env::var_os("CHUNNEL_XDP_NO_BPF").is_some() {
         Some("built with CHUNNEL_XDP_NO_BPF set".to_string())
     } else {
-        build(&obj).err()
+        build("bpf/xdp_udp_steer.c", &obj).err()
     };
     match error {
         None => println!("cargo::rustc-cfg=chunnel_xdp_bpf"),
@@ -35,9 +39,28 @@ fn main() {
             println!("cargo::rustc-env=CHUNNEL_XDP_BPF_ERROR={e}");
         }
     }
+
+    // The sharding offload (bpf/xdp_shard.c, src/shard.rs): same rules, its own cfg.
+    let shard_obj = out.join("xdp_shard.o");
+    let _ = std::fs::remove_file(&shard_obj);
+    let error = if std::env::var_os("CHUNNEL_XDP_NO_BPF").is_some() {
+        Some("built with CHUNNEL_XDP_NO_BPF set".to_string())
+    } else {
+        build("bpf/xdp_shard.c", &shard_obj).err()
+    };
+    match error {
+        None => println!("cargo::rustc-cfg=chunnel_xdp_shard_bpf"),
+        Some(e) => {
+            println!(
+                "cargo::warning=chunnel-xdp: XDP sharding program not built ({e}); the sharding offload will report NotAvailable"
+            );
+            let e = e.replace(['\n', '\r'], " ");
+            println!("cargo::rustc-env=CHUNNEL_XDP_SHARD_BPF_ERROR={e}");
+        }
+    }
 }
 
-fn build(obj: &std::path::Path) -> Result<(), String> {
+fn build(src: &str, obj: &std::path::Path) -> Result<(), String> {
     let clang = std::env::var("CHUNNEL_XDP_CLANG").unwrap_or_else(|_| "clang".into());
     let mut cmd = Command::new(&clang);
     cmd.args(["-O2", "-g", "-target", "bpf", "-Wall"]);
@@ -48,7 +71,7 @@ fn build(obj: &std::path::Path) -> Result<(), String> {
             cmd.arg(format!("-I{multiarch}"));
         }
     }
-    cmd.arg("-c").arg("bpf/xdp_udp_steer.c").arg("-o").arg(obj);
+    cmd.arg("-c").arg(src).arg("-o").arg(obj);
     let output = cmd
         .output()
         .map_err(|e| format!("cannot run `{clang}` (install clang): {e}"))?;

@@ -71,6 +71,7 @@
 mod bpf;
 mod frame;
 mod listener;
+pub mod shard;
 mod xsk;
 
 use std::future::Future;
@@ -82,6 +83,7 @@ use chunnel::{ChunnelConnection, Either, Error, Negotiate, Offers, Select, Side}
 pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
 use crate::listener::not_available;
 pub use crate::listener::{Listener, ServerConnection, Stats};
+pub use crate::shard::{ShardCounters, ShardOffload, ShardOffloadConfig, XdpShard};
 
 /// The Chunnel's stable id.
 pub const ID: &str = "chunnel/af-xdp-udp/1";
