@@ -11,6 +11,7 @@
 //! * `probe` (internal): the deterministic loop that `overhead` runs under callgrind.
 
 mod alloc;
+mod datapaths;
 mod kv;
 mod negotiate;
 mod overhead;
@@ -53,6 +54,8 @@ enum Cmd {
     Shm(shm::Args),
     /// io_uring UDP datapath vs. a raw io_uring echo: round trip p50/p99, 64 B throughput.
     Uring(uring::Args),
+    /// Every datapath through the library vs its raw baseline, and Figure 7 on shared memory.
+    Datapaths(datapaths::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -67,6 +70,7 @@ fn main() -> Result<()> {
         Cmd::Rendezvous(a) => rendezvous::run(a),
         Cmd::Shm(a) => shm::run(a),
         Cmd::Uring(a) => uring::run(a),
+        Cmd::Datapaths(a) => datapaths::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }
