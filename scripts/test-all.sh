@@ -102,22 +102,15 @@ for b, sizes in d["backends"].items():
             assert s["n"] == 3 and s["p50_ms"] > 0, (b, n, what, s)
 print("bench JSON ok:", {b: v["4"]["commit"]["p50_ms"] for b, v in d["backends"].items()})'
 
-log "chunnel-bench shm (short run: shared memory vs kernel UDP through the library)"
-cargo run --release --locked -q -p chunnel-bench -- shm --msgs 2000 \
+log "chunnel-bench datapaths (short run: kernel UDP, io_uring, shared memory vs raw; Figure 7)"
+cargo run --release --locked -q -p chunnel-bench -- datapaths --msgs 2000 --reps 2 \
   | tail -n 1 | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
-assert d["bench"] == "shm", d
-for k in ("raw_ring", "chunnel_shm", "chunnel_udp"):
-    assert d["results"][k]["rtt_p50_us"]["median"] > 0, (k, d["results"][k])
-print("bench JSON ok: UDP/shm p50", round(d["p50_ratio_udp_over_shm"]["median"], 1), d["checks"])'
-
-log "chunnel-bench uring (short run: io_uring through the library vs a raw io_uring echo)"
-cargo run --release --locked -q -p chunnel-bench -- uring --msgs 2000 \
-  | tail -n 1 | python3 -c '
-import json, sys
-d = json.load(sys.stdin)
-assert d["bench"] == "uring" and set(d["variants"]) == {"kernel_lib", "raw_uring", "uring_lib"}, d
+assert d["bench"] == "datapaths", d
+for k in ("kernel_udp", "io_uring", "shared_memory"):
+    assert d["datapaths"][k]["library"]["rtt_p50_us"]["median"] > 0, (k, d["datapaths"][k])
+assert len(d["figure7"]["results"]) == 16, d["figure7"]
 print("bench JSON ok:", d["checks"])'
 
 log "all tests passed"
