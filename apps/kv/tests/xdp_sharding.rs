@@ -17,8 +17,6 @@
 //! are removed by a Drop guard.
 
 use std::net::{SocketAddr, SocketAddrV4};
-use std::os::fd::AsRawFd;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +25,7 @@ use chunnel_kv::ycsb::{self, KeyDist, OpGen, Workload};
 use chunnel_kv::{ClientConfig, KvClient, Msg, Offer, Ser, Sharding, Store, Udp};
 use chunnel_net::udp;
 use chunnel_std::shard::{self, ShardServer};
+use chunnel_test::netns::VethPair;
 use chunnel_xdp::shard::{
     OFFLOAD_LABEL, ShardCounters, ShardOffload, ShardOffloadConfig, XdpShard,
 };
@@ -36,61 +35,15 @@ type R<T> = Result<T, String>;
 /// The answers of one run, in order.
 type Answers = Vec<Option<Vec<u8>>>;
 
-struct Netns {
-    a: String,
-    b: String,
-}
-
-fn ip(args: &[&str]) -> R<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("running ip: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(())
-}
-
-impl Netns {
-    fn new() -> R<Netns> {
-        let base = format!("chkvx{}", std::process::id());
-        let ns = Netns {
-            a: format!("{base}a"),
-            b: format!("{base}b"),
-        };
-        ip(&["netns", "add", &ns.a])?;
-        ip(&["netns", "add", &ns.b])?;
-        ip(&[
-            "link", "add", "ka", "netns", &ns.a, "type", "veth", "peer", "name", "kb", "netns",
-            &ns.b,
-        ])?;
-        ip(&["-n", &ns.a, "addr", "add", "10.82.0.1/24", "dev", "ka"])?;
-        ip(&["-n", &ns.b, "addr", "add", "10.82.0.2/24", "dev", "kb"])?;
-        for (n, dev) in [(&ns.a, "ka"), (&ns.b, "kb")] {
-            ip(&["-n", n, "link", "set", "lo", "up"])?;
-            ip(&["-n", n, "link", "set", dev, "up"])?;
-        }
-        Ok(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.a]);
-        let _ = ip(&["netns", "del", &self.b]);
-    }
+/// Two namespaces joined by `ka` (10.82.0.1, in `a`) – `kb` (10.82.0.2, in `b`).
+fn netns() -> R<VethPair> {
+    VethPair::new("chkvx", ("ka", "kb"), ("10.82.0.1/24", "10.82.0.2/24"))
+        .map_err(|e| e.to_string())
 }
 
 fn privileged() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let has_ip = Command::new("ip").arg("-V").output().is_ok();
-    let ok = root && has_ip && chunnel_xdp::shard::embedded_shard_program_available();
+    let ok =
+        chunnel_test::netns::can_create() && chunnel_xdp::shard::embedded_shard_program_available();
     if !ok {
         assert!(
             std::env::var_os("CHUNNEL_XDP_REQUIRE").is_none(),
@@ -109,13 +62,9 @@ where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = R<T>>,
 {
-    let path = format!("/run/netns/{ns}");
+    let ns = ns.to_owned();
     std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
-        // SAFETY: setns on this thread only, with a namespace file descriptor.
-        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            return Err(format!("setns {path}: {}", std::io::Error::last_os_error()));
-        }
+        chunnel_test::netns::enter(&ns).map_err(|e| e.to_string())?;
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -245,7 +194,7 @@ async fn client(offer: Offer) -> R<(Sharding, Answers)> {
     Ok((c.sharding(), got))
 }
 
-fn run(ns: &Netns, xdp: bool, offer: Offer) -> R<(ServerReport, Sharding, Answers)> {
+fn run(ns: &VethPair, xdp: bool, offer: Offer) -> R<(ServerReport, Sharding, Answers)> {
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
     let s = in_netns(&ns.b, move || server(xdp, ready_tx, stop_rx));
@@ -265,7 +214,7 @@ fn xdp_sharding_answers_like_client_push_and_server_side() {
     if !privileged() {
         return;
     }
-    let ns = Netns::new().unwrap();
+    let ns = netns().unwrap();
 
     // 1. XDP sharding: negotiation picks the XDP option (branch 0).
     let (xdp, sharding, xdp_answers) = run(&ns, true, Offer::Both).unwrap();

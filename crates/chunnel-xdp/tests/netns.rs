@@ -8,106 +8,30 @@
 //! removes them in a Drop guard, even when it fails. Addresses exist only inside them.
 
 use std::net::{SocketAddr, SocketAddrV4};
-use std::os::fd::AsRawFd;
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Error, Negotiate, Offers, Side, select};
+use chunnel_test::netns::VethPair;
 use chunnel_xdp::{AfXdpUdp, BindListener, Config, KernelUdp};
 
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
-/// Two namespaces `<base>a` / `<base>b` and a veth pair `xa` (in a, 10.79.0.1) – `xb` (in b,
-/// 10.79.0.2). Deleted on drop.
-struct Netns {
-    a: String,
-    b: String,
-}
-
-fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .context("running ip")?;
-    ensure!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
-
-impl Netns {
-    fn new() -> Result<Netns> {
-        let base = format!(
-            "chxdp{}x{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        );
-        let ns = Netns {
-            a: format!("{base}a"),
-            b: format!("{base}b"),
-        };
-        ip(&["netns", "add", &ns.a])?;
-        ip(&["netns", "add", &ns.b])?;
-        ip(&[
-            "link",
-            "add",
-            "xa",
-            "netns",
-            &ns.a,
-            "numtxqueues",
-            "1",
-            "numrxqueues",
-            "1",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "xb",
-            "netns",
-            &ns.b,
-            "numtxqueues",
-            "1",
-            "numrxqueues",
-            "1",
-        ])?;
-        ip(&["-n", &ns.a, "addr", "add", "10.79.0.1/24", "dev", "xa"])?;
-        ip(&["-n", &ns.b, "addr", "add", "10.79.0.2/24", "dev", "xb"])?;
-        for (n, dev) in [(&ns.a, "xa"), (&ns.b, "xb")] {
-            ip(&["-n", n, "link", "set", "lo", "up"])?;
-            ip(&["-n", n, "link", "set", dev, "up"])?;
-        }
-        Ok(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        // Deleting a namespace deletes the veth pair with it.
-        let _ = ip(&["netns", "del", &self.a]);
-        let _ = ip(&["netns", "del", &self.b]);
-    }
+/// Two namespaces joined by `xa` (10.79.0.1, in `a`) – `xb` (10.79.0.2, in `b`).
+fn netns() -> Result<VethPair> {
+    Ok(VethPair::new(
+        "chxdp",
+        ("xa", "xb"),
+        ("10.79.0.1/24", "10.79.0.2/24"),
+    )?)
 }
 
 /// Whether this process can run the namespace tests; prints why not.
 fn privileged() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let has_ip = Command::new("ip").arg("-V").output().is_ok();
-    if root && has_ip {
+    if chunnel_test::netns::can_create() {
         return true;
     }
-    let why = if root {
-        "`ip` (iproute2) is missing"
-    } else {
-        "not root"
-    };
+    let why = "not root, or `ip` (iproute2) is missing";
     assert!(
         std::env::var_os("CHUNNEL_XDP_REQUIRE").is_none(),
         "CHUNNEL_XDP_REQUIRE is set but {why}"
@@ -123,13 +47,9 @@ where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = Result<T>>,
 {
-    let path = format!("/run/netns/{ns}");
+    let ns = ns.to_owned();
     std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).with_context(|| format!("open {path}"))?;
-        // SAFETY: setns on this thread only, with a namespace file descriptor.
-        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            bail!("setns {path}: {}", std::io::Error::last_os_error());
-        }
+        chunnel_test::netns::enter(&ns)?;
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?
@@ -238,7 +158,7 @@ fn kernel_udp_client_af_xdp_server() -> Result<()> {
         eprintln!("skipping: the XDP program was not built (is clang installed?)");
         return Ok(());
     }
-    let ns = Netns::new()?;
+    let ns = netns()?;
     let (ready_tx, ready_rx) = std_mpsc::sync_channel(1);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
     let server = in_netns(&ns.b, move || async move {
@@ -295,7 +215,7 @@ fn select_falls_back_to_kernel_udp_without_the_program() -> Result<()> {
     if !privileged() {
         return Ok(());
     }
-    let ns = Netns::new()?;
+    let ns = netns()?;
     let (ready_tx, ready_rx) = std_mpsc::sync_channel(1);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
     let server = in_netns(&ns.b, move || async move {
@@ -337,7 +257,7 @@ fn select_falls_back_when_attach_fails() -> Result<()> {
     if !privileged() || !chunnel_xdp::embedded_program_available() {
         return Ok(());
     }
-    let ns = Netns::new()?;
+    let ns = netns()?;
     let r = in_netns(&ns.b, move || async move {
         let first = AfXdpUdp::new(Config::new("xb", "10.79.0.2:7001".parse()?))
             .listen()

@@ -8,75 +8,24 @@
 //! creates its own uniquely named namespaces and removes them in a Drop guard.
 
 use std::net::{SocketAddrV4, UdpSocket};
-use std::os::fd::AsRawFd;
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Result, bail, ensure};
 use chunnel::Negotiate;
+use chunnel_test::netns::VethPair;
 use chunnel_xdp::shard::{self, ShardOffload, ShardOffloadConfig, XdpShard};
 
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
-struct Netns {
-    a: String,
-    b: String,
-}
-
-fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .context("running ip")?;
-    ensure!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
-
-impl Netns {
-    fn new() -> Result<Netns> {
-        let base = format!(
-            "chxs{}x{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        );
-        let ns = Netns {
-            a: format!("{base}a"),
-            b: format!("{base}b"),
-        };
-        ip(&["netns", "add", &ns.a])?;
-        ip(&["netns", "add", &ns.b])?;
-        ip(&[
-            "link", "add", "sa", "netns", &ns.a, "type", "veth", "peer", "name", "sb", "netns",
-            &ns.b,
-        ])?;
-        ip(&["-n", &ns.a, "addr", "add", "10.81.0.1/24", "dev", "sa"])?;
-        ip(&["-n", &ns.b, "addr", "add", "10.81.0.2/24", "dev", "sb"])?;
-        for (n, dev) in [(&ns.a, "sa"), (&ns.b, "sb")] {
-            ip(&["-n", n, "link", "set", "lo", "up"])?;
-            ip(&["-n", n, "link", "set", dev, "up"])?;
-        }
-        Ok(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.a]);
-        let _ = ip(&["netns", "del", &self.b]);
-    }
+/// Two namespaces joined by `sa` (10.81.0.1, in `a`) – `sb` (10.81.0.2, in `b`).
+fn netns() -> Result<VethPair> {
+    Ok(VethPair::new(
+        "chxs",
+        ("sa", "sb"),
+        ("10.81.0.1/24", "10.81.0.2/24"),
+    )?)
 }
 
 fn privileged() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let has_ip = Command::new("ip").arg("-V").output().is_ok();
-    let ok = root && has_ip && shard::embedded_shard_program_available();
+    let ok = chunnel_test::netns::can_create() && shard::embedded_shard_program_available();
     if !ok {
         assert!(
             std::env::var_os("CHUNNEL_XDP_REQUIRE").is_none(),
@@ -88,13 +37,7 @@ fn privileged() -> bool {
 }
 
 fn enter(ns: &str) -> Result<()> {
-    let path = format!("/run/netns/{ns}");
-    let file = std::fs::File::open(&path).with_context(|| format!("open {path}"))?;
-    // SAFETY: setns on this thread only, with a namespace file descriptor.
-    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        bail!("setns {path}: {}", std::io::Error::last_os_error());
-    }
-    Ok(())
+    Ok(chunnel_test::netns::enter(ns)?)
 }
 
 fn varint(out: &mut Vec<u8>, v: u64) {
@@ -157,7 +100,7 @@ fn requests_reach_the_hashed_shard_and_replies_come_from_the_steering_port() -> 
     if !privileged() {
         return Ok(());
     }
-    let ns = Netns::new()?;
+    let ns = netns()?;
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
     let (stop_tx, stop_rx) = std::sync::mpsc::sync_channel::<()>(1);
     let nsb = ns.b.clone();
