@@ -54,7 +54,8 @@ pub struct Counters {
 
 struct Shared {
     socket: UdpSocket,
-    peers: RwLock<Vec<SocketAddr>>,
+    /// Where sends go, and the member list it was computed from.
+    peers: RwLock<(Vec<SocketAddr>, Vec<Member>)>,
     queues: Mutex<Queues>,
     counters: Counters,
 }
@@ -116,6 +117,7 @@ impl ChunnelConnection for EpochBase {
                 .peers
                 .read()
                 .unwrap_or_else(|p| p.into_inner())
+                .0
                 .clone();
             for p in peers {
                 // A member that went away refuses datagrams; the others still get theirs.
@@ -216,7 +218,7 @@ where
         let epoch = view.borrow().epoch;
         let shared = Arc::new(Shared {
             socket,
-            peers: RwLock::new(Vec::new()),
+            peers: RwLock::new((Vec::new(), Vec::new())),
             queues: Mutex::new(Queues {
                 floor: epoch,
                 ceiling: epoch,
@@ -337,7 +339,13 @@ where
 
     /// Sends each message to every other live member, with the current epoch's stack.
     pub async fn send(&self, burst: impl IntoIterator<Item = Bytes> + Send) -> Result<(), Error> {
-        let epoch = self.view.borrow().epoch;
+        // The member list as of now: the task that follows the view may not have run yet
+        // (a member that just joined would miss this send).
+        let epoch = {
+            let v = self.view.borrow();
+            refresh_peers(&self.shared, &v.members, self.local);
+            v.epoch
+        };
         let c = self.conn(epoch).await?;
         c.send(burst.into_iter().collect::<Vec<_>>()).await?;
         Ok(())
@@ -384,14 +392,21 @@ async fn one<C: ChunnelConnection<Data = Bytes>>(c: Option<&C>) -> Result<Bytes,
     }
 }
 
-fn set_peers(shared: &Shared, v: &View, local: SocketAddr) {
-    let peers: Vec<SocketAddr> = v
-        .members
+/// Recomputes where sends go if the member list changed since the last time.
+fn refresh_peers(shared: &Shared, members: &[Member], local: SocketAddr) {
+    if shared.peers.read().unwrap_or_else(|p| p.into_inner()).1 == members {
+        return;
+    }
+    let peers: Vec<SocketAddr> = members
         .iter()
         .filter_map(|m| m.addr.parse().ok())
         .filter(|a| *a != local)
         .collect();
-    *shared.peers.write().unwrap_or_else(|p| p.into_inner()) = peers;
+    *shared.peers.write().unwrap_or_else(|p| p.into_inner()) = (peers, members.to_vec());
+}
+
+fn set_peers(shared: &Shared, v: &View, local: SocketAddr) {
+    refresh_peers(shared, &v.members, local);
     let mut q = shared.queues.lock().unwrap_or_else(|p| p.into_inner());
     // The next epoch is always accepted: a member that votes yes prepares it before its vote
     // is stored, so nothing sent at the next epoch can arrive before we can queue it.

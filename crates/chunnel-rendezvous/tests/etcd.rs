@@ -605,3 +605,28 @@ async fn etcd_cluster_members_stay_through_renewals() {
         p.leave().await.unwrap();
     }
 }
+
+/// A participant in another process, SIGKILLed, vanishes after its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_killed_process_expires() {
+    let (_scratch, _server, endpoints) = single_etcd("etcd-killed");
+    ready_store(&endpoints).await;
+    support::scenarios::killed_process(
+        group_store(&endpoints).await,
+        "etcd_child_member",
+        &endpoints.join(","),
+    )
+    .await;
+}
+
+/// Run only as the child of `etcd_killed_process_expires`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the child half of etcd_killed_process_expires"]
+async fn etcd_child_member() {
+    let Ok(spec) = std::env::var(support::scenarios::CHILD_ENV) else {
+        return;
+    };
+    let (endpoints, group) = spec.split_once('\n').unwrap();
+    let endpoints: Vec<String> = endpoints.split(',').map(str::to_owned).collect();
+    support::scenarios::child(group_store(&endpoints).await, group).await;
+}

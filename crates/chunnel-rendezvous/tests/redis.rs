@@ -284,3 +284,22 @@ async fn redis_group_survives_a_store_outage() {
     )
     .await;
 }
+
+/// A participant in another process, SIGKILLed, vanishes after its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_process_expires() {
+    let scratch = support::Scratch::new("redis-killed");
+    let (_server, url) = support::redis(&scratch);
+    support::scenarios::killed_process(group_store(&url).await, "redis_child_member", &url).await;
+}
+
+/// Run only as the child of `redis_killed_process_expires`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the child half of redis_killed_process_expires"]
+async fn redis_child_member() {
+    let Ok(spec) = std::env::var(support::scenarios::CHILD_ENV) else {
+        return;
+    };
+    let (url, group) = spec.split_once('\n').unwrap();
+    support::scenarios::child(group_store(url).await, group).await;
+}

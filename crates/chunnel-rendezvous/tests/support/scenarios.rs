@@ -442,3 +442,96 @@ pub async fn store_outage<St, K, R, Fut>(
     }
     exchange(&c, &[&a, &b], "joined after the restart").await;
 }
+
+/// The environment variable that turns a test binary run into the child of
+/// [`killed_process`]: `<backend-specific connect spec>\n<group>`.
+pub const CHILD_ENV: &str = "CHUNNEL_RDV_CHILD";
+
+/// The marker the child prints once it has exchanged messages with the parent.
+const CHILD_READY: &str = "CHUNNEL-RDV-CHILD-READY";
+
+/// A participant in another process, SIGKILLed: this test binary re-runs itself on
+/// `child_test` (an ignored test calling [`child`]) with `spec` telling it how to reach the
+/// store. The child joins the parent's group, they exchange messages, the parent kills it with
+/// SIGKILL (no leave, no clean-up), and the child disappears from the parent's count once its
+/// lease runs out (2 s), not before 1 s.
+pub async fn killed_process<St: Store>(store: Arc<St>, child_test: &str, spec: &str) {
+    use tokio::io::AsyncBufReadExt;
+
+    let group = unique("killed");
+    let parent = join(store, &group, "parent", select(Xor(1), Xor(2)))
+        .await
+        .unwrap();
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", child_test, "--ignored", "--nocapture"])
+        .env(CHILD_ENV, format!("{spec}\n{group}"))
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    until(
+        &parent,
+        "the child process to join",
+        Duration::from_secs(20),
+        |v| v.members.len() == 2,
+    )
+    .await;
+    let got = tokio::time::timeout(Duration::from_secs(10), parent.recv())
+        .await
+        .expect("nothing from the child process")
+        .unwrap();
+    assert_eq!(got, "from the child process");
+    parent
+        .send([Bytes::from_static(b"from the parent")])
+        .await
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(l) = lines.next_line().await.unwrap() {
+            if l.contains(CHILD_READY) {
+                return;
+            }
+        }
+        panic!("the child exited before it was ready");
+    })
+    .await
+    .expect("the child never got the parent's message");
+    let killed_at = Instant::now();
+    child.kill().await.unwrap(); // SIGKILL
+    until(
+        &parent,
+        "the killed child's lease to run out",
+        Duration::from_secs(10),
+        |v| v.members.len() == 1,
+    )
+    .await;
+    let took = killed_at.elapsed();
+    assert!(
+        took >= Duration::from_millis(1000),
+        "gone after {took:?}: before its 2 s lease could have run out"
+    );
+}
+
+/// The child half of [`killed_process`]: joins `group` (preferring the stack the parent did
+/// not pick), exchanges messages, says it is ready and waits to be killed.
+pub async fn child<St: Store>(store: Arc<St>, group: &str) {
+    let me = join(store, group, "child", select(Xor(2), Xor(1)))
+        .await
+        .unwrap();
+    // Our preference (xor=2) lost: the group's committed stack is the parent's.
+    assert_eq!(me.participant().view().option, 1);
+    until(&me, "the parent", Duration::from_secs(10), |v| {
+        v.members.len() == 2
+    })
+    .await;
+    me.send([Bytes::from_static(b"from the child process")])
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), me.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, "from the parent");
+    println!("{CHILD_READY}");
+    std::future::pending::<()>().await;
+}
