@@ -55,7 +55,7 @@ pub struct Counters {
 struct Shared {
     socket: UdpSocket,
     /// Where sends go, and the member list it was computed from.
-    peers: RwLock<(Vec<SocketAddr>, Vec<Member>)>,
+    peers: RwLock<(Arc<[SocketAddr]>, Vec<Member>)>,
     queues: Mutex<Queues>,
     counters: Counters,
 }
@@ -106,20 +106,21 @@ impl ChunnelConnection for EpochBase {
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
+        // One member list per burst (a reference count, not a copy).
+        let peers = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .clone();
         let mut buf = BytesMut::new();
         for msg in burst {
             buf.clear();
             buf.extend_from_slice(&[TAG_GROUP_DATA]);
             buf.extend_from_slice(&self.epoch.to_be_bytes());
             buf.extend_from_slice(&msg);
-            let peers = self
-                .shared
-                .peers
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .0
-                .clone();
-            for p in peers {
+            for &p in peers.iter() {
                 // A member that went away refuses datagrams; the others still get theirs.
                 if let Err(e) = self.shared.socket.send_to(&buf, p).await {
                     tracing::debug!(peer = %p, error = %e, "group send failed");
@@ -218,7 +219,7 @@ where
         let epoch = view.borrow().epoch;
         let shared = Arc::new(Shared {
             socket,
-            peers: RwLock::new((Vec::new(), Vec::new())),
+            peers: RwLock::new((Arc::from([]), Vec::new())),
             queues: Mutex::new(Queues {
                 floor: epoch,
                 ceiling: epoch,
@@ -338,7 +339,11 @@ where
     }
 
     /// Sends each message to every other live member, with the current epoch's stack.
-    pub async fn send(&self, burst: impl IntoIterator<Item = Bytes> + Send) -> Result<(), Error> {
+    pub async fn send<B>(&self, burst: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes> + Send,
+        B::IntoIter: Send,
+    {
         // The member list as of now: the task that follows the view may not have run yet
         // (a member that just joined would miss this send).
         let epoch = {
@@ -347,7 +352,7 @@ where
             v.epoch
         };
         let c = self.conn(epoch).await?;
-        c.send(burst.into_iter().collect::<Vec<_>>()).await?;
+        c.send(burst).await?;
         Ok(())
     }
 
@@ -397,7 +402,7 @@ fn refresh_peers(shared: &Shared, members: &[Member], local: SocketAddr) {
     if shared.peers.read().unwrap_or_else(|p| p.into_inner()).1 == members {
         return;
     }
-    let peers: Vec<SocketAddr> = members
+    let peers: Arc<[SocketAddr]> = members
         .iter()
         .filter_map(|m| m.addr.parse().ok())
         .filter(|a| *a != local)
