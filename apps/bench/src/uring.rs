@@ -11,6 +11,8 @@
 //!   receives outstanding on one socket are all woken by every datagram: slower.)
 //! * `uring_lib`: `chunnel_uring::udp::Connect` against a `chunnel_uring::udp::Listener` echo,
 //!   each side on its own current-thread tokio runtime.
+//! * `uring_lib_any_thread` (context): the same with `Config::single_thread` off (the ring
+//!   does not defer completion work; what a multi-thread runtime gets).
 //! * `kernel_lib` (context only): the same echo over `chunnel_net::udp` (tokio, `sendmmsg` /
 //!   `recvmmsg`).
 //!
@@ -80,16 +82,23 @@ pub(crate) fn measure(msgs: usize, size: usize) -> Result<Value> {
 enum Variant {
     RawUring,
     UringLib,
+    UringLibAnyThread,
     KernelLib,
 }
 
-const VARIANTS: [Variant; 3] = [Variant::RawUring, Variant::UringLib, Variant::KernelLib];
+const VARIANTS: [Variant; 4] = [
+    Variant::RawUring,
+    Variant::UringLib,
+    Variant::UringLibAnyThread,
+    Variant::KernelLib,
+];
 
 impl Variant {
     fn name(self) -> &'static str {
         match self {
             Variant::RawUring => "raw_uring",
             Variant::UringLib => "uring_lib",
+            Variant::UringLibAnyThread => "uring_lib_any_thread",
             Variant::KernelLib => "kernel_lib",
         }
     }
@@ -206,8 +215,9 @@ fn run_variant(
             }
             match v {
                 Variant::RawUring => raw_server(addr_tx, stop_rx),
-                Variant::UringLib => lib_server(v, addr_tx, stop_rx),
-                Variant::KernelLib => lib_server(v, addr_tx, stop_rx),
+                Variant::UringLib | Variant::UringLibAnyThread | Variant::KernelLib => {
+                    lib_server(v, addr_tx, stop_rx)
+                }
             }
         })?;
     let addr = addr_rx
@@ -223,7 +233,9 @@ fn run_variant(
                 }
                 match v {
                     Variant::RawUring => raw_client(addr, msgs, size),
-                    Variant::UringLib | Variant::KernelLib => lib_client(v, addr, msgs, size),
+                    Variant::UringLib | Variant::UringLibAnyThread | Variant::KernelLib => {
+                        lib_client(v, addr, msgs, size)
+                    }
                 }
             })();
             let _ = done_tx.send(r);
@@ -261,6 +273,17 @@ fn summarize(mut rtts: Vec<f64>, msgs_per_s: f64) -> Sample {
 // ------------------------------------------------------------------------------------------
 // Through the library.
 
+/// `uring_lib` leaves `single_thread` to its default (yes on these current-thread runtimes:
+/// the ring defers completion work to its thread); `uring_lib_any_thread` turns it off, as on
+/// a multi-thread runtime.
+fn uring_cfg(v: Variant) -> chunnel_uring::udp::Config {
+    let cfg = chunnel_uring::udp::Config::default();
+    match v {
+        Variant::UringLibAnyThread => cfg.with_single_thread(Some(false)),
+        _ => cfg,
+    }
+}
+
 fn lib_server(
     v: Variant,
     addr_tx: mpsc::SyncSender<Result<SocketAddr>>,
@@ -272,16 +295,18 @@ fn lib_server(
     rt.block_on(async move {
         let any: SocketAddr = "127.0.0.1:0".parse()?;
         match v {
-            Variant::UringLib => match chunnel_uring::udp::Listener::bind(any).await {
-                Ok(l) => {
-                    let _ = addr_tx.send(l.local_addr().map_err(Into::into));
-                    echo(l, stop_rx).await
+            Variant::UringLib | Variant::UringLibAnyThread => {
+                match chunnel_uring::udp::Listener::bind_with(any, uring_cfg(v)).await {
+                    Ok(l) => {
+                        let _ = addr_tx.send(l.local_addr().map_err(Into::into));
+                        echo(l, stop_rx).await
+                    }
+                    Err(e) => {
+                        let _ = addr_tx.send(Err(e.into()));
+                        Ok(())
+                    }
                 }
-                Err(e) => {
-                    let _ = addr_tx.send(Err(e.into()));
-                    Ok(())
-                }
-            },
+            }
             _ => match chunnel_net::udp::Listener::bind(any).await {
                 Ok(l) => {
                     let _ = addr_tx.send(l.local_addr().map_err(Into::into));
@@ -330,8 +355,9 @@ fn lib_client(v: Variant, addr: SocketAddr, msgs: usize, size: usize) -> Result<
         .build()?;
     rt.block_on(async move {
         match v {
-            Variant::UringLib => {
+            Variant::UringLib | Variant::UringLibAnyThread => {
                 let c = chunnel_uring::udp::Connect::new(addr)
+                    .with_config(uring_cfg(v))
                     .connect_wrap(())
                     .await?;
                 lib_client_on(&c, msgs, size).await

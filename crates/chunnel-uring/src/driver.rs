@@ -313,6 +313,12 @@ pub(crate) struct Inner<R> {
     out: BytesMut,
     block: usize,
     max_payload: usize,
+    /// The ring defers task work (`DEFER_TASKRUN`): completions are posted only by an
+    /// `io_uring_enter` with `GETEVENTS` from the submitting thread.
+    defer: bool,
+    /// A deferring ring starts disabled and is enabled by the first thread that uses it,
+    /// which becomes its only issuer (`SINGLE_ISSUER` binds the ring to that thread).
+    enabled: bool,
     pub(crate) rx: R,
 }
 
@@ -324,12 +330,12 @@ unsafe impl<R: Send> Send for Inner<R> {}
 const OUT_BLOCK: usize = 64 * 1024;
 
 impl<R: Rx> Inner<R> {
-    pub(crate) fn new(fd: RawFd, cfg: &Config, rx: R) -> io::Result<Self> {
+    pub(crate) fn new(fd: RawFd, cfg: &Config, rx: R, defer: bool) -> io::Result<Self> {
         let nbufs = cfg.recv_buffers.clamp(1, 32768).next_power_of_two() as u16;
         let nslots = (2 * cfg.batch).clamp(1, 2 * MAX_BATCH);
         let sq = (cfg.batch + 4).next_power_of_two().max(8) as u32;
         let cq = (2 * (usize::from(nbufs) + nslots) + 16).next_power_of_two() as u32;
-        let ring = build_ring(sq, cq)?;
+        let ring = build_ring(sq, cq, defer)?;
         let buf_len = (RECVMSG_OUT + R::NAME_LEN as usize + cfg.max_payload).next_multiple_of(64);
         let bufs = BufPool::new(nbufs, buf_len)?;
         // SAFETY: the ring memory is page aligned, holds `nbufs` entries and lives in `bufs`,
@@ -373,10 +379,15 @@ impl<R: Rx> Inner<R> {
             out: BytesMut::new(),
             block: 2048,
             max_payload: cfg.max_payload,
+            defer,
+            enabled: !defer,
             rx,
         };
+        // Queued only: a deferring ring is enabled (and submits) on first use.
         inner.arm_recv()?;
-        inner.ring.submit()?;
+        if !defer {
+            inner.ring.submit()?;
+        }
         Ok(inner)
     }
 
@@ -399,7 +410,7 @@ impl<R: Rx> Inner<R> {
                 return Ok(());
             }
             // Full: hand what is queued to the kernel, then retry.
-            self.ring.submit()?;
+            self.submit()?;
         }
     }
 
@@ -407,7 +418,19 @@ impl<R: Rx> Inner<R> {
     /// buffers back to the kernel; re-arms the receive if it ended.
     pub(crate) fn reap(&mut self, stats: &Stats) -> io::Result<Reaped> {
         let mut done = Reaped::default();
-        let mut cqes = [const { MaybeUninit::<cqueue::Entry>::uninit() }; 32];
+        self.enable()?;
+        // Deferred work is pending (datagrams arrived): run it, posting its completions. The
+        // kernel runs a bounded amount per call, so call again while work remains (bounded
+        // too): a burst reaped whole is copied out whole (see the reserve below).
+        let mut runs = 0;
+        while self.defer && runs < 8 && self.ring.submission().taskrun() {
+            self.submit()?;
+            runs += 1;
+        }
+        // Big enough for a burst's receives and its sends together: the room for a batch is
+        // reserved before any of it is handed out (below), so a burst split over two batches
+        // could allocate a block while the first half is still held.
+        let mut cqes = [const { MaybeUninit::<cqueue::Entry>::uninit() }; 2 * MAX_BATCH];
         loop {
             let batch: &[cqueue::Entry] = self.ring.completion().fill(&mut cqes);
             if batch.is_empty() {
@@ -578,12 +601,30 @@ impl<R: Rx> Inner<R> {
         }
     }
 
+    /// Enables a deferring ring on its first use, from the thread that will run it.
+    fn enable(&mut self) -> io::Result<()> {
+        if !self.enabled {
+            self.ring.submitter().register_enable_rings()?;
+            self.enabled = true;
+            self.submit()?;
+        }
+        Ok(())
+    }
+
     /// Submits what is queued (one `io_uring_enter`).
     fn submit(&mut self) -> io::Result<()> {
+        self.enable()?;
         loop {
             match self.ring.submit() {
                 Ok(_) => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    return Err(io::Error::other(
+                        "this io_uring socket's ring is bound to the thread that first used it \
+                         (Config::single_thread; the default on a current-thread runtime) and \
+                         was used from another thread",
+                    ));
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -603,7 +644,12 @@ impl<R> Drop for Inner<R> {
         // The kernel may still hold the receive buffers and send slots. Cancel everything and
         // wait (bounded) for the completions; if they do not all come, leak the memory rather
         // than free what the kernel might still write.
-        let mut pending = self.in_flight + usize::from(self.recv_armed);
+        // A ring never enabled never gave the kernel anything.
+        let mut pending = if self.enabled {
+            self.in_flight + usize::from(self.recv_armed)
+        } else {
+            0
+        };
         if pending > 0 {
             let e = opcode::AsyncCancel2::new(types::CancelBuilder::any().all())
                 .build()
@@ -649,7 +695,18 @@ impl<R> Drop for Inner<R> {
     }
 }
 
-fn build_ring(sq: u32, cq: u32) -> io::Result<IoUring> {
+fn build_ring(sq: u32, cq: u32, defer: bool) -> io::Result<IoUring> {
+    if defer {
+        return IoUring::builder()
+            .setup_cqsize(cq)
+            .setup_clamp()
+            .setup_submit_all()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_taskrun_flag()
+            .setup_r_disabled()
+            .build(sq);
+    }
     // SUBMIT_ALL (5.18) keeps submitting past an entry that fails early; fall back without it.
     match IoUring::builder()
         .setup_cqsize(cq)
@@ -668,7 +725,8 @@ fn build_ring(sq: u32, cq: u32) -> io::Result<IoUring> {
 // ------------------------------------------------------------------------------------------
 // The driver: ring + socket + tokio readiness.
 
-/// The ring's descriptor as tokio sees it (owned by the `IoUring`).
+/// The descriptor tokio waits on: the ring's, or the eventfd a deferring ring signals
+/// (owned elsewhere).
 struct RingFd(RawFd);
 
 impl AsRawFd for RingFd {
@@ -682,6 +740,8 @@ impl AsRawFd for RingFd {
 /// its memory), then the socket.
 pub(crate) struct Driver<R> {
     afd: AsyncFd<RingFd>,
+    /// With a deferring ring, the eventfd the ring signals (tokio waits on it).
+    _efd: Option<std::os::fd::OwnedFd>,
     inner: Mutex<Inner<R>>,
     sock: std::net::UdpSocket,
     pub(crate) stats: Stats,
@@ -756,19 +816,43 @@ impl<R: Rx> Driver<R> {
         }
         sock.set_nonblocking(true)
             .map_err(io_err("set_nonblocking"))?;
-        let inner = Inner::new(sock.as_raw_fd(), &cfg, rx)
+        let defer = cfg.single_thread.unwrap_or_else(|| {
+            tokio::runtime::Handle::current().runtime_flavor()
+                == tokio::runtime::RuntimeFlavor::CurrentThread
+        });
+        let inner = Inner::new(sock.as_raw_fd(), &cfg, rx, defer)
             .map_err(|e| crate::not_available(format!("setting up the ring failed: {e}")))?;
-        // SAFETY: the descriptor is the ring's, owned by `inner`, which the driver drops only
-        // after the `AsyncFd` (field order), so it stays open and the same for its lifetime.
-        let afd = unsafe {
-            AsyncFd::register_with_interest(RingFd(inner.ring.as_raw_fd()), Interest::READABLE)
-        }
-        .map_err(|e| Error::Io {
+        let efd = if defer {
+            // SAFETY: plain system call; the result is checked.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(io_err("eventfd")(io::Error::last_os_error()));
+            }
+            // SAFETY: `fd` was just created and is owned by nobody else.
+            let efd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            inner
+                .ring
+                .submitter()
+                .register_eventfd(fd)
+                .map_err(io_err("registering the eventfd"))?;
+            Some(efd)
+        } else {
+            None
+        };
+        let wait_fd = efd
+            .as_ref()
+            .map_or(inner.ring.as_raw_fd(), |e| e.as_raw_fd());
+        // SAFETY: the descriptor is the ring's (owned by `inner`) or the eventfd (owned by
+        // `_efd`); the driver drops both only after the `AsyncFd` (field order), so it stays
+        // open and the same for the registration's lifetime.
+        let afd = unsafe { AsyncFd::register_with_interest(RingFd(wait_fd), Interest::READABLE) }
+            .map_err(|e| Error::Io {
             op: "registering the ring with tokio",
             source: e.into_parts().1,
         })?;
         Ok(Driver {
             afd,
+            _efd: efd,
             inner: Mutex::new(inner),
             sock,
             stats: Stats::default(),

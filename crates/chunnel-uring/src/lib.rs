@@ -67,17 +67,24 @@
 //!   messages is one `io_uring_enter`; the entries are linked so they leave in order even when
 //!   the socket buffer is full, and (like `sendmmsg`) the first failure stops the rest.
 //! * **Threads**: io_uring completes socket I/O in the context of the thread that submitted
-//!   the request (task work). The ring does not use `DEFER_TASKRUN`/`SINGLE_ISSUER`, so any
-//!   thread may submit; a multishot receive that ends because its thread exited
-//!   (`ECANCELED`) is re-armed by the next reap.
+//!   the request (task work). On a current-thread tokio runtime (or with
+//!   [`udp::Config::single_thread`] set) the ring is created disabled and bound, on first use,
+//!   to the thread that runs it (`SINGLE_ISSUER` + `DEFER_TASKRUN`): a datagram's arrival then
+//!   only signals an eventfd that tokio waits on, and the next reap runs the receive with one
+//!   `io_uring_enter`. Otherwise (a multi-thread runtime) any thread may submit, and the
+//!   kernel interrupts the submitting thread's `epoll_wait` to run the task work; a multishot
+//!   receive that ends because its thread exited (`ECANCELED`) is re-armed by the next reap.
+//!   A single-thread ring used from another thread fails with an error saying so (and, if
+//!   dropped there, leaks its buffers rather than free memory the kernel may hold).
 //!
 //! ## Where the time goes
 //!
 //! On the 2-vCPU VM this was built on, a loopback round trip is dominated by the two
 //! cross-core wake-ups. Compared with a raw io_uring echo that blocks in `io_uring_enter`
-//! (`chunnel-bench uring`), the library adds per receive: the task-work wake-up interrupts
-//! tokio's `epoll_wait` (`EINTR`, a second `epoll_wait`), the tokio task wake-up, the lock and
-//! the copy — a few microseconds per round trip. Linking the sends of a burst (for order)
+//! (`chunnel-bench uring`), the library adds per receive: the wake-up through tokio's
+//! `epoll_wait` (an eventfd on a single-thread ring; on a shared ring, an interrupted
+//! `epoll_wait` and a second one), one more `io_uring_enter` (to run the deferred receive),
+//! the tokio task wake-up, the lock and the copy. Linking the sends of a burst (for order)
 //! serialises them in the kernel, which costs burst throughput against unlinked entries or
 //! `sendmmsg`. The example `pingpong` isolates these costs.
 //!

@@ -23,7 +23,7 @@ pub(crate) fn run() -> Result<(), String> {
         .with_max_payload_bytes(64)
         .with_recv_buffers(1)
         .with_batch(1);
-    let mut inner = Inner::new(sock.as_raw_fd(), &cfg, ClientRx::new(4)).map_err(explain)?;
+    let mut inner = Inner::new(sock.as_raw_fd(), &cfg, ClientRx::new(4), false).map_err(explain)?;
     sock.send(b"chunnel-uring-probe")
         .map_err(|e| e.to_string())?;
     let stats = Stats::default();

@@ -51,6 +51,15 @@ pub struct Config {
     /// Report the datapath unavailable whatever the host supports (tests the fallback of a
     /// `Select`).
     pub forced_unavailable: bool,
+    /// Whether the socket is used from one thread only, which lets its ring defer
+    /// completion work to that thread (`IORING_SETUP_DEFER_TASKRUN`): a datagram's arrival
+    /// then wakes the thread through an eventfd instead of interrupting its `epoll_wait`,
+    /// which saves a system call and an interrupted wait per wake-up. The ring is bound to the
+    /// first thread that uses it; use from another thread then fails with an error (and a
+    /// connection dropped on another thread leaks its receive buffers).
+    /// `None` (the default) decides when the socket is created: yes on a current-thread
+    /// tokio runtime, no on a multi-thread one.
+    pub single_thread: Option<bool>,
 }
 
 impl Default for Config {
@@ -63,6 +72,7 @@ impl Default for Config {
             backlog: 128,
             idle_timeout: Some(Duration::from_secs(60)),
             forced_unavailable: false,
+            single_thread: None,
         }
     }
 }
@@ -105,7 +115,13 @@ impl Config {
     }
 
     /// Sets [`Config::forced_unavailable`]: `check_available()`, `connect_wrap` and
-    /// [`Listener::bind_with`] then fail with [`Error::NotAvailable`].
+    /// Sets [`Config::single_thread`].
+    pub fn with_single_thread(mut self, yes: Option<bool>) -> Self {
+        self.single_thread = yes;
+        self
+    }
+
+    /// Sets [`Config::forced_unavailable`].
     pub fn with_forced_unavailable(mut self, yes: bool) -> Self {
         self.forced_unavailable = yes;
         self

@@ -255,3 +255,58 @@ async fn futures_poll_once<F: Future + Unpin>(mut f: F) -> Option<F::Output> {
     })
     .await
 }
+
+/// On a current-thread runtime the ring defers completion work to the thread that first uses
+/// it (`Config::single_thread` defaults to yes there). Used from another thread afterwards, the
+/// connection fails with an error that says so, instead of hanging; with `single_thread` off
+/// the same move works.
+#[test]
+fn single_thread_ring_used_from_another_thread_errors_clearly() {
+    let reflector = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    reflector.set_read_timeout(Some(WAIT)).unwrap();
+    let addr = reflector.local_addr().unwrap();
+    let rt = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    for single_thread in [None, Some(false)] {
+        let cfg = udp::Config::default().with_single_thread(single_thread);
+        let conn = rt().block_on(async {
+            let c = udp::Connect::new(addr)
+                .with_config(cfg)
+                .connect_wrap(())
+                .await
+                .unwrap();
+            within("first send", c.send([Bytes::from_static(b"one")]))
+                .await
+                .unwrap();
+            c
+        });
+        let mut buf = [0u8; 16];
+        let (n, _) = reflector.recv_from(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"one");
+        let second = std::thread::spawn(move || {
+            rt().block_on(async {
+                within("second send", conn.send([Bytes::from_static(b"two")])).await
+            })
+        })
+        .join()
+        .unwrap();
+        match single_thread {
+            None => {
+                let e = second.expect_err("a single-thread ring used from another thread");
+                assert!(
+                    e.to_string().contains("bound to the thread"),
+                    "unclear error: {e}"
+                );
+            }
+            _ => {
+                second.unwrap();
+                let (n, _) = reflector.recv_from(&mut buf).unwrap();
+                assert_eq!(&buf[..n], b"two");
+            }
+        }
+    }
+}
