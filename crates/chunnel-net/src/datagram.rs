@@ -852,26 +852,32 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                     last_rx: Mutex::new(Instant::now()),
                 });
             }
-            match sh.pump() {
-                Ok(_) => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    sh.wait_readable(notified.as_mut())
-                        .await
-                        .map_err(|e| Error::Io {
+            // While a connection waits on the socket it reads (and sorts new peers into the
+            // backlog) for everyone: reading here too would only cost a system call on every
+            // wake-up (the reader's place falling vacant wakes this task once per datagram
+            // the reader takes). Once the place is free, `wait_readable` takes it; tokio's
+            // readiness is only cleared by a read that would block, so nothing is missed.
+            if !sh.reader.load(Ordering::Acquire) {
+                match sh.pump() {
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    // An error for one peer (e.g. a refused earlier send) must not stop the
+                    // listener: it is consumed and the loop goes on.
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                    Err(e) => {
+                        return Err(Error::Io {
                             op: "accept",
                             source: e,
-                        })?;
-                }
-                // An error for one peer (e.g. a refused earlier send) must not stop the
-                // listener: it is consumed and the loop goes on.
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
-                Err(e) => {
-                    return Err(Error::Io {
-                        op: "accept",
-                        source: e,
-                    });
+                        });
+                    }
                 }
             }
+            sh.wait_readable(notified.as_mut())
+                .await
+                .map_err(|e| Error::Io {
+                    op: "accept",
+                    source: e,
+                })?;
         }
     }
 }
@@ -1008,11 +1014,14 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             if self.peer.closed.load(Ordering::Acquire) {
                 return Err(Error::Closed);
             }
-            match sh.pump() {
-                Ok(_) => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
-                Err(e) => return Err(conn_err("recv", &self.addr, e)),
+            // As in `accept`: another task waiting on the socket reads for this one too.
+            if !sh.reader.load(Ordering::Acquire) {
+                match sh.pump() {
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                    Err(e) => return Err(conn_err("recv", &self.addr, e)),
+                }
             }
             let idle = async {
                 match sh.cfg.idle_timeout {

@@ -196,12 +196,23 @@ pub(crate) struct RecvMeta {
 /// Receive memory the kernel writes into. It is never zeroed (a fresh client socket would
 /// otherwise pay a memset of `batch * max_payload` bytes); only bytes the kernel reported
 /// writing are ever read, through [`Scratch::filled`].
+///
+/// The `recvmmsg` headers, their iovecs and address buffers live here too and are wired to
+/// the slots once, then reused by every call: building 64-byte headers afresh for every slot
+/// on every call (most calls on a quiet socket find one datagram, or none) cost more than
+/// the rest of the receive path.
 #[derive(Default)]
 pub(crate) struct Scratch {
     buf: Vec<MaybeUninit<u8>>,
     /// Per slot, how many leading bytes the last `recv_batch` wrote.
     written: Vec<usize>,
     slot: usize,
+    hdrs: Vec<libc::mmsghdr>,
+    iovs: Vec<libc::iovec>,
+    addrs: Vec<MaybeUninit<libc::sockaddr_storage>>,
+    /// The (slot buffer address, slot size, headers wired) the headers point into; rewired
+    /// when the buffer moves, the slot size changes or more headers are needed.
+    wired: (usize, usize, usize),
 }
 
 impl Scratch {
@@ -224,6 +235,46 @@ impl Scratch {
         // reported that length), so they are initialised; `len` never exceeds that.
         unsafe { &*(part as *const [MaybeUninit<u8>] as *const [u8]) }
     }
+
+    /// Points the first `count` headers at their slot, iovec and address buffer (a no-op when
+    /// nothing moved since the last call).
+    fn wire(&mut self, count: usize) {
+        let key = (self.buf.as_ptr() as usize, self.slot, count);
+        if (self.wired.0, self.wired.1) == (key.0, key.1) && self.wired.2 >= count {
+            return;
+        }
+        // The vectors are sized once to the largest batch and never shrink or grow again
+        // afterwards, so the pointers into `iovs` and `addrs` stay valid.
+        if self.hdrs.len() < count {
+            self.hdrs.clear();
+            self.iovs.clear();
+            self.addrs.clear();
+            // SAFETY: mmsghdr is plain old data; zero is a valid starting value.
+            self.hdrs.resize(count, unsafe { mem::zeroed() });
+            self.iovs.resize(
+                count,
+                libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                },
+            );
+            self.addrs.resize(count, MaybeUninit::uninit());
+        }
+        let slot = self.slot;
+        for i in 0..count {
+            self.iovs[i] = libc::iovec {
+                iov_base: self.buf[i * slot..].as_mut_ptr().cast(),
+                iov_len: slot,
+            };
+            let h = &mut self.hdrs[i].msg_hdr;
+            h.msg_name = self.addrs[i].as_mut_ptr().cast();
+            h.msg_iov = &mut self.iovs[i];
+            h.msg_iovlen = 1;
+            h.msg_control = std::ptr::null_mut();
+            h.msg_controllen = 0;
+        }
+        self.wired = key;
+    }
 }
 
 /// Receives up to `metas.len()` datagrams with one `recvmmsg` call. Datagram `i` lands in
@@ -231,32 +282,22 @@ impl Scratch {
 /// none is queued.
 pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) -> io::Result<usize> {
     sc.written.clear();
-    let slot = sc.slot;
-    let scratch = &mut sc.buf[..];
-    let count = metas.len().min(MAX_BATCH).min(scratch.len() / slot.max(1));
-    let mut iovs = [MaybeUninit::<libc::iovec>::uninit(); MAX_BATCH];
-    let mut addrs = [MaybeUninit::<libc::sockaddr_storage>::uninit(); MAX_BATCH];
-    let mut hdrs = [MaybeUninit::<libc::mmsghdr>::uninit(); MAX_BATCH];
-    for i in 0..count {
-        let base = scratch[i * slot..].as_mut_ptr();
-        iovs[i].write(libc::iovec {
-            iov_base: base.cast(),
-            iov_len: slot,
-        });
-        // SAFETY: mmsghdr is plain old data; zero is a valid starting value.
-        let mut h: libc::mmsghdr = unsafe { mem::zeroed() };
-        h.msg_hdr.msg_name = addrs[i].as_mut_ptr().cast();
+    let count = metas
+        .len()
+        .min(MAX_BATCH)
+        .min(sc.buf.len() / sc.slot.max(1));
+    sc.wire(count);
+    // The kernel writes back only the address length (and the flags and lengths it reports).
+    for h in &mut sc.hdrs[..count] {
         h.msg_hdr.msg_namelen = mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        h.msg_hdr.msg_iov = iovs[i].as_mut_ptr();
-        h.msg_hdr.msg_iovlen = 1;
-        hdrs[i].write(h);
     }
-    // SAFETY: the first `count` headers are initialised and point at live, disjoint buffers
-    // (`scratch` slots, `iovs`, `addrs`) that outlive the call.
+    // SAFETY: the first `count` headers point at live, disjoint buffers owned by `sc` (slots
+    // of `buf`, `iovs`, `addrs`; wired by `wire` for the current `buf` and slot size), which
+    // outlive the call.
     let n = unsafe {
         libc::recvmmsg(
             fd,
-            hdrs.as_mut_ptr().cast(),
+            sc.hdrs.as_mut_ptr(),
             count as libc::c_uint,
             libc::MSG_DONTWAIT,
             std::ptr::null_mut(),
@@ -266,29 +307,30 @@ pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) ->
         return Err(io::Error::last_os_error());
     }
     let n = n as usize;
-    for i in 0..n {
-        // SAFETY: the kernel filled the first n headers; the header was initialised above.
-        let h = unsafe { hdrs[i].assume_init_ref() };
-        let mut addr = RawAddr::zeroed();
+    let slot = sc.slot;
+    for (i, (h, m)) in sc.hdrs.iter().zip(metas.iter_mut()).take(n).enumerate() {
         let alen = (h.msg_hdr.msg_namelen as usize).min(mem::size_of::<libc::sockaddr_storage>());
+        m.addr.storage = zeroed_storage();
         // SAFETY: the kernel wrote `alen` bytes of address into addrs[i]; the rest of
-        // `addr.storage` stays zeroed. Copying bytes between two sockaddr_storage is sound.
+        // `m.addr.storage` stays zeroed. Copying bytes between two sockaddr_storage is sound.
         unsafe {
             std::ptr::copy_nonoverlapping(
-                addrs[i].as_ptr().cast::<u8>(),
-                (&mut addr.storage as *mut libc::sockaddr_storage).cast::<u8>(),
+                sc.addrs[i].as_ptr().cast::<u8>(),
+                (&mut m.addr.storage as *mut libc::sockaddr_storage).cast::<u8>(),
                 alen,
             );
         }
-        addr.len = alen as libc::socklen_t;
-        sc.written.push((h.msg_len as usize).min(slot));
-        metas[i] = RecvMeta {
-            len: (h.msg_len as usize).min(slot),
-            truncated: h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0,
-            addr,
-        };
+        m.addr.len = alen as libc::socklen_t;
+        m.len = (h.msg_len as usize).min(slot);
+        m.truncated = h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0;
+        sc.written.push(m.len);
     }
     Ok(n)
+}
+
+fn zeroed_storage() -> libc::sockaddr_storage {
+    // SAFETY: sockaddr_storage is plain old data; all-zero is a valid (AF_UNSPEC) value.
+    unsafe { mem::zeroed() }
 }
 
 /// Sends `msgs` with one `sendmmsg` call, to `dest` (or the connected peer when `None`).
