@@ -14,7 +14,12 @@
 //!   picked by negotiation, busy-polling, and UDP through the same negotiation; 5 interleaved
 //!   repetitions inside). The library's 64 B throughput comes from the Figure 7 runs at 0
 //!   layers (the raw ring has no throughput mode).
-//! * AF_XDP: not measured (see `skipped` in the JSON).
+//! * AF_XDP: `crate::xdp::measure` (a kernel UDP client in one network namespace, the
+//!   `raw_tokio` client loop below, against an AF_XDP server across a veth pair in another:
+//!   a hand-written echo on `chunnel_xdp::raw` vs the `chunnel_xdp::AfXdpUdp` listener;
+//!   `--reps` interleaved repetitions; XDP program counters per run). Recorded as `skipped`
+//!   when AF_XDP cannot run here (not root, no XDP program...) unless `CHUNNEL_XDP_REQUIRE`
+//!   is set; `--no-xdp` skips it. `chunnel-bench xdp` runs it alone.
 //!
 //! Figure 7: the negotiated shared-memory connection with 0, 1, 3, 5 `Noop` layers stacked on
 //! it at both ends (`stack![Noop, .., Noop].connect_wrap(negotiated)`), at 64, 128, 512 and
@@ -39,12 +44,12 @@ use serde_json::{Value, json};
 
 use crate::stats::{median, quantile, spread};
 
-const CLIENT_CPU: usize = 0;
-const SERVER_CPU: usize = 1;
-const WARMUP: usize = 2000;
-const BURST: usize = 32;
-const TPUT_SIZE: usize = 64;
-const TPUT_MILLIS: u64 = 300;
+pub(crate) const CLIENT_CPU: usize = 0;
+pub(crate) const SERVER_CPU: usize = 1;
+pub(crate) const WARMUP: usize = 2000;
+pub(crate) const BURST: usize = 32;
+pub(crate) const TPUT_SIZE: usize = 64;
+pub(crate) const TPUT_MILLIS: u64 = 300;
 /// One run (set-up, latency, throughput) taking longer than this has stalled.
 const STALL: Duration = Duration::from_secs(120);
 const LAYERS: [usize; 4] = [0, 1, 3, 5];
@@ -62,14 +67,17 @@ pub(crate) struct Args {
     /// Skip the io_uring datapath.
     #[arg(long)]
     no_uring: bool,
+    /// Skip the AF_XDP datapath (needs root; see `chunnel-bench xdp`).
+    #[arg(long)]
+    no_xdp: bool,
 }
 
 #[derive(Default, Clone, Copy)]
-struct Sample {
-    p50_us: f64,
-    p99_us: f64,
+pub(crate) struct Sample {
+    pub(crate) p50_us: f64,
+    pub(crate) p99_us: f64,
     /// 64 B messages per second; NaN when not measured.
-    msgs_per_s: f64,
+    pub(crate) msgs_per_s: f64,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -170,6 +178,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
         }
     };
 
+    // AF_XDP: kernel UDP client vs AF_XDP server across two namespaces (crate::xdp).
+    let af_xdp = if a.no_xdp {
+        json!({ "skipped": "--no-xdp" })
+    } else {
+        crate::xdp::measure(a.msgs, a.reps)?
+    };
+
     // Shared memory: the `shm` subcommand's measurement (also the UDP-vs-shm check).
     let s = crate::shm::measure(a.msgs, 64)?;
     let r = &s["results"];
@@ -264,23 +279,24 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "notes": "raw ring throughput not measured (shm.rs's raw ring is latency only); \
                   library throughput is the Figure 7 0-layer 64 B run",
     });
-    let af_xdp = json!({
-        "skipped": "not measured: chunnel-bench does not depend on chunnel-xdp, AF_XDP needs \
-                    root and a veth/netns pair (crates/chunnel-xdp/tests/netns.rs), and a raw \
-                    AF_XDP echo baseline was not written within the time box",
-    });
 
     let bar = |v: &Value| v["meets_bar"].as_bool();
     let shm_vs_raw_udp = med(&udp[0].iter().map(|s| s.p50_us).collect::<Vec<_>>()) / shm_lib_p50;
-    let all_meet = [bar(&kernel_udp), bar(&io_uring), bar(&shared_memory)]
-        .iter()
-        .flatten()
-        .all(|&b| b);
+    let all_meet = [
+        bar(&kernel_udp),
+        bar(&io_uring),
+        bar(&shared_memory),
+        bar(&af_xdp),
+    ]
+    .iter()
+    .flatten()
+    .all(|&b| b);
     let checks = json!({
         "kernel_udp_lib_meets_bar": bar(&kernel_udp),
         "io_uring_lib_meets_bar": bar(&io_uring),
         "shm_lib_meets_bar": bar(&shared_memory),
-        "af_xdp_lib_meets_bar": null,
+        "af_xdp_lib_meets_bar": bar(&af_xdp),
+        "af_xdp_all_requests_redirected": af_xdp["all_requests_redirected"].as_bool(),
         "all_measured_datapaths_meet_bar": all_meet,
         "shm_p50_ratio_udp_over_shm": udp_over_shm,
         "shm_p50_ratio_raw_tokio_udp_over_shm": shm_vs_raw_udp,
@@ -316,14 +332,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-fn med(xs: &[f64]) -> f64 {
+pub(crate) fn med(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
     median(&v)
 }
 
 /// The issue's bar on p50 round trips (medians; `ratio` is the median per-repetition ratio).
-fn meets_bar(raw_p50: f64, lib_p50: f64, ratio: f64) -> bool {
+pub(crate) fn meets_bar(raw_p50: f64, lib_p50: f64, ratio: f64) -> bool {
     if raw_p50 < 10.0 {
         lib_p50 - raw_p50 <= 1.0
     } else {
@@ -337,7 +353,7 @@ fn pin(cpu: usize) {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?)
@@ -355,7 +371,7 @@ fn summarize(mut ns: Vec<u64>, msgs_per_s: f64) -> Sample {
 
 /// Runs `server` (pinned to the server CPU; it reports its address, then serves until the
 /// client's end message) and `client` (pinned to the client CPU), bounded by [`STALL`].
-fn pair<S, C>(server: S, client: C) -> Result<Sample>
+pub(crate) fn pair<S, C>(server: S, client: C) -> Result<Sample>
 where
     S: FnOnce(mpsc::SyncSender<SocketAddr>) -> Result<()> + Send + 'static,
     C: FnOnce(SocketAddr) -> Result<Sample> + Send + 'static,
@@ -435,9 +451,15 @@ fn raw_tokio_server(addr_tx: mpsc::SyncSender<SocketAddr>) -> Result<()> {
     })
 }
 
-fn raw_tokio_client(addr: SocketAddr, msgs: usize, size: usize) -> Result<Sample> {
+/// The raw kernel UDP client loop (also the AF_XDP datapath's client, in its namespace).
+pub(crate) fn raw_tokio_client(addr: SocketAddr, msgs: usize, size: usize) -> Result<Sample> {
     runtime()?.block_on(async move {
-        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+        let local = if addr.ip().is_loopback() {
+            "127.0.0.1:0"
+        } else {
+            "0.0.0.0:0"
+        };
+        let sock = tokio::net::UdpSocket::bind(local).await?;
         sock.connect(addr).await?;
         let msg = vec![0xabu8; size];
         let small = [0xcdu8; TPUT_SIZE];
@@ -543,7 +565,7 @@ fn lib_udp_client(addr: SocketAddr, msgs: usize, size: usize) -> Result<Sample> 
 // Library connections: echo server and client loops.
 
 /// Echoes every burst until an empty message (echoed too); 10 s of silence is an error.
-async fn echo_until_empty<C: ChunnelConnection<Data = Bytes>>(conn: &C) -> Result<()> {
+pub(crate) async fn echo_until_empty<C: ChunnelConnection<Data = Bytes>>(conn: &C) -> Result<()> {
     let mut slots = vec![None; BURST];
     loop {
         let n = tokio::time::timeout(Duration::from_secs(10), conn.recv(&mut slots)).await??;

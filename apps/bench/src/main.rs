@@ -21,6 +21,7 @@ mod rendezvous;
 mod shm;
 mod stats;
 mod uring;
+mod xdp;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -56,6 +57,8 @@ enum Cmd {
     Uring(uring::Args),
     /// Every datapath through the library vs its raw baseline, and Figure 7 on shared memory.
     Datapaths(datapaths::Args),
+    /// AF_XDP alone (as in `datapaths`): kernel UDP client vs raw and library AF_XDP echo.
+    Xdp(xdp::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -71,6 +74,7 @@ fn main() -> Result<()> {
         Cmd::Shm(a) => shm::run(a),
         Cmd::Uring(a) => uring::run(a),
         Cmd::Datapaths(a) => datapaths::run(a),
+        Cmd::Xdp(a) => xdp::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }

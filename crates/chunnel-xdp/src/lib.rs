@@ -71,6 +71,10 @@
 mod bpf;
 mod frame;
 mod listener;
+/// For benchmarks: the XSK socket and XDP program without the library's layers (not a
+/// stable API).
+#[doc(hidden)]
+pub mod raw;
 pub mod shard;
 mod xsk;
 
