@@ -373,10 +373,50 @@ fn send_step<S: DgramSocket>(
     spill: &mut Spill<'_>,
     too_large: &mut Option<usize>,
 ) -> io::Result<bool> {
-    let mut batch: [Option<Bytes>; MAX_BATCH] = [const { None }; MAX_BATCH];
     let fd = sock.as_raw_fd();
+    // A burst of one message (a request, a reply) is the common case: it is sent from a
+    // one-entry array, without setting up (and dropping) the 64 entries of a full batch.
+    let mut first = None;
+    if cfg.batch >= 2 && spill.v.as_ref().is_none_or(Vec::is_empty) && too_large.is_none() {
+        match it.next() {
+            None => return Ok(true),
+            Some(m) if m.len() > max => {
+                *too_large = Some(m.len());
+                return Ok(true);
+            }
+            Some(m) => match it.next() {
+                None => {
+                    let one = [Some(m)];
+                    return match sock.try_io_with(Interest::WRITABLE, || {
+                        sys::send_batch(fd, header, &one, dest)
+                    }) {
+                        Ok(_) => Ok(true),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            let [one] = one;
+                            spill.keep(one.into_iter());
+                            Ok(false)
+                        }
+                        Err(e) => Err(e),
+                    };
+                }
+                Some(second) => first = Some([m, second]),
+            },
+        }
+    }
+    let mut batch: [Option<Bytes>; MAX_BATCH] = [const { None }; MAX_BATCH];
     loop {
         let mut n = 0;
+        if let Some([a, b]) = first.take() {
+            batch[0] = Some(a);
+            n = 1;
+            // The second may be over `max`: checked like any other.
+            if b.len() > max {
+                *too_large = Some(b.len());
+            } else {
+                batch[1] = Some(b);
+                n = 2;
+            }
+        }
         if let Some(v) = spill.v.as_mut() {
             // At most one batch's remainder was kept.
             for m in v.drain(..) {

@@ -1291,3 +1291,37 @@ async fn peer_addr_is_public_on_concrete_types() {
         .unwrap();
     assert_eq!(*c.peer_addr(), addr);
 }
+
+/// One-message sends (their own fast path) that find the peer's queue full wait instead of
+/// failing or dropping, and resume in order once the peer reads: a Unix datagram socket
+/// blocks its sender when the receiver's queue is full (UDP would drop instead).
+#[tokio::test]
+async fn single_message_sends_wait_for_a_full_unix_queue_and_keep_order() {
+    let path = temp_path("single-full");
+    let raw = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+    raw.set_read_timeout(Some(WAIT)).unwrap();
+    let conn = uds::DatagramConnect::new(path.clone())
+        .connect_wrap(())
+        .await
+        .unwrap();
+    const N: u32 = 2000;
+    let sender = tokio::spawn(async move {
+        for i in 0..N {
+            conn.send([id_msg(i)]).await.unwrap();
+        }
+        conn
+    });
+    // The queue (max_dgram_qlen, 512 by default) fills long before N: the sender waits.
+    tokio::time::sleep(QUIET).await;
+    assert!(!sender.is_finished(), "{N} sends never waited for the peer");
+    let reader = tokio::task::spawn_blocking(move || {
+        let mut buf = [0u8; 16];
+        for i in 0..N {
+            let n = raw.recv(&mut buf).unwrap();
+            assert_eq!(&buf[..n], &i.to_be_bytes(), "message {i} out of order");
+        }
+    });
+    within("the reader", reader).await.unwrap();
+    within("the sender", sender).await.unwrap();
+    let _ = std::fs::remove_file(&path);
+}
