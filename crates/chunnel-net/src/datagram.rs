@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use chunnel::{ChunnelConnection, Error, SendHeader};
-use tokio::io::Interest;
+use tokio::io::{Interest, Ready};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -101,7 +101,8 @@ impl Config {
 /// The tokio socket types the datagram machinery runs on.
 pub(crate) trait DgramSocket: AsRawFd + Send + Sync + 'static {
     type Addr: DgramAddr;
-    fn ready(&self, interest: Interest) -> impl Future<Output = io::Result<()>> + Send;
+    /// Waits until the socket is ready for any of `interest`; returns what it is ready for.
+    fn ready(&self, interest: Interest) -> impl Future<Output = io::Result<Ready>> + Send;
     fn try_io_with<R>(
         &self,
         interest: Interest,
@@ -113,8 +114,8 @@ pub(crate) trait DgramSocket: AsRawFd + Send + Sync + 'static {
 
 impl DgramSocket for tokio::net::UdpSocket {
     type Addr = std::net::SocketAddr;
-    async fn ready(&self, interest: Interest) -> io::Result<()> {
-        tokio::net::UdpSocket::ready(self, interest).await.map(drop)
+    async fn ready(&self, interest: Interest) -> io::Result<Ready> {
+        tokio::net::UdpSocket::ready(self, interest).await
     }
     fn try_io_with<R>(
         &self,
@@ -130,10 +131,8 @@ impl DgramSocket for tokio::net::UdpSocket {
 
 impl DgramSocket for tokio::net::UnixDatagram {
     type Addr = sys::UnixAddr;
-    async fn ready(&self, interest: Interest) -> io::Result<()> {
-        tokio::net::UnixDatagram::ready(self, interest)
-            .await
-            .map(drop)
+    async fn ready(&self, interest: Interest) -> io::Result<Ready> {
+        tokio::net::UnixDatagram::ready(self, interest).await
     }
     fn try_io_with<R>(
         &self,
@@ -348,6 +347,7 @@ where
             Ok(false) => sock
                 .ready(Interest::WRITABLE)
                 .await
+                .map(drop)
                 .map_err(|e| conn_err("send", peer, e))?,
             Err(e) => return Err(conn_err("send", peer, e)),
         }
@@ -575,23 +575,23 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
                 Ok(n) => return Ok(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     // A connected socket learns that its peer is gone from an ICMP error,
-                    // which shows up as `EPOLLERR`, not as readability.
-                    tokio::select! {
-                        r = self.sock.ready(Interest::READABLE) => {
-                            r.map_err(|e| conn_err("recv", &self.peer, e))?
-                        }
-                        r = self.sock.ready(Interest::ERROR) => {
-                            r.map_err(|e| conn_err("recv", &self.peer, e))?;
-                            let pending = self.sock.try_io_with(Interest::ERROR, || {
-                                match self.sock.take_error() {
-                                    Ok(Some(e)) => Ok(e),
-                                    Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
-                                    Err(e) => Ok(e),
-                                }
-                            });
-                            if let Ok(e) = pending {
-                                return Err(conn_err("recv", &self.peer, e));
+                    // which shows up as `EPOLLERR`, not as readability. One wait for both
+                    // (one waiter registered with the reactor, not two).
+                    let ready = self
+                        .sock
+                        .ready(Interest::READABLE | Interest::ERROR)
+                        .await
+                        .map_err(|e| conn_err("recv", &self.peer, e))?;
+                    if ready.is_error() {
+                        let pending = self.sock.try_io_with(Interest::ERROR, || {
+                            match self.sock.take_error() {
+                                Ok(Some(e)) => Ok(e),
+                                Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
+                                Err(e) => Ok(e),
                             }
+                        });
+                        if let Ok(e) = pending {
+                            return Err(conn_err("recv", &self.peer, e));
                         }
                     }
                 }

@@ -1325,3 +1325,30 @@ async fn single_message_sends_wait_for_a_full_unix_queue_and_keep_order() {
     within("the sender", sender).await.unwrap();
     let _ = std::fs::remove_file(&path);
 }
+
+/// A UDP client whose peer's port is closed learns it from the ICMP error (seen as
+/// `EPOLLERR`, not readability): a waiting `recv` ends with an error instead of hanging.
+#[tokio::test]
+async fn udp_recv_ends_when_the_peer_port_is_closed() {
+    let addr = {
+        let s = std::net::UdpSocket::bind(loopback()).unwrap();
+        s.local_addr().unwrap()
+    }; // closed again here
+    let conn = udp::Connect::new(addr).connect_wrap(()).await.unwrap();
+    let mut slots = [None];
+    let waiting = conn.recv(&mut slots);
+    tokio::pin!(waiting);
+    // The receive is already waiting when the error arrives.
+    assert!(
+        tokio::time::timeout(QUIET, waiting.as_mut()).await.is_err(),
+        "recv returned before anything was sent"
+    );
+    conn.send([id_msg(1)]).await.unwrap();
+    match within("recv after ICMP port unreachable", waiting).await {
+        Err(e) => assert!(
+            e.is_closed() || matches!(e, Error::ConnectionRefused { .. }),
+            "unexpected error {e:?}"
+        ),
+        Ok(n) => panic!("received {n} messages from a closed port"),
+    }
+}
