@@ -102,7 +102,7 @@ for b, sizes in d["backends"].items():
             assert s["n"] == 3 and s["p50_ms"] > 0, (b, n, what, s)
 print("bench JSON ok:", {b: v["4"]["commit"]["p50_ms"] for b, v in d["backends"].items()})'
 
-log "chunnel-bench datapaths (short run: kernel UDP, io_uring, shared memory vs raw; Figure 7)"
+log "chunnel-bench datapaths (short run: kernel UDP, io_uring, shared memory, AF_XDP vs raw; Figure 7)"
 cargo run --release --locked -q -p chunnel-bench -- datapaths --msgs 2000 --reps 2 \
   | tail -n 1 | python3 -c '
 import json, sys
@@ -111,6 +111,10 @@ assert d["bench"] == "datapaths", d
 for k in ("kernel_udp", "io_uring", "shared_memory"):
     assert d["datapaths"][k]["library"]["rtt_p50_us"]["median"] > 0, (k, d["datapaths"][k])
 assert len(d["figure7"]["results"]) == 16, d["figure7"]
+# CI runs as root with CHUNNEL_XDP_REQUIRE=1: AF_XDP must have run, through the XSK socket.
+x = d["datapaths"]["af_xdp"]
+assert x["library"]["rtt_p50_us"]["median"] > 0 and x["raw"]["rtt_p50_us"]["median"] > 0, x
+assert d["checks"]["af_xdp_all_requests_redirected"], d["checks"]
 print("bench JSON ok:", d["checks"])'
 
 log "all tests passed"
