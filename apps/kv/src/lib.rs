@@ -583,12 +583,14 @@ pub struct KvClient {
     pending: Arc<Pending>,
     slots: Semaphore,
     cfg: ClientConfig,
-    task: tokio::task::JoinHandle<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for KvClient {
     fn drop(&mut self) {
-        self.task.abort();
+        for t in &self.tasks {
+            t.abort();
+        }
     }
 }
 
@@ -645,12 +647,22 @@ impl KvClient {
         };
         let conn = Arc::new(conn);
         let pending: Arc<Pending> = Arc::default();
-        let rx = receive(Arc::clone(&conn), Arc::clone(&pending));
-        let task = if cfg.local_receiver {
-            tokio::task::spawn_local(rx)
-        } else {
-            tokio::spawn(rx)
+        // Client push: one receiving task per source (shard socket), as a hand-written
+        // multiplexing client would have, so a reply wakes and polls only its own socket.
+        let sources = match conn.get_ref() {
+            Either::Left(push) => push.sources().await?,
+            Either::Right(_) => 1,
         };
+        let tasks = (0..sources)
+            .map(|source| {
+                let rx = receive(Arc::clone(&conn), Arc::clone(&pending), source);
+                if cfg.local_receiver {
+                    tokio::task::spawn_local(rx)
+                } else {
+                    tokio::spawn(rx)
+                }
+            })
+            .collect();
         Ok(KvClient {
             conn,
             sharding,
@@ -659,7 +671,7 @@ impl KvClient {
             pending,
             slots: Semaphore::new(cfg.max_outstanding.max(1)),
             cfg,
-            task,
+            tasks,
         })
     }
 
@@ -719,11 +731,17 @@ impl KvClient {
     }
 }
 
-/// Matches replies to waiting requests until the connection ends.
-async fn receive(conn: Arc<Conn>, pending: Arc<Pending>) {
+/// Matches replies to waiting requests until the connection ends: those of one receive
+/// `source` of a client-push connection (see `ClientShardConn::sources`), or all of a
+/// server-side one.
+async fn receive(conn: Arc<Conn>, pending: Arc<Pending>, source: usize) {
     let mut slots: Vec<Option<Msg>> = vec![None; 32];
     loop {
-        match conn.recv(&mut slots).await {
+        let got = match conn.get_ref() {
+            Either::Left(push) => push.recv_from(source, &mut slots).await,
+            Either::Right(_) => conn.recv(&mut slots).await,
+        };
+        match got {
             Ok(n) => {
                 let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
                 for m in slots[..n].iter_mut().filter_map(Option::take) {

@@ -39,6 +39,14 @@ pub enum Error {
         /// What was wrong.
         what: String,
     },
+    /// `ClientShardConn::recv_from` was given a source it does not have.
+    #[error("no receive source {index} (this connection has {sources})")]
+    NoSuchSource {
+        /// The source asked for.
+        index: usize,
+        /// How many there are.
+        sources: usize,
+    },
     /// A shard of this process no longer takes requests (its thread ended).
     #[error("shard {shard} is gone")]
     ShardGone {
@@ -52,9 +60,10 @@ impl From<Error> for chunnel::Error {
         let layer = match &e {
             Error::Encode { .. } | Error::Decode { .. } => "chunnel-std/serialize",
             Error::Header { layer, .. } => layer,
-            Error::ShardSetUnknown | Error::BadShardSet { .. } | Error::ShardGone { .. } => {
-                "chunnel-std/shard"
-            }
+            Error::ShardSetUnknown
+            | Error::BadShardSet { .. }
+            | Error::ShardGone { .. }
+            | Error::NoSuchSource { .. } => "chunnel-std/shard",
         };
         chunnel::Error::Layer {
             layer,

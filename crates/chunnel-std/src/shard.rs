@@ -1055,6 +1055,36 @@ where
         Ok(v)
     }
 
+    /// Dials the shards if that has not happened yet, and returns how many sources
+    /// [`ClientShardConn::recv_from`] reads: the first 4 shard connections, then the merge
+    /// queue (replies of further shards and whatever the canonical address sends).
+    pub async fn sources(&self) -> Result<usize, chunnel::Error> {
+        Ok(self.shards().await?.len().min(DIRECT) + 1)
+    }
+
+    /// Receives from one source only (see [`ClientShardConn::sources`]): a caller that
+    /// runs one receiving task per source (a client multiplexing many requests) then wakes
+    /// and polls only the source that has data, where [`ChunnelConnection::recv`] polls
+    /// every source on every call. Messages go to whichever call reads them, so a source
+    /// read here and by `recv` at once splits its messages between the two. Cancel safe.
+    pub async fn recv_from(
+        &self,
+        source: usize,
+        slots: &mut [Option<T>],
+    ) -> Result<usize, chunnel::Error> {
+        let shards = self.shards().await?;
+        let direct = shards.len().min(DIRECT);
+        match source {
+            s if s < direct => shards[s].recv(slots).await,
+            s if s == direct => self.merge.recv(slots).await,
+            s => Err(Error::NoSuchSource {
+                index: s,
+                sources: direct + 1,
+            }
+            .into()),
+        }
+    }
+
     /// Polls every source at once — the `direct` shard connections and the merge queue —
     /// each into its own part of `buf` (at least one slot per source); the first that yields
     /// wins and its messages are moved to the front. `None`: the shards were dialled while
@@ -1520,6 +1550,95 @@ mod tests {
     /// Client push over more shards than `recv` reads itself (the rest through the merge
     /// queue), with one-slot and many-slot receives, and a receiver that started before the
     /// shards were dialled: every reply arrives once, from the right shard.
+    #[tokio::test(flavor = "current_thread")]
+    async fn recv_from_reads_one_source_each() {
+        let ser = crate::serialize::Serialize::<KeyedMsg, _>::bincode();
+        let n = DIRECT + 2;
+        let shards = ShardServer::spawn(
+            TestUdp,
+            &vec!["127.0.0.1:0".to_owned(); n],
+            ser,
+            |i| {
+                move |mut m: KeyedMsg| {
+                    m.shard = i as u32;
+                    Some(m)
+                }
+            },
+            Config::default(),
+        )
+        .unwrap();
+        let canonical = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let push = ClientShard::new(TestUdp, ser);
+        push.directory().set(shards.addrs().to_vec()).unwrap();
+        let base = chunnel_net::udp::Connect::new(canonical.local_addr().unwrap())
+            .connect_wrap(())
+            .await
+            .unwrap();
+        let conn = Arc::new(chunnel::stack![push, ser].connect_wrap(base).await.unwrap());
+        let sources = conn.sources().await.unwrap();
+        assert_eq!(sources, DIRECT + 1, "4 direct shards and the merge queue");
+        let mut slots: Vec<Option<KeyedMsg>> = vec![None; 8];
+        match conn.recv_from(sources, &mut slots).await {
+            Err(chunnel::Error::Layer { source, .. }) => assert!(
+                matches!(
+                    source.downcast_ref::<Error>(),
+                    Some(Error::NoSuchSource { index, sources: s }) if *index == sources && *s == sources
+                ),
+                "{source}"
+            ),
+            other => panic!("source {sources} of {sources}: {other:?}"),
+        }
+        let total = 30 * n;
+        let msgs: Vec<KeyedMsg> = (0..total)
+            .map(|i| KeyedMsg {
+                key: format!("key-{i}"),
+                shard: u32::MAX,
+            })
+            .collect();
+        conn.send(msgs).await.unwrap();
+        // One reader per source, as a multiplexing client runs them, until all are in.
+        let seen = Arc::new(AtomicUsize::new(0));
+        let readers: Vec<_> = (0..sources)
+            .map(|s| {
+                let (conn, seen) = (Arc::clone(&conn), Arc::clone(&seen));
+                tokio::spawn(async move {
+                    let mut slots: Vec<Option<KeyedMsg>> = vec![None; 8];
+                    let mut mine = Vec::new();
+                    while seen.load(Ordering::SeqCst) < total {
+                        let r = tokio::time::timeout(
+                            std::time::Duration::from_millis(50),
+                            conn.recv_from(s, &mut slots),
+                        )
+                        .await;
+                        if let Ok(k) = r {
+                            let k = k.unwrap();
+                            mine.extend(slots[..k].iter_mut().map(|m| m.take().unwrap()));
+                            seen.fetch_add(k, Ordering::SeqCst);
+                        }
+                    }
+                    (s, mine)
+                })
+            })
+            .collect();
+        let mut got = Vec::new();
+        let mut per_source = vec![0usize; sources];
+        for r in readers {
+            let (s, ms) = tokio::time::timeout(std::time::Duration::from_secs(10), r)
+                .await
+                .expect("replies missing")
+                .unwrap();
+            for m in &ms {
+                let shard = m.shard as usize;
+                let expect = if shard < DIRECT { shard } else { DIRECT };
+                assert_eq!(s, expect, "shard {shard}'s reply came through source {s}");
+            }
+            per_source[s] = ms.len();
+            got.extend(ms);
+        }
+        assert_eq!(got.len(), total);
+        assert!(per_source.iter().all(|&k| k > 0), "{per_source:?}");
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn client_push_receives_from_every_shard() {
         use chunnel::ConnectionExt;
