@@ -21,6 +21,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -702,6 +703,13 @@ struct Demux<A> {
     backlog: VecDeque<(A, Arc<Peer>)>,
 }
 
+/// A connection reading for itself in [`Shared::pump_for`].
+struct Direct<'a, A> {
+    addr: &'a A,
+    peer: &'a Peer,
+    slots: &'a mut [Option<Bytes>],
+}
+
 /// State shared by a listener and its connections.
 #[derive(Debug)]
 pub(crate) struct Shared<S: DgramSocket> {
@@ -739,9 +747,6 @@ impl<S: DgramSocket> Shared<S> {
     /// that — or until `other` completes, whichever comes first. Returns `other`'s output if
     /// it completed.
     async fn wait_readable<T>(&self, other: impl Future<Output = T>) -> io::Result<Option<T>> {
-        let vacant = self.reader_vacant.notified();
-        tokio::pin!(vacant);
-        vacant.as_mut().enable();
         tokio::pin!(other);
         if self
             .reader
@@ -757,6 +762,15 @@ impl<S: DgramSocket> Shared<S> {
                 t = &mut other => Ok(Some(t)),
             }
         } else {
+            // Registered before the place is looked at again: a reader leaving after this
+            // wakes us; one that left before it is seen here (and its `notify_one` left a
+            // permit besides). Only a task that waits for the place pays for registering.
+            let vacant = self.reader_vacant.notified();
+            tokio::pin!(vacant);
+            vacant.as_mut().enable();
+            if !self.reader.load(Ordering::Acquire) {
+                return Ok(None);
+            }
             tokio::select! {
                 () = &mut vacant => Ok(None),
                 t = &mut other => Ok(Some(t)),
@@ -766,13 +780,34 @@ impl<S: DgramSocket> Shared<S> {
 
     /// Reads one batch from the socket and sorts it into peer queues.
     fn pump(&self) -> io::Result<usize> {
+        self.pump_for(None).map(|(n, _)| n)
+    }
+
+    /// As [`Shared::pump`]; with `me`, datagrams from `me`'s peer go straight into `me`'s
+    /// slots while its queue is empty (the calling connection reads them anyway: no queue, no
+    /// wake-up, no lookup). Returns (datagrams read, delivered into the slots).
+    fn pump_for(&self, mut me: Option<Direct<'_, S::Addr>>) -> io::Result<(usize, usize)> {
         let mut rx = lock(&self.rx);
         let fd = self.sock.as_raw_fd();
-        self.sock.try_io_with(Interest::READABLE, || {
+        let mut direct = 0;
+        let n = self.sock.try_io_with(Interest::READABLE, || {
             rx.read::<S::Addr>(fd, &self.cfg, self.cfg.batch, &self.stats, |addr, m| {
                 let Some(addr) = addr else {
                     return; // unnamed sender: no way to answer it
                 };
+                if let Some(me) = me.as_mut()
+                    && direct < me.slots.len()
+                    && addr == *me.addr
+                    && !me.peer.closed.load(Ordering::Acquire)
+                {
+                    // Only while nothing older waits in the queue (order); the queue is
+                    // filled only by pumps, and this one holds the receive lock.
+                    if lock(&me.peer.queue).is_empty() {
+                        me.slots[direct] = Some(m);
+                        direct += 1;
+                        return;
+                    }
+                }
                 // The queue is filled under the demux lock, so a connection that finds its
                 // queue empty under that lock and leaves the map can never miss a message.
                 let mut d = lock(&self.demux);
@@ -810,7 +845,8 @@ impl<S: DgramSocket> Shared<S> {
                     peer.notify.notify_one();
                 }
             })
-        })
+        })?;
+        Ok((n, direct))
     }
 }
 
@@ -890,6 +926,7 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                     addr,
                     peer,
                     last_rx: Mutex::new(Instant::now()),
+                    idle: Mutex::new(None),
                 });
             }
             // While a connection waits on the socket it reads (and sorts new peers into the
@@ -929,6 +966,9 @@ pub struct ServerConnection<S: DgramSocket> {
     addr: S::Addr,
     peer: Arc<Peer>,
     last_rx: Mutex<Instant>,
+    /// The idle timer, kept between waits: moving its deadline later is an atomic update,
+    /// where a fresh timer per wait was a timer-wheel insertion and removal per message.
+    idle: Mutex<Option<Pin<Box<tokio::time::Sleep>>>>,
 }
 
 impl<S: DgramSocket> ServerConnection<S> {
@@ -1043,9 +1083,6 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         }
         let sh = &self.shared;
         loop {
-            let notified = self.peer.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
             let n = self.drain(slots);
             if n > 0 {
                 *lock(&self.last_rx) = Instant::now();
@@ -1056,33 +1093,60 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             }
             // As in `accept`: another task waiting on the socket reads for this one too.
             if !sh.reader.load(Ordering::Acquire) {
-                match sh.pump() {
-                    Ok(_) => continue,
+                let me = Direct {
+                    addr: &self.addr,
+                    peer: &self.peer,
+                    slots: &mut *slots,
+                };
+                match sh.pump_for(Some(me)) {
+                    Ok((_, 0)) => continue,
+                    Ok((_, direct)) => {
+                        *lock(&self.last_rx) = Instant::now();
+                        return Ok(direct);
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                     Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
                     Err(e) => return Err(conn_err("recv", &self.addr, e)),
                 }
             }
-            let idle = async {
-                match sh.cfg.idle_timeout {
-                    Some(t) => {
-                        let deadline = *lock(&self.last_rx) + t;
-                        tokio::time::sleep_until(deadline).await
+            // About to wait: register for this connection's wake-ups first, then look once
+            // more (a message queued, or a close, between the look above and now is seen
+            // here; one after it wakes the registration).
+            let notified = self.peer.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !lock(&self.peer.queue).is_empty() || self.peer.closed.load(Ordering::Acquire) {
+                continue;
+            }
+            // Taken for the wait (a concurrent `recv` makes its own) and put back after it;
+            // dropped with this future if the caller cancels.
+            let mut timer = lock(&self.idle).take();
+            let idle_fired = {
+                let idle = async {
+                    match sh.cfg.idle_timeout {
+                        Some(t) => {
+                            let deadline = *lock(&self.last_rx) + t;
+                            let s = timer.get_or_insert_with(|| {
+                                Box::pin(tokio::time::sleep_until(deadline))
+                            });
+                            s.as_mut().reset(deadline);
+                            s.as_mut().await
+                        }
+                        None => std::future::pending().await,
                     }
-                    None => std::future::pending().await,
-                }
+                };
+                tokio::pin!(idle);
+                let woken = async {
+                    tokio::select! {
+                        () = &mut notified => false,
+                        () = &mut idle => true,
+                    }
+                };
+                sh.wait_readable(woken)
+                    .await
+                    .map_err(|e| conn_err("recv", &self.addr, e))?
             };
-            tokio::pin!(idle);
-            let woken = async {
-                tokio::select! {
-                    () = &mut notified => false,
-                    () = &mut idle => true,
-                }
-            };
-            let idle_fired = sh
-                .wait_readable(woken)
-                .await
-                .map_err(|e| conn_err("recv", &self.addr, e))?;
+            *lock(&self.idle) = timer;
             if idle_fired == Some(true) && self.close_if_idle() {
                 return Err(Error::PeerClosed);
             }
