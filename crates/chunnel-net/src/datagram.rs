@@ -916,10 +916,13 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
 
     async fn accept(&mut self) -> Result<ServerConnection<S>, Error> {
         let sh = &self.shared;
+        // Registered once and kept until it fires: this task is woken whenever the reader's
+        // place falls vacant (once per datagram a connection reads), and re-registering on
+        // every such wake-up was most of what the wake-up cost.
+        let notified = sh.accept_notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
         loop {
-            let notified = sh.accept_notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
             if let Some((addr, peer)) = lock(&sh.demux).backlog.pop_front() {
                 return Ok(ServerConnection {
                     shared: sh.clone(),
@@ -949,12 +952,17 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                     }
                 }
             }
-            sh.wait_readable(notified.as_mut())
+            let fired = sh
+                .wait_readable(notified.as_mut())
                 .await
                 .map_err(|e| Error::Io {
                     op: "accept",
                     source: e,
                 })?;
+            if fired.is_some() {
+                notified.set(sh.accept_notify.notified());
+                notified.as_mut().enable();
+            }
         }
     }
 }
