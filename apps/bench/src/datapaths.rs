@@ -105,35 +105,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
         }
     }
     let kernel_udp = {
-        let get = |i: usize, f: fn(&Sample) -> f64| udp[i].iter().map(f).collect::<Vec<f64>>();
-        let per_rep = |f: fn(&Sample) -> f64| -> Vec<f64> {
-            get(2, f)
-                .iter()
-                .zip(get(0, f))
-                .map(|(l, r)| l / r)
-                .collect()
-        };
-        let raw_p50 = med(&get(0, |s| s.p50_us));
-        let lib_p50 = med(&get(2, |s| s.p50_us));
-        let ratio = med(&per_rep(|s| s.p50_us));
-        let side = |i: usize, what: &str| {
-            json!({
-                "what": what,
-                "rtt_p50_us": spread(&get(i, |s| s.p50_us)),
-                "rtt_p99_us": spread(&get(i, |s| s.p99_us)),
-                "msgs_per_s_64b": spread(&get(i, |s| s.msgs_per_s)),
-            })
-        };
-        json!({
-            "raw": side(0, "tokio UdpSocket echo (send/recv, one system call per message)"),
-            "raw_std_blocking": side(1, "context: blocking std UdpSocket echo (no epoll)"),
-            "library": side(2, "chunnel_net::udp Connect vs Listener echo (sendmmsg/recvmmsg)"),
-            "p50_ratio_lib_over_raw": spread(&per_rep(|s| s.p50_us)),
-            "p99_ratio_lib_over_raw": spread(&per_rep(|s| s.p99_us)),
-            "throughput_ratio_lib_over_raw": spread(&per_rep(|s| s.msgs_per_s)),
-            "p50_lib_minus_raw_us": lib_p50 - raw_p50,
-            "meets_bar": meets_bar(raw_p50, lib_p50, ratio),
-        })
+        let mut v = json!({
+            "raw": side_stats(&udp[0], "tokio UdpSocket echo (send/recv, one system call per message)"),
+            "raw_std_blocking": side_stats(&udp[1], "context: blocking std UdpSocket echo (no epoll)"),
+            "library": side_stats(&udp[2], "chunnel_net::udp Connect vs Listener echo (sendmmsg/recvmmsg)"),
+        });
+        merge(&mut v, compare(&udp[0], &udp[2]));
+        v
     };
 
     // io_uring: the `uring` subcommand's measurement.
@@ -303,31 +281,28 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "shm_at_least_5x_lower_p50_than_udp": udp_over_shm >= 5.0,
     });
     eprintln!("\nchecks: {checks}");
-    let out = json!({
-        "bench": "datapaths",
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "msgs": a.msgs,
-        "reps": a.reps,
-        "warmup": WARMUP,
-        "throughput": { "size": TPUT_SIZE, "burst": BURST, "millis": TPUT_MILLIS },
-        "cpus": { "client": CLIENT_CPU, "server": SERVER_CPU },
-        "bar": "library p50 within 10% of raw, or at most 1 us above raw when raw p50 < 10 us; \
-                shm p50 >= 5x lower than kernel UDP",
-        "wall_seconds": started.elapsed().as_secs_f64(),
-        "datapaths": {
-            "kernel_udp": kernel_udp,
-            "io_uring": io_uring,
-            "shared_memory": shared_memory,
-            "af_xdp": af_xdp,
-        },
-        "figure7": {
-            "datapath": "shared memory (chunnel-shm negotiated, busy-poll) + N Noop layers at both ends",
-            "layers": LAYERS,
-            "sizes": SIZES,
-            "results": figure7,
-        },
-        "checks": checks,
-    });
+    let mut out = run_header("datapaths", a.msgs, a.reps);
+    merge(
+        &mut out,
+        json!({
+            "bar": "library p50 within 10% of raw, or at most 1 us above raw when raw p50 < 10 us; \
+                    shm p50 >= 5x lower than kernel UDP",
+            "wall_seconds": started.elapsed().as_secs_f64(),
+            "datapaths": {
+                "kernel_udp": kernel_udp,
+                "io_uring": io_uring,
+                "shared_memory": shared_memory,
+                "af_xdp": af_xdp,
+            },
+            "figure7": {
+                "datapath": "shared memory (chunnel-shm negotiated, busy-poll) + N Noop layers at both ends",
+                "layers": LAYERS,
+                "sizes": SIZES,
+                "results": figure7,
+            },
+            "checks": checks,
+        }),
+    );
     println!("{out}");
     Ok(())
 }
@@ -336,6 +311,55 @@ pub(crate) fn med(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
     median(&v)
+}
+
+/// The fields every datapath benchmark's JSON starts with.
+pub(crate) fn run_header(bench: &str, msgs: usize, reps: usize) -> Value {
+    json!({
+        "bench": bench,
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "msgs": msgs,
+        "reps": reps,
+        "warmup": WARMUP,
+        "throughput": { "size": TPUT_SIZE, "burst": BURST, "millis": TPUT_MILLIS },
+        "cpus": { "client": CLIENT_CPU, "server": SERVER_CPU },
+    })
+}
+
+/// p50, p99 and 64 B throughput over the repetitions of one variant.
+pub(crate) fn side_stats(samples: &[Sample], what: &str) -> Value {
+    let get = |f: fn(&Sample) -> f64| samples.iter().map(f).collect::<Vec<f64>>();
+    json!({
+        "what": what,
+        "rtt_p50_us": spread(&get(|s| s.p50_us)),
+        "rtt_p99_us": spread(&get(|s| s.p99_us)),
+        "msgs_per_s_64b": spread(&get(|s| s.msgs_per_s)),
+    })
+}
+
+/// A library variant against its raw baseline, repetition by repetition: the ratios, the
+/// p50 difference and whether the bar holds.
+pub(crate) fn compare(raw: &[Sample], lib: &[Sample]) -> Value {
+    let per_rep = |f: fn(&Sample) -> f64| -> Vec<f64> {
+        lib.iter().zip(raw).map(|(l, r)| f(l) / f(r)).collect()
+    };
+    let raw_p50 = med(&raw.iter().map(|s| s.p50_us).collect::<Vec<_>>());
+    let lib_p50 = med(&lib.iter().map(|s| s.p50_us).collect::<Vec<_>>());
+    let ratio = med(&per_rep(|s| s.p50_us));
+    json!({
+        "p50_ratio_lib_over_raw": spread(&per_rep(|s| s.p50_us)),
+        "p99_ratio_lib_over_raw": spread(&per_rep(|s| s.p99_us)),
+        "throughput_ratio_lib_over_raw": spread(&per_rep(|s| s.msgs_per_s)),
+        "p50_lib_minus_raw_us": lib_p50 - raw_p50,
+        "meets_bar": meets_bar(raw_p50, lib_p50, ratio),
+    })
+}
+
+/// Adds `extra`'s fields to the object `v`.
+pub(crate) fn merge(v: &mut Value, extra: Value) {
+    if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
+        o.extend(e);
+    }
 }
 
 /// The issue's bar on p50 round trips (medians; `ratio` is the median per-repetition ratio).

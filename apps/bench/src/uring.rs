@@ -296,29 +296,41 @@ fn lib_server(
         let any: SocketAddr = "127.0.0.1:0".parse()?;
         match v {
             Variant::UringLib | Variant::UringLibAnyThread => {
-                match chunnel_uring::udp::Listener::bind_with(any, uring_cfg(v)).await {
-                    Ok(l) => {
-                        let _ = addr_tx.send(l.local_addr().map_err(Into::into));
-                        echo(l, stop_rx).await
-                    }
-                    Err(e) => {
-                        let _ = addr_tx.send(Err(e.into()));
-                        Ok(())
-                    }
-                }
+                let bound = chunnel_uring::udp::Listener::bind_with(any, uring_cfg(v))
+                    .await
+                    .and_then(|l| Ok((l.local_addr()?, l)));
+                announce_and_echo(bound, addr_tx, stop_rx).await
             }
-            _ => match chunnel_net::udp::Listener::bind(any).await {
-                Ok(l) => {
-                    let _ = addr_tx.send(l.local_addr().map_err(Into::into));
-                    echo(l, stop_rx).await
-                }
-                Err(e) => {
-                    let _ = addr_tx.send(Err(e.into()));
-                    Ok(())
-                }
-            },
+            _ => {
+                let bound = chunnel_net::udp::Listener::bind(any)
+                    .await
+                    .and_then(|l| Ok((l.local_addr()?, l)));
+                announce_and_echo(bound, addr_tx, stop_rx).await
+            }
         }
     })
+}
+
+/// Tells the bound address (or the error) to the waiting client side, then echoes.
+async fn announce_and_echo<L>(
+    bound: Result<(SocketAddr, L), chunnel::Error>,
+    addr_tx: mpsc::SyncSender<Result<SocketAddr>>,
+    stop_rx: mpsc::Receiver<()>,
+) -> Result<()>
+where
+    L: Listener,
+    L::Connection: ChunnelConnection<Data = Bytes>,
+{
+    match bound {
+        Ok((addr, l)) => {
+            let _ = addr_tx.send(Ok(addr));
+            echo(l, stop_rx).await
+        }
+        Err(e) => {
+            let _ = addr_tx.send(Err(e.into()));
+            Ok(())
+        }
+    }
 }
 
 /// Accepts one peer and echoes every burst back until told to stop.

@@ -37,8 +37,8 @@ use chunnel_xdp::{AfXdpUdp, Config, Counters, raw};
 use serde_json::{Value, json};
 
 use crate::datapaths::{
-    BURST, CLIENT_CPU, SERVER_CPU, Sample, TPUT_MILLIS, TPUT_SIZE, WARMUP, echo_until_empty, med,
-    meets_bar, pair, raw_tokio_client, runtime,
+    Sample, TPUT_SIZE, WARMUP, compare, echo_until_empty, merge, pair, raw_tokio_client,
+    run_header, runtime, side_stats,
 };
 use crate::stats::spread;
 
@@ -73,19 +73,16 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "af_xdp_all_requests_redirected": af_xdp["all_requests_redirected"].as_bool(),
     });
     eprintln!("\nchecks: {checks}");
-    let out = json!({
-        "bench": "xdp",
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "msgs": a.msgs,
-        "reps": a.reps,
-        "warmup": WARMUP,
-        "throughput": { "size": TPUT_SIZE, "burst": BURST, "millis": TPUT_MILLIS },
-        "cpus": { "client": CLIENT_CPU, "server": SERVER_CPU },
-        "bar": "library p50 within 10% of raw, or at most 1 us above raw when raw p50 < 10 us",
-        "wall_seconds": started.elapsed().as_secs_f64(),
-        "af_xdp": af_xdp,
-        "checks": checks,
-    });
+    let mut out = run_header("xdp", a.msgs, a.reps);
+    merge(
+        &mut out,
+        json!({
+            "bar": "library p50 within 10% of raw, or at most 1 us above raw when raw p50 < 10 us",
+            "wall_seconds": started.elapsed().as_secs_f64(),
+            "af_xdp": af_xdp,
+            "checks": checks,
+        }),
+    );
     println!("{out}");
     Ok(())
 }
@@ -215,18 +212,10 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
     }
     drop(ns);
 
-    let get =
-        |i: usize, f: fn(&Sample) -> f64| res[i].iter().map(|(s, _)| f(s)).collect::<Vec<_>>();
-    let per_rep = |f: fn(&Sample) -> f64| -> Vec<f64> {
-        get(1, f)
-            .iter()
-            .zip(get(0, f))
-            .map(|(l, r)| l / r)
-            .collect()
-    };
-    let raw_p50 = med(&get(0, |s| s.p50_us));
-    let lib_p50 = med(&get(1, |s| s.p50_us));
-    let ratio = med(&per_rep(|s| s.p50_us));
+    let samples: Vec<Vec<Sample>> = res
+        .iter()
+        .map(|r| r.iter().map(|(s, _)| *s).collect())
+        .collect();
     // Every timed and warm-up request, and the end message, went through the socket (the
     // throughput phase adds more).
     let expected = (WARMUP + msgs + 1) as u64;
@@ -254,17 +243,18 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
                 })
             })
             .collect();
-        json!({
-            "what": what,
-            "rtt_p50_us": spread(&get(i, |s| s.p50_us)),
-            "rtt_p99_us": spread(&get(i, |s| s.p99_us)),
-            "msgs_per_s_64b": spread(&get(i, |s| s.msgs_per_s)),
+        let mut v = side_stats(&samples[i], what);
+        merge(
+            &mut v,
+            json!({
             "xdp_redirected": spread(&res[i].iter().map(|(_, r)| r.counters.redirected as f64).collect::<Vec<_>>()),
             "server_cpu_ns_per_echo": spread(&res[i].iter().map(|(_, r)| cpu_per_echo(r)).collect::<Vec<_>>()),
             "runs": runs,
-        })
+            }),
+        );
+        v
     };
-    Ok(json!({
+    let mut out = json!({
         "raw": side(0, "raw_af_xdp: chunnel_xdp::raw XSK socket + XDP program, hand-written \
                         echo loop, poll() wait, no Chunnel/listener/tokio"),
         "library": side(1, "af_xdp_lib: chunnel_xdp::AfXdpUdp listener + ServerConnection \
@@ -272,15 +262,12 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
         "client": "kernel UDP, the kernel_udp raw_tokio client loop, in namespace A",
         "topology": format!("two network namespaces, single-queue veth {DEV_A} ({ADDR_A}) - \
                              {DEV_B} ({ADDR_B}); server {SERVER}"),
-        "p50_ratio_lib_over_raw": spread(&per_rep(|s| s.p50_us)),
-        "p99_ratio_lib_over_raw": spread(&per_rep(|s| s.p99_us)),
-        "throughput_ratio_lib_over_raw": spread(&per_rep(|s| s.msgs_per_s)),
-        "p50_lib_minus_raw_us": lib_p50 - raw_p50,
-        "meets_bar": meets_bar(raw_p50, lib_p50, ratio),
         "min_redirected_per_run_expected": expected,
         "all_requests_redirected": all_redirected,
         "reps": reps,
-    }))
+    });
+    merge(&mut out, compare(&samples[0], &samples[1]));
+    Ok(out)
 }
 
 /// Server CPU time per echoed datagram over the whole run (round trips and bursts).

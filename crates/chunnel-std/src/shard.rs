@@ -1550,10 +1550,21 @@ mod tests {
     /// Client push over more shards than `recv` reads itself (the rest through the merge
     /// queue), with one-slot and many-slot receives, and a receiver that started before the
     /// shards were dialled: every reply arrives once, from the right shard.
-    #[tokio::test(flavor = "current_thread")]
-    async fn recv_from_reads_one_source_each() {
+    type TestSer = crate::serialize::Serialize<KeyedMsg, crate::serialize::Bincode>;
+    type TestPush = ClientShardConn<
+        crate::serialize::SerializeConn<
+            chunnel_net::udp::Connection,
+            KeyedMsg,
+            crate::serialize::Bincode,
+        >,
+        TestUdp,
+        TestSer,
+    >;
+
+    /// `n` shards answering with their index, and a client-push connection to them. The
+    /// canonical address is a socket nobody answers on (returned: keep it alive).
+    async fn push_client(n: usize) -> (ShardServer<KeyedMsg>, std::net::UdpSocket, Arc<TestPush>) {
         let ser = crate::serialize::Serialize::<KeyedMsg, _>::bincode();
-        let n = DIRECT + 2;
         let shards = ShardServer::spawn(
             TestUdp,
             &vec!["127.0.0.1:0".to_owned(); n],
@@ -1575,6 +1586,13 @@ mod tests {
             .await
             .unwrap();
         let conn = Arc::new(chunnel::stack![push, ser].connect_wrap(base).await.unwrap());
+        (shards, canonical, conn)
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn recv_from_reads_one_source_each() {
+        let n = DIRECT + 2;
+        let (_shards, _canonical, conn) = push_client(n).await;
         let sources = conn.sources().await.unwrap();
         assert_eq!(sources, DIRECT + 1, "4 direct shards and the merge queue");
         let mut slots: Vec<Option<KeyedMsg>> = vec![None; 8];
@@ -1642,29 +1660,8 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn client_push_receives_from_every_shard() {
         use chunnel::ConnectionExt;
-        let ser = crate::serialize::Serialize::<KeyedMsg, _>::bincode();
         let n = DIRECT + 3;
-        let shards = ShardServer::spawn(
-            TestUdp,
-            &vec!["127.0.0.1:0".to_owned(); n],
-            ser,
-            |i| {
-                move |mut m: KeyedMsg| {
-                    m.shard = i as u32;
-                    Some(m)
-                }
-            },
-            Config::default(),
-        )
-        .unwrap();
-        let canonical = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        let push = ClientShard::new(TestUdp, ser);
-        push.directory().set(shards.addrs().to_vec()).unwrap();
-        let base = chunnel_net::udp::Connect::new(canonical.local_addr().unwrap())
-            .connect_wrap(())
-            .await
-            .unwrap();
-        let conn = Arc::new(chunnel::stack![push, ser].connect_wrap(base).await.unwrap());
+        let (_shards, _canonical, conn) = push_client(n).await;
         let total = 40 * n;
         // Started before the first send: it waits on nothing but the canonical connection
         // until the shards are dialled.

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -98,44 +99,51 @@ pub(crate) fn not_available(reason: impl Into<String>) -> Error {
     }
 }
 
+/// Creates the AF_XDP socket on (`cfg.interface`, `cfg.queue`) and loads and attaches the
+/// program steering `cfg.local`'s UDP to it. A socket on the same queue that was just closed
+/// may still be torn down: EBUSY is retried briefly.
+pub(crate) fn open_socket(cfg: &Config, obj: &[u8], ifindex: u32) -> Result<(Xsk, Program), Error> {
+    let sizes = XskSizes {
+        frames: cfg.frames,
+        frame_size: cfg.frame_size,
+    };
+    let mut tries = 0;
+    let xsk = loop {
+        match Xsk::new(ifindex, cfg.queue, sizes) {
+            Ok(x) => break x,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10 * tries));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                return Err(not_available(format!(
+                    "queue {} of {} is already bound by another AF_XDP socket: {e}",
+                    cfg.queue, cfg.interface
+                )));
+            }
+            Err(e) => {
+                return Err(not_available(format!(
+                    "creating the AF_XDP socket on {} queue {}: {e}",
+                    cfg.interface, cfg.queue
+                )));
+            }
+        }
+    };
+    let program = Program::load(
+        obj,
+        &cfg.interface,
+        cfg.mode,
+        cfg.local,
+        cfg.queue,
+        xsk.fd(),
+    )
+    .map_err(not_available)?;
+    Ok((xsk, program))
+}
+
 impl Listener {
     pub(crate) fn start(cfg: Config, obj: &[u8], ifindex: u32) -> Result<Listener, Error> {
-        let sizes = XskSizes {
-            frames: cfg.frames,
-            frame_size: cfg.frame_size,
-        };
-        // A socket on the same queue that was just closed may still be torn down: retry EBUSY.
-        let mut tries = 0;
-        let xsk = loop {
-            match Xsk::new(ifindex, cfg.queue, sizes) {
-                Ok(x) => break x,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5 => {
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(10 * tries));
-                }
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                    return Err(not_available(format!(
-                        "queue {} of {} is already bound by another AF_XDP socket: {e}",
-                        cfg.queue, cfg.interface
-                    )));
-                }
-                Err(e) => {
-                    return Err(not_available(format!(
-                        "creating the AF_XDP socket on {} queue {}: {e}",
-                        cfg.interface, cfg.queue
-                    )));
-                }
-            }
-        };
-        let program = Program::load(
-            obj,
-            &cfg.interface,
-            cfg.mode,
-            cfg.local,
-            cfg.queue,
-            xsk.fd(),
-        )
-        .map_err(not_available)?;
+        let (xsk, program) = open_socket(&cfg, obj, ifindex)?;
         // SAFETY: the descriptor is the socket's, owned by `Shared::xsk`, which drops after
         // `Shared::afd` (field order), so it stays open and the same for the registration's
         // lifetime.
@@ -180,7 +188,13 @@ impl Listener {
 
     /// The attach mode the program ended up in (`"driver"` or `"skb"`).
     pub fn attach_mode(&self) -> &'static str {
-        match self.shared.program.lock().expect("poisoned").mode {
+        match self
+            .shared
+            .program
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .mode
+        {
             aya::programs::XdpMode::Skb => "skb",
             _ => "driver",
         }
@@ -196,7 +210,7 @@ impl Shared {
     fn counters(&self) -> Result<Counters, Error> {
         self.program
             .lock()
-            .expect("poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .counters()
             .map_err(|e| Error::Layer {
                 layer: ID,
@@ -208,7 +222,7 @@ impl Shared {
         let (kd, kf, ke) = self
             .xsk
             .lock()
-            .expect("poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .stats()
             .unwrap_or_default();
         Stats {
@@ -219,7 +233,11 @@ impl Shared {
             malformed: self.malformed.load(Ordering::Relaxed),
             dropped: self.dropped.load(Ordering::Relaxed),
             sent: self.sent.load(Ordering::Relaxed),
-            tx_kicks: self.xsk.lock().expect("poisoned").kicks,
+            tx_kicks: self
+                .xsk
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .kicks,
             rx_batches: self.rx_batches.load(Ordering::Relaxed),
         }
     }
@@ -230,7 +248,11 @@ impl Drop for Listener {
         self.shared.closed.store(true, Ordering::Release);
         self.task.abort();
         // Connections see Closed once their queue is empty.
-        self.shared.peers.lock().expect("poisoned").clear();
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 }
 
@@ -248,7 +270,7 @@ async fn rx_loop(shared: Arc<Shared>, accept: mpsc::Sender<ServerConnection>) {
     let mut buf = BytesMut::new();
     loop {
         let n = {
-            let mut x = shared.xsk.lock().expect("poisoned");
+            let mut x = shared.xsk.lock().unwrap_or_else(PoisonError::into_inner);
             if buf.capacity() < batch * x.frame_size() / 2 {
                 buf = BytesMut::with_capacity(batch * x.frame_size());
             }
@@ -297,7 +319,7 @@ fn dispatch(
     ep: Endpoints,
     msg: Bytes,
 ) {
-    let mut peers = shared.peers.lock().expect("poisoned");
+    let mut peers = shared.peers.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(p) = peers.get(&ep.src) {
         match p.tx.try_send(msg) {
             Ok(()) => {
@@ -391,7 +413,11 @@ impl ServerConnection {
         loop {
             let mut err = None;
             let queued = {
-                let mut x = self.shared.xsk.lock().expect("poisoned");
+                let mut x = self
+                    .shared
+                    .xsk
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
                 let room = x.frame_size() - frame::HEADERS;
                 let max = max.min(room);
                 let ep = &self.ep;

@@ -12,14 +12,13 @@
 use std::net::SocketAddrV4;
 use std::ops::Range;
 use std::os::fd::RawFd;
-use std::time::Duration;
 
 use chunnel::{Error, Negotiate};
 
 use crate::bpf::{Counters, Program};
 use crate::frame::{self, Endpoints};
 use crate::listener::not_available;
-use crate::xsk::{Xsk, XskSizes};
+use crate::xsk::Xsk;
 use crate::{AfXdpUdp, Config};
 
 /// Ethernet + IPv4 (no options) + UDP header bytes of a frame [`build_reply`] writes.
@@ -53,35 +52,7 @@ impl Socket {
         xdp.check_available()?;
         let obj = crate::bpf::object(cfg.bpf_object.as_deref()).map_err(not_available)?;
         let ifindex = crate::ifindex(&cfg.interface)?;
-        let sizes = XskSizes {
-            frames: cfg.frames,
-            frame_size: cfg.frame_size,
-        };
-        let mut tries = 0;
-        let xsk = loop {
-            match Xsk::new(ifindex, cfg.queue, sizes) {
-                Ok(x) => break x,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5 => {
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(10 * tries));
-                }
-                Err(e) => {
-                    return Err(not_available(format!(
-                        "creating the AF_XDP socket on {} queue {}: {e}",
-                        cfg.interface, cfg.queue
-                    )));
-                }
-            }
-        };
-        let program = Program::load(
-            &obj,
-            &cfg.interface,
-            cfg.mode,
-            cfg.local,
-            cfg.queue,
-            xsk.fd(),
-        )
-        .map_err(not_available)?;
+        let (xsk, program) = crate::listener::open_socket(cfg, &obj, ifindex)?;
         Ok(Socket { program, xsk })
     }
 
