@@ -73,6 +73,8 @@ for mode in ("client_push", "server_side"):
 assert {"client_push", "server_side", "ratio_client_push_over_server_side"} <= set(d["max_load_meeting_bound"])
 for v in ("full", "no_chunnels", "no_chunnels_no_mux"):
     assert d["full_vs_inline"]["variants"][v]["p50_us"]["runs"] == 1, v
+p = d["full_vs_inline"]["paired"]
+assert p["samples"]["full"] > 0 and p["samples"]["no_chunnels"] > 0, p
 assert d["server"]["clients_client_push"] >= 1 and d["server"]["clients_server_side"] >= 1, d["server"]
 print("bench JSON ok: max loads", d["max_load_meeting_bound"])'
 

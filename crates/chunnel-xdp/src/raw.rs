@@ -3,9 +3,10 @@
 //!
 //! `chunnel-bench datapaths` measures [`crate::Listener`] against a hand-written echo loop
 //! built on this module, so that the difference between the two is the library's layers, not
-//! the socket code: [`Socket`] is the same [`crate::xsk`] socket (UMEM, four rings, copy mode,
-//! need-wakeup) and the same XDP program the listener uses, driven directly by the caller.
-//! [`parse_reply`] / [`build_reply`] are the listener's frame parser and builder.
+//! the socket code: [`Socket`](crate::raw::Socket) is the same XSK socket (UMEM, four rings,
+//! copy mode, need-wakeup) and the same XDP program the listener uses, driven directly by the
+//! caller. [`parse_reply`](crate::raw::parse_reply) / [`build_reply`](crate::raw::build_reply)
+//! are the listener's frame parser and builder.
 //!
 //! Not a stable API: hidden from the documentation, may change with the benchmark.
 
