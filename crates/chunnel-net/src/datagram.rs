@@ -287,6 +287,8 @@ const SPILL_POOL: usize = 8;
 struct Spill<'a> {
     pool: &'a SpillPool,
     v: Option<Vec<Bytes>>,
+    /// A one-message burst kept across a wait (no vector needed).
+    one: Option<Bytes>,
 }
 
 impl Spill<'_> {
@@ -331,7 +333,11 @@ where
 {
     let max = cfg.max_payload.saturating_sub(header.len());
     let mut it = burst.into_iter();
-    let mut spill = Spill { pool, v: None };
+    let mut spill = Spill {
+        pool,
+        v: None,
+        one: None,
+    };
     let mut too_large = None;
     loop {
         match send_step(
@@ -379,7 +385,12 @@ fn send_step<S: DgramSocket>(
     // one-entry array, without setting up (and dropping) the 64 entries of a full batch.
     let mut first = None;
     if cfg.batch >= 2 && spill.v.as_ref().is_none_or(Vec::is_empty) && too_large.is_none() {
-        match it.next() {
+        // A message kept by an earlier step goes first (it was already checked against `max`).
+        let next = match spill.one.take() {
+            Some(m) => Some(m),
+            None => it.next(),
+        };
+        match next {
             None => return Ok(true),
             Some(m) if m.len() > max => {
                 *too_large = Some(m.len());
@@ -394,7 +405,7 @@ fn send_step<S: DgramSocket>(
                         Ok(_) => Ok(true),
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             let [one] = one;
-                            spill.keep(one.into_iter());
+                            spill.one = one;
                             Ok(false)
                         }
                         Err(e) => Err(e),
