@@ -22,7 +22,7 @@ use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -256,6 +256,10 @@ pub(crate) struct Stats {
     pub(crate) dropped_oversize: AtomicU64,
     pub(crate) dropped_queue_full: AtomicU64,
     pub(crate) dropped_backlog_full: AtomicU64,
+    /// Datagrams a connection read for itself, straight into its slots.
+    pub(crate) direct: AtomicU64,
+    /// Datagrams sorted into a peer queue (read by another task, or while older ones wait).
+    pub(crate) queued: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -731,46 +735,97 @@ pub(crate) struct Shared<S: DgramSocket> {
     accept_notify: Notify,
     stats: Stats,
     listener_open: AtomicBool,
-    /// Whether one task is waiting for the socket to become readable. Only that task waits
-    /// on the socket; the others wait on their own queue's notification (or for the reader's
-    /// place to fall vacant), so a datagram wakes one task, not every connection.
-    reader: AtomicBool,
+    /// Which task, if any, waits for the socket to become readable ([`NO_READER`],
+    /// [`ACCEPT_READER`], [`CONN_READER`]). Only that task waits on the socket; the others
+    /// wait on their own queue's notification (or for the reader's place to fall vacant), so
+    /// a datagram wakes one task, not every connection. A connection takes the place from
+    /// `accept` (and `demote` tells `accept` so): the datagrams a connection reads for itself
+    /// go straight into its slots, where those `accept` reads go through a queue and a
+    /// wake-up of the connection's task.
+    reader: AtomicU8,
     reader_vacant: Notify,
+    demote: Notify,
     spill: SpillPool,
 }
+
+/// Nobody waits on the socket (see [`Shared::reader`]).
+const NO_READER: u8 = 0;
+/// `accept` waits on the socket; a connection about to wait takes the place from it.
+const ACCEPT_READER: u8 = 1;
+/// A connection waits on the socket.
+const CONN_READER: u8 = 2;
 
 /// Held by the task that waits on the socket; gives the place up on drop (also when the
 /// waiting future is cancelled) and wakes one other waiter to take it.
 struct ReaderGuard<'a> {
-    reader: &'a AtomicBool,
+    reader: &'a AtomicU8,
     vacant: &'a Notify,
+    role: u8,
 }
 
 impl Drop for ReaderGuard<'_> {
     fn drop(&mut self) {
-        self.reader.store(false, Ordering::Release);
-        self.vacant.notify_one();
+        // `accept` may have lost the place to a connection meanwhile: then it is not ours.
+        let ours = self
+            .reader
+            .compare_exchange(self.role, NO_READER, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if ours {
+            self.vacant.notify_one();
+        }
     }
 }
 
 impl<S: DgramSocket> Shared<S> {
     /// Waits until the socket may be readable — if no other task is already waiting for
     /// that — or until `other` completes, whichever comes first. Returns `other`'s output if
-    /// it completed.
-    async fn wait_readable<T>(&self, other: impl Future<Output = T>) -> io::Result<Option<T>> {
+    /// it completed. `role` is [`ACCEPT_READER`] or [`CONN_READER`]: a connection takes the
+    /// place from `accept`, which then stops waiting on the socket (`Ok(None)`) and waits
+    /// for the place to fall vacant instead.
+    async fn wait_readable<T>(
+        &self,
+        role: u8,
+        other: impl Future<Output = T>,
+    ) -> io::Result<Option<T>> {
         tokio::pin!(other);
-        if self
-            .reader
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
+        let taken = match self.reader.load(Ordering::Acquire) {
+            NO_READER => {
+                self.reader
+                    .compare_exchange(NO_READER, role, Ordering::AcqRel, Ordering::Acquire)
+            }
+            ACCEPT_READER if role == CONN_READER => {
+                let r = self.reader.compare_exchange(
+                    ACCEPT_READER,
+                    CONN_READER,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                if r.is_ok() {
+                    self.demote.notify_one();
+                }
+                r
+            }
+            held => Err(held),
+        };
+        if taken.is_ok() {
             let _guard = ReaderGuard {
                 reader: &self.reader,
                 vacant: &self.reader_vacant,
+                role,
             };
-            tokio::select! {
-                r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
-                t = &mut other => Ok(Some(t)),
+            if role == ACCEPT_READER {
+                // A permit left by a takeover that found `accept` not yet waiting is stale
+                // once the place is ours again: a spurious wake-up at worst.
+                tokio::select! {
+                    r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
+                    () = self.demote.notified() => Ok(None),
+                    t = &mut other => Ok(Some(t)),
+                }
+            } else {
+                tokio::select! {
+                    r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
+                    t = &mut other => Ok(Some(t)),
+                }
             }
         } else {
             // Registered before the place is looked at again: a reader leaving after this
@@ -779,7 +834,7 @@ impl<S: DgramSocket> Shared<S> {
             let vacant = self.reader_vacant.notified();
             tokio::pin!(vacant);
             vacant.as_mut().enable();
-            if !self.reader.load(Ordering::Acquire) {
+            if self.reader.load(Ordering::Acquire) != CONN_READER {
                 return Ok(None);
             }
             tokio::select! {
@@ -851,12 +906,18 @@ impl<S: DgramSocket> Shared<S> {
                         .fetch_add(1, Ordering::Relaxed);
                 } else {
                     q.push_back(m);
+                    self.stats.queued.fetch_add(1, Ordering::Relaxed);
                     drop(q);
                     drop(d);
                     peer.notify.notify_one();
                 }
             })
         })?;
+        if direct > 0 {
+            self.stats
+                .direct
+                .fetch_add(direct as u64, Ordering::Relaxed);
+        }
         Ok((n, direct))
     }
 }
@@ -881,8 +942,9 @@ impl<S: DgramSocket> Listener<S> {
                 accept_notify: Notify::new(),
                 stats: Stats::default(),
                 listener_open: AtomicBool::new(true),
-                reader: AtomicBool::new(false),
+                reader: AtomicU8::new(NO_READER),
                 reader_vacant: Notify::new(),
+                demote: Notify::new(),
                 spill: SpillPool::default(),
             }),
         }
@@ -896,6 +958,17 @@ impl<S: DgramSocket> Listener<S> {
     /// Peers with live state on this listener (accepted or waiting to be accepted).
     pub fn peer_count(&self) -> usize {
         lock(&self.shared.demux).peers.len()
+    }
+
+    /// How received datagrams reached their connections so far: (read by the connection
+    /// itself straight into its slots, sorted into a per-peer queue first). A connection that
+    /// keeps calling `recv` reads its own datagrams; a queue means a task hop per datagram.
+    pub fn delivery(&self) -> (u64, u64) {
+        let s = &self.shared.stats;
+        (
+            s.direct.load(Ordering::Relaxed),
+            s.queued.load(Ordering::Relaxed),
+        )
     }
 
     /// Datagrams dropped so far: (over `max_payload`, peer queue full, backlog full).
@@ -948,7 +1021,7 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
             // wake-up (the reader's place falling vacant wakes this task once per datagram
             // the reader takes). Once the place is free, `wait_readable` takes it; tokio's
             // readiness is only cleared by a read that would block, so nothing is missed.
-            if !sh.reader.load(Ordering::Acquire) {
+            if sh.reader.load(Ordering::Acquire) != CONN_READER {
                 match sh.pump() {
                     Ok(_) => continue,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -964,7 +1037,7 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                 }
             }
             let fired = sh
-                .wait_readable(notified.as_mut())
+                .wait_readable(ACCEPT_READER, notified.as_mut())
                 .await
                 .map_err(|e| Error::Io {
                     op: "accept",
@@ -1110,8 +1183,9 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             if self.peer.closed.load(Ordering::Acquire) {
                 return Err(Error::Closed);
             }
-            // As in `accept`: another task waiting on the socket reads for this one too.
-            if !sh.reader.load(Ordering::Acquire) {
+            // As in `accept`: another connection waiting on the socket reads for this one
+            // too. One that finds `accept` there reads for itself (and then takes its place).
+            if sh.reader.load(Ordering::Acquire) != CONN_READER {
                 let me = Direct {
                     addr: &self.addr,
                     peer: &self.peer,
@@ -1161,7 +1235,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                         () = &mut idle => true,
                     }
                 };
-                sh.wait_readable(woken)
+                sh.wait_readable(CONN_READER, woken)
                     .await
                     .map_err(|e| conn_err("recv", &self.addr, e))?
             };

@@ -1352,3 +1352,49 @@ async fn udp_recv_ends_when_the_peer_port_is_closed() {
         Ok(n) => panic!("received {n} messages from a closed port"),
     }
 }
+
+/// A connection that keeps calling `recv` reads its own datagrams from the shared socket
+/// (straight into its slots), even though `accept` waits on the same socket for new peers:
+/// only the first datagram, which made the connection, goes through a queue. When `accept`
+/// kept the reader's place instead, every datagram went through the connection's queue and
+/// woke two tasks.
+#[tokio::test(flavor = "current_thread")]
+async fn a_connection_reads_its_own_datagrams_while_accept_waits() {
+    let mut l = udp::Listener::bind(loopback()).await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let mut echoes = Vec::new();
+        loop {
+            tokio::select! {
+                c = l.accept() => {
+                    let c = c.unwrap();
+                    echoes.push(tokio::spawn(async move {
+                        while let Ok(m) = c.recv_one().await {
+                            if c.send_one(m).await.is_err() {
+                                break;
+                            }
+                        }
+                    }));
+                }
+                _ = &mut stop_rx => break,
+            }
+        }
+        (l, echoes)
+    });
+    let c = udp::Connect::new(addr).connect_wrap(()).await.unwrap();
+    const N: u32 = 200;
+    for i in 0..N {
+        c.send_one(id_msg(i)).await.unwrap();
+        let m = within("echo", c.recv_one()).await.unwrap();
+        assert_eq!(m, id_msg(i));
+    }
+    stop_tx.send(()).unwrap();
+    let (l, _echoes) = within("server stop", server).await.unwrap();
+    let (direct, queued) = l.delivery();
+    assert_eq!(direct + queued, u64::from(N), "every request read once");
+    assert!(
+        queued <= 5,
+        "{queued} of {N} datagrams went through the connection's queue (direct: {direct})"
+    );
+}
