@@ -494,37 +494,47 @@ where
                     }
                 }
             };
-            let accept = async {
-                let peers = Arc::new(Semaphore::new(cfg.max_peers.max(1)));
-                // Jobs come only from canonical connections on other threads; the sender is
-                // kept so the queue stays open while the shard runs.
-                let _jobs_tx = jobs_tx;
-                loop {
-                    let base = match listener.accept().await {
-                        Ok(b) => b,
-                        Err(e) if e.is_closed() => return,
-                        // One peer's failure; the socket keeps serving.
-                        Err(_) => continue,
-                    };
-                    let Ok(permit) = Arc::clone(&peers).try_acquire_owned() else {
-                        stats.peers_refused.fetch_add(1, Ordering::Relaxed);
-                        continue; // dropping `base` forgets the peer
-                    };
-                    let mut stack = per_shard.clone();
-                    let (handler, stats) = (Arc::clone(&handler), Arc::clone(&stats));
-                    tokio::spawn(async move {
-                        let _permit = permit;
-                        if let Ok(conn) = stack.connect_wrap(base).await {
-                            let _ = serve_local(&conn, &handler, &stats, cfg.batch).await;
-                        }
-                    });
+            // A task of its own rather than a branch of the `select!` below: a listener wakes
+            // its `accept` when the reader's place on the socket changes hands, and a wake-up
+            // of the `block_on` future costs this thread an extra poll of every branch and an
+            // extra trip to the I/O driver, where a task's is one poll.
+            let accept = tokio::spawn({
+                let handler = Arc::clone(&handler);
+                let stats = Arc::clone(&stats);
+                async move {
+                    let peers = Arc::new(Semaphore::new(cfg.max_peers.max(1)));
+                    // Jobs come only from canonical connections on other threads; the sender is
+                    // kept so the queue stays open while the shard runs.
+                    let _jobs_tx = jobs_tx;
+                    loop {
+                        let base = match listener.accept().await {
+                            Ok(b) => b,
+                            Err(e) if e.is_closed() => return,
+                            // One peer's failure; the socket keeps serving.
+                            Err(_) => continue,
+                        };
+                        let Ok(permit) = Arc::clone(&peers).try_acquire_owned() else {
+                            stats.peers_refused.fetch_add(1, Ordering::Relaxed);
+                            continue; // dropping `base` forgets the peer
+                        };
+                        let mut stack = per_shard.clone();
+                        let (handler, stats) = (Arc::clone(&handler), Arc::clone(&stats));
+                        tokio::spawn(async move {
+                            let _permit = permit;
+                            if let Ok(conn) = stack.connect_wrap(base).await {
+                                let _ = serve_local(&conn, &handler, &stats, cfg.batch).await;
+                            }
+                        });
+                    }
                 }
-            };
+            });
+            let abort = accept.abort_handle();
             tokio::select! {
                 () = exec => {}
-                () = accept => {}
+                _ = accept => {}
                 () = stop.notified() => {}
             }
+            abort.abort();
         });
     }
 }
