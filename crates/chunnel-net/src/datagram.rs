@@ -22,8 +22,9 @@ use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -739,13 +740,28 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// [`ACCEPT_READER`], [`CONN_READER`]). Only that task waits on the socket; the others
     /// wait on their own queue's notification (or for the reader's place to fall vacant), so
     /// a datagram wakes one task, not every connection. A connection takes the place from
-    /// `accept` (and `demote` tells `accept` so): the datagrams a connection reads for itself
-    /// go straight into its slots, where those `accept` reads go through a queue and a
-    /// wake-up of the connection's task.
+    /// `accept` (waking it through [`Shared::accept_waker`]): the datagrams a connection reads
+    /// for itself go straight into its slots, where those `accept` reads go through a queue
+    /// and a wake-up of the connection's task.
     reader: AtomicU8,
+    /// Connections waiting for the reader's place (`vacancy_waiters` of them).
     reader_vacant: Notify,
-    demote: Notify,
+    vacancy_waiters: AtomicUsize,
+    /// `accept` waiting for the place to change hands: to fall vacant while a connection
+    /// holds it, or to be taken from `accept` by a connection. One task, woken through a
+    /// plain waker slot: while a connection serves requests the place changes hands once per
+    /// request, and `accept` re-registers after every such wake-up.
+    accept_waker: Mutex<Option<Waker>>,
     spill: SpillPool,
+}
+
+/// Decrements a counter on drop.
+struct Decrement<'a>(&'a AtomicUsize);
+
+impl Drop for Decrement<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Nobody waits on the socket (see [`Shared::reader`]).
@@ -756,27 +772,60 @@ const ACCEPT_READER: u8 = 1;
 const CONN_READER: u8 = 2;
 
 /// Held by the task that waits on the socket; gives the place up on drop (also when the
-/// waiting future is cancelled) and wakes one other waiter to take it.
-struct ReaderGuard<'a> {
-    reader: &'a AtomicU8,
-    vacant: &'a Notify,
+/// waiting future is cancelled) and wakes the tasks waiting to take it.
+struct ReaderGuard<'a, S: DgramSocket> {
+    shared: &'a Shared<S>,
     role: u8,
 }
 
-impl Drop for ReaderGuard<'_> {
+impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
     fn drop(&mut self) {
+        let sh = self.shared;
         // `accept` may have lost the place to a connection meanwhile: then it is not ours.
-        let ours = self
+        if sh
             .reader
-            .compare_exchange(self.role, NO_READER, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok();
-        if ours {
-            self.vacant.notify_one();
+            .compare_exchange(self.role, NO_READER, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            if self.role == CONN_READER {
+                sh.wake_accept();
+            }
+            // Pairs with the increment in `wait_readable`: a waiter this does not see sees
+            // the place vacant.
+            if sh.vacancy_waiters.load(Ordering::SeqCst) > 0 {
+                sh.reader_vacant.notify_one();
+            }
         }
     }
 }
 
 impl<S: DgramSocket> Shared<S> {
+    /// Wakes `accept` if it waits for the reader's place to change hands.
+    fn wake_accept(&self) {
+        let w = lock(&self.accept_waker).take();
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// Whether the reader's place is `held`; if so, registers `cx` to be woken when that
+    /// changes (see [`Shared::accept_waker`]).
+    fn accept_sees_held(&self, held: u8, cx: &mut std::task::Context<'_>) -> bool {
+        if self.reader.load(Ordering::SeqCst) != held {
+            return false;
+        }
+        {
+            let mut w = lock(&self.accept_waker);
+            match w.as_ref() {
+                Some(old) if old.will_wake(cx.waker()) => {}
+                _ => *w = Some(cx.waker().clone()),
+            }
+        }
+        // Looked at again after registering: a change before the registration is seen here,
+        // one after it takes the waker.
+        self.reader.load(Ordering::SeqCst) == held
+    }
+
     /// Waits until the socket may be readable — if no other task is already waiting for
     /// that — or until `other` completes, whichever comes first. Returns `other`'s output if
     /// it completed. `role` is [`ACCEPT_READER`] or [`CONN_READER`]: a connection takes the
@@ -788,53 +837,71 @@ impl<S: DgramSocket> Shared<S> {
         other: impl Future<Output = T>,
     ) -> io::Result<Option<T>> {
         tokio::pin!(other);
-        let taken = match self.reader.load(Ordering::Acquire) {
+        let taken = match self.reader.load(Ordering::SeqCst) {
             NO_READER => {
                 self.reader
-                    .compare_exchange(NO_READER, role, Ordering::AcqRel, Ordering::Acquire)
+                    .compare_exchange(NO_READER, role, Ordering::SeqCst, Ordering::SeqCst)
             }
             ACCEPT_READER if role == CONN_READER => {
                 let r = self.reader.compare_exchange(
                     ACCEPT_READER,
                     CONN_READER,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
                 );
                 if r.is_ok() {
-                    self.demote.notify_one();
+                    // `accept` stops waiting on the socket.
+                    self.wake_accept();
                 }
                 r
             }
             held => Err(held),
         };
         if taken.is_ok() {
-            let _guard = ReaderGuard {
-                reader: &self.reader,
-                vacant: &self.reader_vacant,
-                role,
-            };
+            let _guard = ReaderGuard { shared: self, role };
             if role == ACCEPT_READER {
-                // A permit left by a takeover that found `accept` not yet waiting is stale
-                // once the place is ours again: a spurious wake-up at worst.
-                tokio::select! {
-                    r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
-                    () = self.demote.notified() => Ok(None),
-                    t = &mut other => Ok(Some(t)),
-                }
+                let mut ready = std::pin::pin!(self.sock.ready(Interest::READABLE));
+                std::future::poll_fn(|cx| {
+                    if let Poll::Ready(t) = other.as_mut().poll(cx) {
+                        return Poll::Ready(Ok(Some(t)));
+                    }
+                    if !self.accept_sees_held(ACCEPT_READER, cx) {
+                        return Poll::Ready(Ok(None)); // taken by a connection
+                    }
+                    ready.as_mut().poll(cx).map(|r| r.map(|_| None))
+                })
+                .await
             } else {
                 tokio::select! {
                     r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
                     t = &mut other => Ok(Some(t)),
                 }
             }
+        } else if role == ACCEPT_READER {
+            // A connection holds the place (and reads for everyone): `accept` waits for it to
+            // fall vacant. That happens once per request a connection serves, and the
+            // connection usually takes the place back before this task runs, so this path
+            // is kept to a look and a registration.
+            std::future::poll_fn(|cx| {
+                if let Poll::Ready(t) = other.as_mut().poll(cx) {
+                    return Poll::Ready(Ok(Some(t)));
+                }
+                if self.accept_sees_held(CONN_READER, cx) {
+                    Poll::Pending
+                } else {
+                    Poll::Ready(Ok(None))
+                }
+            })
+            .await
         } else {
-            // Registered before the place is looked at again: a reader leaving after this
-            // wakes us; one that left before it is seen here (and its `notify_one` left a
-            // permit besides). Only a task that waits for the place pays for registering.
+            // Counted, then registered, before the place is looked at again: a reader leaving
+            // after this wakes us; one that left before it is seen here.
+            self.vacancy_waiters.fetch_add(1, Ordering::SeqCst);
+            let _counted = Decrement(&self.vacancy_waiters);
             let vacant = self.reader_vacant.notified();
             tokio::pin!(vacant);
             vacant.as_mut().enable();
-            if self.reader.load(Ordering::Acquire) != CONN_READER {
+            if self.reader.load(Ordering::SeqCst) != CONN_READER {
                 return Ok(None);
             }
             tokio::select! {
@@ -944,7 +1011,8 @@ impl<S: DgramSocket> Listener<S> {
                 listener_open: AtomicBool::new(true),
                 reader: AtomicU8::new(NO_READER),
                 reader_vacant: Notify::new(),
-                demote: Notify::new(),
+                vacancy_waiters: AtomicUsize::new(0),
+                accept_waker: Mutex::new(None),
                 spill: SpillPool::default(),
             }),
         }
