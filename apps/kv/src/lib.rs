@@ -148,7 +148,9 @@ mod bytes {
     }
 
     pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        d.deserialize_byte_buf(ByteBuf)
+        // `bytes`, not `byte_buf`: a format that can lend the bytes (bincode from a slice)
+        // then copies them once, where a buffer of its own is zeroed and then filled.
+        d.deserialize_bytes(ByteBuf)
     }
 
     pub(crate) struct ByteBuf;
@@ -225,7 +227,7 @@ mod opt_bytes {
         }
 
         fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            d.deserialize_byte_buf(super::bytes::ByteBuf).map(Some)
+            d.deserialize_bytes(super::bytes::ByteBuf).map(Some)
         }
     }
 }

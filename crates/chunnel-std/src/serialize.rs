@@ -286,6 +286,7 @@ where
             inner,
             has_pending: AtomicBool::new(false),
             pending: Mutex::new(None),
+            spare: Mutex::new(None),
             _marker: PhantomData,
         })
     }
@@ -302,7 +303,41 @@ pub struct SerializeConn<C, T, F> {
     has_pending: AtomicBool,
     /// A decode error of a batch that also had good messages, reported by the next `recv`.
     pending: Mutex<Option<Error>>,
+    /// The array the inner connection receives into, kept between calls: a fresh one per
+    /// call was 1 KiB to zero and 32 slots to drop for every message. Taken by one `recv` at
+    /// a time (a concurrent one makes its own) and put back empty, also when the call is
+    /// cancelled.
+    spare: Mutex<Option<Box<RawSlots>>>,
     _marker: PhantomData<fn() -> (T, F)>,
+}
+
+type RawSlots = [Option<Bytes>; RECV_BATCH];
+
+/// A receive array taken from [`SerializeConn::spare`]; goes back on drop.
+struct Borrowed<'a> {
+    home: &'a Mutex<Option<Box<RawSlots>>>,
+    raw: Option<Box<RawSlots>>,
+}
+
+impl Borrowed<'_> {
+    fn slots(&mut self) -> &mut RawSlots {
+        self.raw
+            .get_or_insert_with(|| Box::new([const { None }; RECV_BATCH]))
+    }
+}
+
+impl Drop for Borrowed<'_> {
+    fn drop(&mut self) {
+        if let Some(raw) = self.raw.take() {
+            // Every message was taken out (or none came: the inner `recv` fills slots only
+            // when it returns them).
+            debug_assert!(raw.iter().all(Option::is_none));
+            let mut home = self.home.lock().unwrap_or_else(|p| p.into_inner());
+            if home.is_none() {
+                *home = Some(raw);
+            }
+        }
+    }
 }
 
 impl<C, T, F> SerializeConn<C, T, F> {
@@ -384,7 +419,11 @@ where
             return Err(e.into());
         }
         let want = slots.len().min(RECV_BATCH);
-        let mut raw: [Option<Bytes>; RECV_BATCH] = [const { None }; RECV_BATCH];
+        let mut borrowed = Borrowed {
+            home: &self.spare,
+            raw: self.spare.lock().unwrap_or_else(|p| p.into_inner()).take(),
+        };
+        let raw = borrowed.slots();
         loop {
             // Cancel safe: nothing is awaited after the inner recv returned.
             let n = self.inner.recv(&mut raw[..want]).await?;
