@@ -752,6 +752,8 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// plain waker slot: while a connection serves requests the place changes hands once per
     /// request, and `accept` re-registers after every such wake-up.
     accept_waker: Mutex<Option<Waker>>,
+    /// The origin of the connections' receive times (kept as nanoseconds since it).
+    epoch: Instant,
     spill: SpillPool,
 }
 
@@ -800,6 +802,16 @@ impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
 }
 
 impl<S: DgramSocket> Shared<S> {
+    /// Now, as nanoseconds since [`Shared::epoch`].
+    fn nanos_now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The instant `nanos` after [`Shared::epoch`].
+    fn instant_of(&self, nanos: u64) -> Instant {
+        self.epoch + Duration::from_nanos(nanos)
+    }
+
     /// Wakes `accept` if it waits for the reader's place to change hands.
     fn wake_accept(&self) {
         let w = lock(&self.accept_waker).take();
@@ -1013,6 +1025,7 @@ impl<S: DgramSocket> Listener<S> {
                 reader_vacant: Notify::new(),
                 vacancy_waiters: AtomicUsize::new(0),
                 accept_waker: Mutex::new(None),
+                epoch: Instant::now(),
                 spill: SpillPool::default(),
             }),
         }
@@ -1080,7 +1093,7 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                     shared: sh.clone(),
                     addr,
                     peer,
-                    last_rx: Mutex::new(Instant::now()),
+                    last_rx: AtomicU64::new(sh.nanos_now()),
                     idle: Mutex::new(None),
                 });
             }
@@ -1125,8 +1138,9 @@ pub struct ServerConnection<S: DgramSocket> {
     shared: Arc<Shared<S>>,
     addr: S::Addr,
     peer: Arc<Peer>,
-    last_rx: Mutex<Instant>,
-    /// The idle timer, kept between waits: moving its deadline later is an atomic update,
+    /// When a message last arrived, in [`Shared::nanos_now`] units.
+    last_rx: AtomicU64,
+    /// The idle timer, kept between waits and moved only when it fires early (see `recv`),
     /// where a fresh timer per wait was a timer-wheel insertion and removal per message.
     idle: Mutex<Option<Pin<Box<tokio::time::Sleep>>>>,
 }
@@ -1245,7 +1259,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         loop {
             let n = self.drain(slots);
             if n > 0 {
-                *lock(&self.last_rx) = Instant::now();
+                self.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
                 return Ok(n);
             }
             if self.peer.closed.load(Ordering::Acquire) {
@@ -1262,7 +1276,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 match sh.pump_for(Some(me)) {
                     Ok((_, 0)) => continue,
                     Ok((_, direct)) => {
-                        *lock(&self.last_rx) = Instant::now();
+                        self.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
                         return Ok(direct);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -1286,12 +1300,20 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 let idle = async {
                     match sh.cfg.idle_timeout {
                         Some(t) => {
-                            let deadline = *lock(&self.last_rx) + t;
-                            let s = timer.get_or_insert_with(|| {
-                                Box::pin(tokio::time::sleep_until(deadline))
-                            });
-                            s.as_mut().reset(deadline);
-                            s.as_mut().await
+                            // Left where it was when messages came since it was set: it then
+                            // fires early, once, and moves to the real deadline. Moving it on
+                            // every wait cost a timer update per message.
+                            let due = || sh.instant_of(self.last_rx.load(Ordering::Relaxed)) + t;
+                            let s = timer
+                                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due())));
+                            loop {
+                                s.as_mut().await;
+                                let due = due();
+                                if Instant::now() >= due {
+                                    break;
+                                }
+                                s.as_mut().reset(due);
+                            }
                         }
                         None => std::future::pending().await,
                     }

@@ -369,6 +369,59 @@ async fn unix_dgram_idle_timeout_ends_with_peer_closed() {
     idle_timeout_ends_with_peer_closed::<UnixDgram>().await;
 }
 
+/// Messages keep a connection alive past its idle timeout: a client that sends every 40 ms
+/// for 1.2 s (six times the 200 ms timeout) is served throughout, over the connection it
+/// started with. (The idle timer is left in place as messages arrive and moves when it fires
+/// early: firing must not end a connection that is in use.)
+async fn traffic_keeps_the_idle_timer_away<D: Dgram>() {
+    let n = D::NAME;
+    let cfg = D::config().with_idle_timeout(Some(Duration::from_millis(200)));
+    let (mut l, k) = bind::<D>(cfg).await;
+    let c = connect::<D>(&k).await;
+    send_id(&c, 0).await;
+    let s = accept::<D>(&mut l).await;
+    // A receive is pending all along, so the idle timer is armed and polled throughout.
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    let server = tokio::spawn(async move {
+        loop {
+            let r = s.recv_one().await;
+            let end = r.is_err();
+            if tx.send(r).await.is_err() || end {
+                return;
+            }
+        }
+    });
+    assert_eq!(
+        within("first", rx.recv()).await.unwrap().unwrap(),
+        id_msg(0)
+    );
+    for i in 1..30 {
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        send_id(&c, i).await;
+        match within("recv while the client keeps sending", rx.recv()).await {
+            Some(Ok(m)) => assert_eq!(m, id_msg(i), "{n}: message {i}"),
+            other => panic!("{n}: a connection in use ended after {i} messages: {other:?}"),
+        }
+    }
+    assert_eq!(D::peer_count(&l), 1, "{n}: still one connection");
+    // Then silence ends it.
+    match within("recv from a now silent peer", rx.recv()).await {
+        Some(Err(Error::PeerClosed)) => {}
+        other => panic!("{n}: the silent connection ended with {other:?}, not PeerClosed"),
+    }
+    within("server task", server).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_traffic_keeps_the_idle_timer_away() {
+    traffic_keeps_the_idle_timer_away::<Udp>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unix_dgram_traffic_keeps_the_idle_timer_away() {
+    traffic_keeps_the_idle_timer_away::<UnixDgram>().await;
+}
+
 /// `close()` from one task wakes a `recv` parked in another: it returns `Closed`, no hang.
 async fn close_wakes_pending_recv<D: Dgram>()
 where
