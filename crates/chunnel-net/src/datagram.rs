@@ -884,7 +884,10 @@ impl<S: DgramSocket> Shared<S> {
                 })
                 .await
             } else {
+                // `biased`: no random branch order (it drew a random number per poll), and
+                // readiness first, as the reason to be here.
                 tokio::select! {
+                    biased;
                     r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
                     t = &mut other => Ok(Some(t)),
                 }
@@ -917,8 +920,9 @@ impl<S: DgramSocket> Shared<S> {
                 return Ok(None);
             }
             tokio::select! {
-                () = &mut vacant => Ok(None),
+                biased;
                 t = &mut other => Ok(Some(t)),
+                () = &mut vacant => Ok(None),
             }
         }
     }
@@ -1321,6 +1325,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 tokio::pin!(idle);
                 let woken = async {
                     tokio::select! {
+                        biased;
                         () = &mut notified => false,
                         () = &mut idle => true,
                     }

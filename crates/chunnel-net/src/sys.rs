@@ -213,6 +213,8 @@ pub(crate) struct Scratch {
     /// The (slot buffer address, slot size, headers wired) the headers point into; rewired
     /// when the buffer moves, the slot size changes or more headers are needed.
     wired: (usize, usize, usize),
+    /// Headers whose address length the last `recv_batch` let the kernel change.
+    dirty: usize,
 }
 
 impl Scratch {
@@ -268,6 +270,7 @@ impl Scratch {
             };
             let h = &mut self.hdrs[i].msg_hdr;
             h.msg_name = self.addrs[i].as_mut_ptr().cast();
+            h.msg_namelen = mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
             h.msg_iov = &mut self.iovs[i];
             h.msg_iovlen = 1;
             h.msg_control = std::ptr::null_mut();
@@ -287,10 +290,13 @@ pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) ->
         .min(MAX_BATCH)
         .min(sc.buf.len() / sc.slot.max(1));
     sc.wire(count);
-    // The kernel writes back only the address length (and the flags and lengths it reports).
-    for h in &mut sc.hdrs[..count] {
+    // The kernel writes back only the address length (and the flags and lengths it reports),
+    // and only into the headers of the datagrams it returned: those of the last call are
+    // reset (fresh headers are wired with it).
+    for h in &mut sc.hdrs[..sc.dirty] {
         h.msg_hdr.msg_namelen = mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
     }
+    sc.dirty = 0;
     // SAFETY: the first `count` headers point at live, disjoint buffers owned by `sc` (slots
     // of `buf`, `iovs`, `addrs`; wired by `wire` for the current `buf` and slot size), which
     // outlive the call.
@@ -307,6 +313,7 @@ pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) ->
         return Err(io::Error::last_os_error());
     }
     let n = n as usize;
+    sc.dirty = n;
     let slot = sc.slot;
     for (i, (h, m)) in sc.hdrs.iter().zip(metas.iter_mut()).take(n).enumerate() {
         let alen = (h.msg_hdr.msg_namelen as usize).min(mem::size_of::<libc::sockaddr_storage>());
