@@ -311,7 +311,7 @@ pub struct SerializeConn<C, T, F> {
     _marker: PhantomData<fn() -> (T, F)>,
 }
 
-type RawSlots = [Option<Bytes>; RECV_BATCH];
+type RawSlots = [Option<Bytes>];
 
 /// A receive array taken from [`SerializeConn::spare`]; goes back on drop.
 struct Borrowed<'a> {
@@ -321,8 +321,9 @@ struct Borrowed<'a> {
 
 impl Borrowed<'_> {
     fn slots(&mut self) -> &mut RawSlots {
+        // Built on the heap (a `Box::new` of an array is zeroed on the stack first).
         self.raw
-            .get_or_insert_with(|| Box::new([const { None }; RECV_BATCH]))
+            .get_or_insert_with(|| (0..RECV_BATCH).map(|_| None).collect())
     }
 }
 
