@@ -1042,6 +1042,12 @@ where
 
     /// The shard connections, dialled on first use.
     async fn shards(&self) -> Result<&[Arc<S::Connection>], chunnel::Error> {
+        // Every send and receive asks: once dialled and announced, no initialising future.
+        if let Some(v) = self.shards.get()
+            && self.announced.load(Ordering::Acquire)
+        {
+            return Ok(v);
+        }
         let v = self
             .shards
             .get_or_try_init(|| async {
