@@ -356,8 +356,10 @@ where
             &mut too_large,
         ) {
             Ok(true) => break,
-            Ok(false) => sock
-                .ready(Interest::WRITABLE)
+            // Boxed: waiting for room is the rare case, and tokio's readiness future inline
+            // made every send's future (which is copied when it is created, at each layer)
+            // a few hundred bytes larger.
+            Ok(false) => Box::pin(sock.ready(Interest::WRITABLE))
                 .await
                 .map(drop)
                 .map_err(|e| conn_err("send", peer, e))?,

@@ -1048,6 +1048,14 @@ where
         {
             return Ok(v);
         }
+        // Boxed: dialling is a large future that runs once per connection. Inline, it made
+        // every send's and receive's future that large, and futures are moved (copied) when
+        // they are created.
+        Box::pin(self.dial_shards()).await
+    }
+
+    /// Dials the shard connections (once) and announces them.
+    async fn dial_shards(&self) -> Result<&[Arc<S::Connection>], chunnel::Error> {
         let v = self
             .shards
             .get_or_try_init(|| async {
