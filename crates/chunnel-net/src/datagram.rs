@@ -186,28 +186,41 @@ impl RxScratch {
     }
 
     /// Reads up to `want` datagrams; calls `deliver(addr, payload)` for each well-formed one.
-    /// Returns the number read from the kernel (including dropped ones).
+    /// Returns the number read from the kernel (including dropped ones). With `want_addr`
+    /// false (a connected socket) the senders' addresses are not read: `addr` is `None`.
+    #[allow(clippy::too_many_arguments)]
     fn read<A: DgramAddr>(
         &mut self,
         fd: RawFd,
         cfg: &Config,
         want: usize,
+        want_addr: bool,
         stats: &Stats,
         deliver: impl FnMut(Option<A>, Bytes),
     ) -> io::Result<usize> {
         KERNEL_SCRATCH.with(|k| match k.try_borrow_mut() {
-            Ok(mut k) => self.read_with(&mut k, fd, cfg, want, stats, deliver),
+            Ok(mut k) => self.read_with(&mut k, fd, cfg, want, want_addr, stats, deliver),
             // Re-entered from `deliver` (no caller does; kept correct regardless).
-            Err(_) => self.read_with(&mut KernelScratch::default(), fd, cfg, want, stats, deliver),
+            Err(_) => self.read_with(
+                &mut KernelScratch::default(),
+                fd,
+                cfg,
+                want,
+                want_addr,
+                stats,
+                deliver,
+            ),
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn read_with<A: DgramAddr>(
         &mut self,
         k: &mut KernelScratch,
         fd: RawFd,
         cfg: &Config,
         want: usize,
+        want_addr: bool,
         stats: &Stats,
         mut deliver: impl FnMut(Option<A>, Bytes),
     ) -> io::Result<usize> {
@@ -226,7 +239,7 @@ impl RxScratch {
                 },
             );
         }
-        let n = sys::recv_batch(fd, &mut k.scratch, &mut k.metas[..want])?;
+        let n = sys::recv_batch(fd, &mut k.scratch, &mut k.metas[..want], want_addr)?;
         let ok = |m: &RecvMeta| !m.truncated && m.len <= cfg.max_payload;
         // Room for the whole batch is made before any of it is handed out: the block can then
         // be reclaimed in place whenever the application has dropped the previous batches.
@@ -237,15 +250,19 @@ impl RxScratch {
             self.out.reserve(total.max(self.block));
             self.block = (self.block * 2).min(OUT_BLOCK);
         }
-        for i in 0..n {
-            let m = k.metas[i];
-            if !ok(&m) {
+        for (i, m) in k.metas[..n].iter().enumerate() {
+            if !ok(m) {
                 stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             self.out.extend_from_slice(k.scratch.filled(i, m.len));
             let payload = self.out.split().freeze();
-            deliver(A::from_raw(&m.addr), payload);
+            let addr = if want_addr {
+                A::from_raw(&m.addr)
+            } else {
+                None
+            };
+            deliver(addr, payload);
         }
         Ok(n)
     }
@@ -582,10 +599,17 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
                 let mut filled = 0;
                 self.sock
                     .try_io_with(Interest::READABLE, || {
-                        rx.read::<S::Addr>(fd, &self.cfg, slots.len(), &self.stats, |_, m| {
-                            slots[filled] = Some(m);
-                            filled += 1;
-                        })
+                        rx.read::<S::Addr>(
+                            fd,
+                            &self.cfg,
+                            slots.len(),
+                            false,
+                            &self.stats,
+                            |_, m| {
+                                slots[filled] = Some(m);
+                                filled += 1;
+                            },
+                        )
                     })
                     .map(|_| filled)
             };
@@ -942,61 +966,68 @@ impl<S: DgramSocket> Shared<S> {
         let fd = self.sock.as_raw_fd();
         let mut direct = 0;
         let n = self.sock.try_io_with(Interest::READABLE, || {
-            rx.read::<S::Addr>(fd, &self.cfg, self.cfg.batch, &self.stats, |addr, m| {
-                let Some(addr) = addr else {
-                    return; // unnamed sender: no way to answer it
-                };
-                if let Some(me) = me.as_mut()
-                    && direct < me.slots.len()
-                    && addr == *me.addr
-                    && !me.peer.closed.load(Ordering::Acquire)
-                {
-                    // Only while nothing older waits in the queue (order); the queue is
-                    // filled only by pumps, and this one holds the receive lock.
-                    if lock(&me.peer.queue).is_empty() {
-                        me.slots[direct] = Some(m);
-                        direct += 1;
-                        return;
-                    }
-                }
-                // The queue is filled under the demux lock, so a connection that finds its
-                // queue empty under that lock and leaves the map can never miss a message.
-                let mut d = lock(&self.demux);
-                let peer = match d.peers.get(&addr) {
-                    Some(p) => p.clone(),
-                    None => {
-                        if !self.listener_open.load(Ordering::Acquire)
-                            || d.backlog.len() >= self.cfg.backlog
-                        {
-                            self.stats
-                                .dropped_backlog_full
-                                .fetch_add(1, Ordering::Relaxed);
+            rx.read::<S::Addr>(
+                fd,
+                &self.cfg,
+                self.cfg.batch,
+                true,
+                &self.stats,
+                |addr, m| {
+                    let Some(addr) = addr else {
+                        return; // unnamed sender: no way to answer it
+                    };
+                    if let Some(me) = me.as_mut()
+                        && direct < me.slots.len()
+                        && addr == *me.addr
+                        && !me.peer.closed.load(Ordering::Acquire)
+                    {
+                        // Only while nothing older waits in the queue (order); the queue is
+                        // filled only by pumps, and this one holds the receive lock.
+                        if lock(&me.peer.queue).is_empty() {
+                            me.slots[direct] = Some(m);
+                            direct += 1;
                             return;
                         }
-                        let p = Arc::new(Peer {
-                            queue: Mutex::new(VecDeque::new()),
-                            notify: Notify::new(),
-                            closed: AtomicBool::new(false),
-                        });
-                        d.peers.insert(addr.clone(), p.clone());
-                        d.backlog.push_back((addr, p.clone()));
-                        self.accept_notify.notify_one();
-                        p
                     }
-                };
-                let mut q = lock(&peer.queue);
-                if q.len() >= self.cfg.peer_queue {
-                    self.stats
-                        .dropped_queue_full
-                        .fetch_add(1, Ordering::Relaxed);
-                } else {
-                    q.push_back(m);
-                    self.stats.queued.fetch_add(1, Ordering::Relaxed);
-                    drop(q);
-                    drop(d);
-                    peer.notify.notify_one();
-                }
-            })
+                    // The queue is filled under the demux lock, so a connection that finds its
+                    // queue empty under that lock and leaves the map can never miss a message.
+                    let mut d = lock(&self.demux);
+                    let peer = match d.peers.get(&addr) {
+                        Some(p) => p.clone(),
+                        None => {
+                            if !self.listener_open.load(Ordering::Acquire)
+                                || d.backlog.len() >= self.cfg.backlog
+                            {
+                                self.stats
+                                    .dropped_backlog_full
+                                    .fetch_add(1, Ordering::Relaxed);
+                                return;
+                            }
+                            let p = Arc::new(Peer {
+                                queue: Mutex::new(VecDeque::new()),
+                                notify: Notify::new(),
+                                closed: AtomicBool::new(false),
+                            });
+                            d.peers.insert(addr.clone(), p.clone());
+                            d.backlog.push_back((addr, p.clone()));
+                            self.accept_notify.notify_one();
+                            p
+                        }
+                    };
+                    let mut q = lock(&peer.queue);
+                    if q.len() >= self.cfg.peer_queue {
+                        self.stats
+                            .dropped_queue_full
+                            .fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        q.push_back(m);
+                        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+                        drop(q);
+                        drop(d);
+                        peer.notify.notify_one();
+                    }
+                },
+            )
         })?;
         if direct > 0 {
             self.stats

@@ -283,7 +283,14 @@ impl Scratch {
 /// Receives up to `metas.len()` datagrams with one `recvmmsg` call. Datagram `i` lands in
 /// slot `i` of `scratch` (see [`Scratch::ensure`]). Non-blocking: returns `WouldBlock` when
 /// none is queued.
-pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) -> io::Result<usize> {
+/// With `want_addr` false (a connected socket: every datagram is from its peer) the senders'
+/// addresses are not copied out (`metas[i].addr` is left as it was).
+pub(crate) fn recv_batch(
+    fd: RawFd,
+    sc: &mut Scratch,
+    metas: &mut [RecvMeta],
+    want_addr: bool,
+) -> io::Result<usize> {
     sc.written.clear();
     let count = metas
         .len()
@@ -316,18 +323,21 @@ pub(crate) fn recv_batch(fd: RawFd, sc: &mut Scratch, metas: &mut [RecvMeta]) ->
     sc.dirty = n;
     let slot = sc.slot;
     for (i, (h, m)) in sc.hdrs.iter().zip(metas.iter_mut()).take(n).enumerate() {
-        let alen = (h.msg_hdr.msg_namelen as usize).min(mem::size_of::<libc::sockaddr_storage>());
-        m.addr.storage = zeroed_storage();
-        // SAFETY: the kernel wrote `alen` bytes of address into addrs[i]; the rest of
-        // `m.addr.storage` stays zeroed. Copying bytes between two sockaddr_storage is sound.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                sc.addrs[i].as_ptr().cast::<u8>(),
-                (&mut m.addr.storage as *mut libc::sockaddr_storage).cast::<u8>(),
-                alen,
-            );
+        if want_addr {
+            let alen =
+                (h.msg_hdr.msg_namelen as usize).min(mem::size_of::<libc::sockaddr_storage>());
+            m.addr.storage = zeroed_storage();
+            // SAFETY: the kernel wrote `alen` bytes of address into addrs[i]; the rest of
+            // `m.addr.storage` stays zeroed. Copying bytes between two sockaddr_storage is sound.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    sc.addrs[i].as_ptr().cast::<u8>(),
+                    (&mut m.addr.storage as *mut libc::sockaddr_storage).cast::<u8>(),
+                    alen,
+                );
+            }
+            m.addr.len = alen as libc::socklen_t;
         }
-        m.addr.len = alen as libc::socklen_t;
         m.len = (h.msg_len as usize).min(slot);
         m.truncated = h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0;
         sc.written.push(m.len);
