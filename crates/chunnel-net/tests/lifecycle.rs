@@ -370,12 +370,12 @@ async fn unix_dgram_idle_timeout_ends_with_peer_closed() {
 }
 
 /// Messages keep a connection alive past its idle timeout: a client that sends every 40 ms
-/// for 1.2 s (six times the 200 ms timeout) is served throughout, over the connection it
-/// started with. (The idle timer is left in place as messages arrive and moves when it fires
+/// for 1.2 s (three times the 400 ms timeout, which leaves 360 ms for a stalled test thread)
+/// is served throughout, over the connection it started with. (The idle timer is left in place as messages arrive and moves when it fires
 /// early: firing must not end a connection that is in use.)
 async fn traffic_keeps_the_idle_timer_away<D: Dgram>() {
     let n = D::NAME;
-    let cfg = D::config().with_idle_timeout(Some(Duration::from_millis(200)));
+    let cfg = D::config().with_idle_timeout(Some(Duration::from_millis(400)));
     let (mut l, k) = bind::<D>(cfg).await;
     let c = connect::<D>(&k).await;
     send_id(&c, 0).await;
