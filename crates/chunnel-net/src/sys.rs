@@ -283,6 +283,7 @@ impl Scratch {
 /// Receives up to `metas.len()` datagrams with one `recvmmsg` call. Datagram `i` lands in
 /// slot `i` of `scratch` (see [`Scratch::ensure`]). Non-blocking: returns `WouldBlock` when
 /// none is queued.
+///
 /// With `want_addr` false (a connected socket: every datagram is from its peer) the senders'
 /// addresses are not copied out (`metas[i].addr` is left as it was).
 pub(crate) fn recv_batch(
