@@ -103,7 +103,8 @@ pub(crate) struct Args {
     server_cpu: i64,
     /// Profiling aid: run only this variant (client_push, server_side, full, no_chunnels,
     /// no_chunnels_no_mux) at `--profile-load` for `--profile-ms`, print its figures on
-    /// stderr and exit (no JSON). For `perf` / `strace` on one path.
+    /// stderr and exit (no JSON). For `perf` / `strace` on one path. `paired`: only the
+    /// paired full/no_chunnels comparison, `--reps` runs (for quick A/B of a change).
     #[arg(long, hide = true)]
     profile: Option<String>,
     /// Offered load with `--profile`.
@@ -731,6 +732,22 @@ async fn measure(a: &Args, servers: &Servers) -> Result<Option<Value>> {
 
     if let Some(p) = &a.profile {
         let d = Duration::from_millis(a.profile_ms);
+        if p == "paired" {
+            // Only the paired comparison: `--reps` runs at `--profile-load`.
+            let pair = Rc::new(Paired::new(Rc::clone(&push), Rc::clone(&inline)));
+            let mut ratios = Vec::new();
+            for rep in 0..a.reps {
+                pair.start(Duration::from_millis(a.warmup_ms));
+                let pt = phase(&pair, a, a.profile_load, d, 88_000 + rep as u64).await;
+                let [f, n] = pair.p50s();
+                anyhow::ensure!(pt.errors + pt.unfinished == 0, "paired run failed: {pt:?}");
+                eprintln!("paired run {rep}: full p50 {f:.2} us, no_chunnels p50 {n:.2} us, x{:.3}", f / n);
+                ratios.push(f / n);
+            }
+            ratios.sort_by(f64::total_cmp);
+            eprintln!("paired median x{:.3} {ratios:?}", median(&ratios));
+            return Ok(None);
+        }
         let pt = match p.as_str() {
             "client_push" | "full" => phase(&push, a, a.profile_load, d, 1).await,
             "server_side" => phase(&via, a, a.profile_load, d, 1).await,
