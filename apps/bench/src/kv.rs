@@ -741,7 +741,10 @@ async fn measure(a: &Args, servers: &Servers) -> Result<Option<Value>> {
                 let pt = phase(&pair, a, a.profile_load, d, 88_000 + rep as u64).await;
                 let [f, n] = pair.p50s();
                 anyhow::ensure!(pt.errors + pt.unfinished == 0, "paired run failed: {pt:?}");
-                eprintln!("paired run {rep}: full p50 {f:.2} us, no_chunnels p50 {n:.2} us, x{:.3}", f / n);
+                eprintln!(
+                    "paired run {rep}: full p50 {f:.2} us, no_chunnels p50 {n:.2} us, x{:.3}",
+                    f / n
+                );
                 ratios.push(f / n);
             }
             ratios.sort_by(f64::total_cmp);

@@ -157,6 +157,12 @@ struct RxScratch {
     /// Next reservation for `out`: starts small (a connection that sees one message does not
     /// fault in 64 KiB) and doubles up to `OUT_BLOCK`.
     block: usize,
+    /// How many datagrams the next read asks the kernel for (see [`RxScratch::read_with`]).
+    next: usize,
+    /// Datagrams read since the socket was last found empty.
+    run: usize,
+    /// The size of the last run: what the first read after a wait asks for.
+    hint: usize,
 }
 
 const OUT_BLOCK: usize = 64 * 1024;
@@ -178,10 +184,16 @@ thread_local! {
 }
 
 impl RxScratch {
-    fn new() -> Self {
+    /// `first`: what the first read asks for. One for a client socket (its first datagram
+    /// is usually the one answer it waits for), a whole batch for a listener (clients may
+    /// have queued up before the first `accept`).
+    fn new(first: usize) -> Self {
         RxScratch {
             out: BytesMut::new(),
             block: 2048,
+            next: first,
+            run: 0,
+            hint: first,
         }
     }
 
@@ -226,7 +238,12 @@ impl RxScratch {
     ) -> io::Result<usize> {
         // One spare byte per slot tells an exactly-max datagram from an oversize one.
         let slot = cfg.max_payload + 1;
-        let want = want.clamp(1, cfg.batch);
+        // Adaptive batch. `recvmmsg` asked for more datagrams than are queued tries the
+        // socket once more for the next one before it returns, which costs a lone request
+        // (the common case at moderate load) a measurable part of its latency. So a read asks
+        // for as many as the last run between two empty reads held (one, when requests come
+        // one at a time), and doubles its ask while reads come back full.
+        let want = want.clamp(1, cfg.batch).min(self.next);
         // Sized to what callers ask for, never zeroed (see `sys::Scratch`).
         k.scratch.ensure(want, slot);
         if k.metas.len() < want {
@@ -239,7 +256,21 @@ impl RxScratch {
                 },
             );
         }
-        let n = sys::recv_batch(fd, &mut k.scratch, &mut k.metas[..want], want_addr)?;
+        let n = match sys::recv_batch(fd, &mut k.scratch, &mut k.metas[..want], want_addr) {
+            Ok(n) => n,
+            Err(e) => {
+                if e.kind() == io::ErrorKind::WouldBlock {
+                    self.end_run(0);
+                }
+                return Err(e);
+            }
+        };
+        if n < want {
+            self.end_run(n);
+        } else {
+            self.run += n;
+            self.next = want.saturating_mul(2).min(MAX_BATCH);
+        }
         let ok = |m: &RecvMeta| !m.truncated && m.len <= cfg.max_payload;
         // Room for the whole batch is made before any of it is handed out: the block can then
         // be reclaimed in place whenever the application has dropped the previous batches.
@@ -265,6 +296,17 @@ impl RxScratch {
             deliver(addr, payload);
         }
         Ok(n)
+    }
+
+    /// The socket was found empty after `n` more datagrams: the run is over, and its size is
+    /// what the next read asks for.
+    fn end_run(&mut self, n: usize) {
+        let run = self.run + n;
+        if run > 0 {
+            self.hint = run.min(MAX_BATCH);
+        }
+        self.run = 0;
+        self.next = self.hint;
     }
 }
 
@@ -517,7 +559,7 @@ impl<S: DgramSocket> Connection<S> {
             sock,
             peer,
             cfg,
-            rx: Mutex::new(RxScratch::new()),
+            rx: Mutex::new(RxScratch::new(1)),
             stats: Stats::default(),
             closed: AtomicBool::new(false),
             spill: SpillPool::default(),
@@ -1054,7 +1096,7 @@ impl<S: DgramSocket> Listener<S> {
                     peers: HashMap::with_hasher(PeerHash::new()),
                     backlog: VecDeque::new(),
                 }),
-                rx: Mutex::new(RxScratch::new()),
+                rx: Mutex::new(RxScratch::new(MAX_BATCH)),
                 accept_notify: Notify::new(),
                 stats: Stats::default(),
                 listener_open: AtomicBool::new(true),
