@@ -297,6 +297,9 @@ pub(crate) fn recv_batch(
         .len()
         .min(MAX_BATCH)
         .min(sc.buf.len() / sc.slot.max(1));
+    if count == 1 {
+        return recv_one(fd, sc, metas, want_addr);
+    }
     sc.wire(count);
     // The kernel writes back only the address length (and the flags and lengths it reports),
     // and only into the headers of the datagrams it returned: those of the last call are
@@ -346,6 +349,65 @@ pub(crate) fn recv_batch(
     Ok(n)
 }
 
+/// [`recv_batch`] of one datagram: `recvfrom` into slot 0, without the message headers
+/// (`recvmmsg` copies and checks a header and imports an iovec per call, and its loop and
+/// timeout handling run for one datagram too). A datagram longer than the slot comes back
+/// cut to the slot, whose spare byte (see `RxScratch`) shows it as oversize.
+fn recv_one(
+    fd: RawFd,
+    sc: &mut Scratch,
+    metas: &mut [RecvMeta],
+    want_addr: bool,
+) -> io::Result<usize> {
+    let Some(m) = metas.first_mut() else {
+        return Ok(0);
+    };
+    let slot = sc.slot.min(sc.buf.len());
+    let mut storage = MaybeUninit::<libc::sockaddr_storage>::uninit();
+    let mut alen = mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let (addr_ptr, alen_ptr) = if want_addr {
+        (
+            storage.as_mut_ptr().cast::<libc::sockaddr>(),
+            &mut alen as *mut _,
+        )
+    } else {
+        (std::ptr::null_mut(), std::ptr::null_mut())
+    };
+    // SAFETY: slot 0 of `buf` is `slot` writable bytes owned by `sc`; the address buffer
+    // (when asked for) is a live sockaddr_storage with its size in `alen`.
+    let r = unsafe {
+        libc::recvfrom(
+            fd,
+            sc.buf.as_mut_ptr().cast(),
+            slot,
+            libc::MSG_DONTWAIT,
+            addr_ptr,
+            alen_ptr,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if want_addr {
+        let alen = (alen as usize).min(mem::size_of::<libc::sockaddr_storage>());
+        m.addr.storage = zeroed_storage();
+        // SAFETY: the kernel wrote `alen` bytes of address into `storage`; the rest of
+        // `m.addr.storage` stays zeroed.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                storage.as_ptr().cast::<u8>(),
+                (&mut m.addr.storage as *mut libc::sockaddr_storage).cast::<u8>(),
+                alen,
+            );
+        }
+        m.addr.len = alen as libc::socklen_t;
+    }
+    m.len = (r as usize).min(slot);
+    m.truncated = false;
+    sc.written.push(m.len);
+    Ok(1)
+}
+
 fn zeroed_storage() -> libc::sockaddr_storage {
     // SAFETY: sockaddr_storage is plain old data; all-zero is a valid (AF_UNSPEC) value.
     unsafe { mem::zeroed() }
@@ -363,6 +425,14 @@ pub(crate) fn send_batch<M: AsRef<[u8]>>(
     let count = msgs.len().min(MAX_BATCH);
     if count == 0 {
         return Ok(0);
+    }
+    if count == 1 {
+        return send_one(
+            fd,
+            header,
+            msgs[0].as_ref().map_or(&[], AsRef::as_ref),
+            dest,
+        );
     }
     // Each message is gathered from up to two iovecs: the shared header, then the payload.
     let parts = if header.is_empty() { 1 } else { 2 };
@@ -406,6 +476,53 @@ pub(crate) fn send_batch<M: AsRef<[u8]>>(
         return Err(io::Error::last_os_error());
     }
     Ok(n as usize)
+}
+
+/// [`send_batch`] of one message: `sendto`, or `sendmsg` when there is a header (see
+/// [`recv_one`] for what `sendmmsg` costs on top).
+fn send_one(fd: RawFd, header: &[u8], msg: &[u8], dest: Option<&RawAddr>) -> io::Result<usize> {
+    let (name, namelen) = match dest {
+        Some(d) => (&d.storage as *const libc::sockaddr_storage, d.len),
+        None => (std::ptr::null(), 0),
+    };
+    let r = if header.is_empty() {
+        // SAFETY: `msg` and the address (when given) are live for the call; the kernel only
+        // reads them.
+        unsafe {
+            libc::sendto(
+                fd,
+                msg.as_ptr().cast(),
+                msg.len(),
+                libc::MSG_DONTWAIT,
+                name.cast(),
+                namelen,
+            )
+        }
+    } else {
+        let mut iovs = [
+            libc::iovec {
+                iov_base: header.as_ptr() as *mut libc::c_void,
+                iov_len: header.len(),
+            },
+            libc::iovec {
+                iov_base: msg.as_ptr() as *mut libc::c_void,
+                iov_len: msg.len(),
+            },
+        ];
+        // SAFETY: plain old data.
+        let mut h: libc::msghdr = unsafe { mem::zeroed() };
+        h.msg_name = name as *mut libc::c_void;
+        h.msg_namelen = namelen;
+        h.msg_iov = iovs.as_mut_ptr();
+        h.msg_iovlen = 2;
+        // SAFETY: the header points at `iovs`, the two buffers and the address, all live for
+        // the call; the kernel only reads them.
+        unsafe { libc::sendmsg(fd, &h, libc::MSG_DONTWAIT) }
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(1)
 }
 
 #[cfg(test)]
