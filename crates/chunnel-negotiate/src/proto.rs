@@ -8,16 +8,18 @@
 //! * [`ClientHandshake`] sends a hello, retransmits it with exponential backoff, and ends in
 //!   an [`Outcome`] or an [`Error`].
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use chunnel::negotiate::{End, check_compatible, choose};
 use chunnel::{Pick, StackOption};
 
 use crate::Error;
 use crate::wire::{
-    Accept, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt, split_accept_data,
+    ACCEPT_DATA_PREFIX, Accept, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt,
+    split_accept_data,
 };
 
 /// Retransmission and size limits of a handshake.
@@ -72,11 +74,40 @@ pub enum Decision {
     },
 }
 
-/// The server side: its options and how many mismatches to report.
-#[derive(Clone, Debug)]
+/// The server side: its options, how many mismatches to report, and the accepts it
+/// remembers per offer list.
+#[derive(Debug)]
 pub struct Server {
     offers: Vec<StackOption>,
     max_reported: usize,
+    remembered: Mutex<HashMap<Box<[u8]>, Remembered>>,
+}
+
+/// Distinct offer lists whose accept a [`Server`] remembers; when full, it forgets them all
+/// (bounded whatever clients send).
+pub const REMEMBERED_ACCEPTS: usize = 64;
+
+/// Hellos whose decision part (offers and 0-RTT pick) is longer are decided afresh each time.
+pub const REMEMBERED_KEY_MAX: usize = 1024;
+
+/// An accept decided once for an offer list (the key: [`Hello::split`]'s decision part).
+#[derive(Debug)]
+struct Remembered {
+    flags: u8,
+    server_option: usize,
+    zero_rtt: ZeroRtt,
+    client_pick: Pick,
+    /// The encoded answer with `conn_id` 0: the `ACCEPT_DATA` header when `coalescable`,
+    /// else the `ACCEPT` alone.
+    template: Bytes,
+    coalescable: bool,
+}
+
+impl Clone for Server {
+    /// Same options; nothing remembered yet.
+    fn clone(&self) -> Self {
+        Server::new(self.offers.clone())
+    }
 }
 
 impl Server {
@@ -85,6 +116,7 @@ impl Server {
         Server {
             offers,
             max_reported: 16,
+            remembered: Mutex::new(HashMap::new()),
         }
     }
 
@@ -94,6 +126,13 @@ impl Server {
     }
 
     /// Decides on one message that should be a hello (tag included).
+    ///
+    /// The answer depends only on the hello's flags, offers and 0-RTT pick (and on this
+    /// server's options), not on its `conn_id` or early data: an accept is remembered per
+    /// offer list (at most [`REMEMBERED_ACCEPTS`] of them, keys up to
+    /// [`REMEMBERED_KEY_MAX`] bytes), and a hello with the same offers again is answered
+    /// without decoding or matching them. Compatibility rules of custom capabilities must
+    /// therefore be pure functions of the two capabilities (as [`chunnel::negotiate`] asks).
     pub fn handle_hello(&self, msg: &[u8]) -> Decision {
         let body = match msg.split_first() {
             Some((&t, body)) if t == Tag::Hello as u8 => body,
@@ -110,11 +149,107 @@ impl Server {
                 format!("server speaks version {VERSION}, hello has {v}"),
             );
         }
+        let split = Hello::split(body)
+            .ok()
+            .filter(|(_, key, _)| key.len() <= REMEMBERED_KEY_MAX);
+        if let Some((flags, key, early)) = split
+            && let Some(d) = self.recall(flags, key, early, conn_id)
+        {
+            return d;
+        }
         let hello = match Hello::decode(body) {
             Ok(h) => h,
             Err(e) => return reject(conn_id, RejectReason::Malformed, Vec::new(), e.to_string()),
         };
-        self.decide(hello)
+        let decision = self.decide(hello);
+        if let (Some((flags, key, _)), Decision::Accept { .. }) = (split, &decision) {
+            self.remember(flags, key, &decision);
+        }
+        decision
+    }
+
+    /// The remembered accept for this offer list, for connection `conn_id`; `None` if there
+    /// is none (or the early data does not decode: the full path then rejects the hello).
+    fn recall(&self, flags: u8, key: &[u8], early: &[u8], conn_id: u64) -> Option<Decision> {
+        let (server_option, zero_rtt, client_pick, template, coalescable) = {
+            let map = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+            let r = map.get(key).filter(|r| r.flags == flags)?;
+            (
+                r.server_option,
+                r.zero_rtt,
+                r.client_pick.clone(),
+                r.template.clone(),
+                r.coalescable,
+            )
+        };
+        let early = Hello::decode_early(flags, early).ok()?;
+        let early = if zero_rtt == ZeroRtt::Accepted {
+            early
+        } else {
+            Vec::new()
+        };
+        // The template with this connection's id: `conn_id` follows the accept's tag and
+        // version (and the `ACCEPT_DATA` prefix).
+        let at = if coalescable { ACCEPT_DATA_PREFIX } else { 0 } + 2;
+        let mut b = BytesMut::from(&template[..]);
+        b.get_mut(at..at + 8)?
+            .copy_from_slice(&conn_id.to_be_bytes());
+        let all = b.freeze();
+        let (response, coalesce) = if coalescable {
+            (all.slice(ACCEPT_DATA_PREFIX..), Some(all))
+        } else {
+            (all, None)
+        };
+        let accept = Accept {
+            version: VERSION,
+            conn_id,
+            zero_rtt,
+            client_pick,
+            server_pick: self.offers[server_option].pick.clone(),
+            server_stack: self.offers[server_option].chunnels.clone(),
+        };
+        Some(Decision::Accept {
+            accept,
+            server_option,
+            early,
+            response,
+            coalesce,
+        })
+    }
+
+    fn remember(&self, flags: u8, key: &[u8], decision: &Decision) {
+        let Decision::Accept {
+            accept,
+            server_option,
+            response,
+            coalesce,
+            ..
+        } = decision
+        else {
+            return;
+        };
+        let zeroed = Accept {
+            conn_id: 0,
+            ..accept.clone()
+        };
+        let (plain, data) = zeroed.encode_with_data_header();
+        // Sanity: the answer really differs from the zeroed one only in `conn_id`.
+        if plain.len() != response.len() || data.is_some() != coalesce.is_some() {
+            return;
+        }
+        let r = Remembered {
+            flags,
+            server_option: *server_option,
+            zero_rtt: accept.zero_rtt,
+            client_pick: accept.client_pick.clone(),
+            coalescable: data.is_some(),
+            template: data.unwrap_or(plain),
+        };
+        let mut map = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= REMEMBERED_ACCEPTS {
+            map.clear();
+        }
+        map.insert(key.into(), r);
     }
 
     fn decide(&self, hello: Hello) -> Decision {
@@ -482,5 +617,92 @@ impl ClientHandshake {
     /// This handshake's connection id.
     pub fn conn_id(&self) -> u64 {
         self.conn_id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use chunnel::{Capability, ChunnelInfo};
+
+    use super::*;
+
+    fn option(id: &'static str, label: &'static str, branch: u8) -> StackOption {
+        StackOption {
+            chunnels: vec![ChunnelInfo {
+                id: Cow::Borrowed(id),
+                capabilities: vec![Capability::exact("serialize", [label])],
+            }],
+            pick: Pick::from_branches(vec![branch]),
+        }
+    }
+
+    fn hello(conn_id: u64, offers: Vec<StackOption>, early: &[u8]) -> Vec<u8> {
+        let zero_rtt = offers.first().map(|o| o.pick.clone());
+        Hello {
+            version: VERSION,
+            conn_id,
+            offers,
+            zero_rtt,
+            early: vec![Bytes::copy_from_slice(early)],
+            dictated: false,
+        }
+        .encode()
+        .to_vec()
+    }
+
+    fn remembered(s: &Server) -> usize {
+        s.remembered.lock().unwrap().len()
+    }
+
+    #[test]
+    fn an_accept_is_remembered_per_offer_list_and_answers_other_connections() {
+        let s = Server::new(vec![option("a/1", "json", 0)]);
+        let offers = vec![option("a/1", "json", 0)];
+        let Decision::Accept { accept, .. } = s.handle_hello(&hello(7, offers.clone(), b"x"))
+        else {
+            panic!("not accepted");
+        };
+        assert_eq!((accept.conn_id, remembered(&s)), (7, 1));
+        // Same offers, another connection and other early data: answered from memory.
+        let Decision::Accept {
+            accept,
+            early,
+            response,
+            coalesce,
+            ..
+        } = s.handle_hello(&hello(9, offers.clone(), b"yz"))
+        else {
+            panic!("not accepted");
+        };
+        assert_eq!(accept.conn_id, 9);
+        assert_eq!(accept.zero_rtt, ZeroRtt::Accepted);
+        assert_eq!(early, vec![Bytes::from_static(b"yz")]);
+        assert_eq!(
+            response,
+            accept.encode(),
+            "response carries the new conn_id"
+        );
+        assert_eq!(coalesce, accept.encode_with_data_header().1);
+        assert_eq!(remembered(&s), 1);
+        // Another offer list is another entry.
+        let _ = s.handle_hello(&hello(9, vec![option("a/1", "json", 1)], b""));
+        assert_eq!(remembered(&s), 2);
+    }
+
+    #[test]
+    fn remembered_accepts_are_bounded() {
+        let s = Server::new(vec![option("a/1", "json", 0)]);
+        for i in 0..(REMEMBERED_ACCEPTS as u8 + 10) {
+            // Distinct offer lists: a second, incompatible offer with its own label.
+            let label: &'static str = Box::leak(format!("l{i}").into_boxed_str());
+            let offers = vec![option("a/1", "json", 0), option("b/1", label, 1)];
+            assert!(matches!(
+                s.handle_hello(&hello(u64::from(i), offers, b"")),
+                Decision::Accept { .. }
+            ));
+            assert!(remembered(&s) <= REMEMBERED_ACCEPTS);
+        }
     }
 }

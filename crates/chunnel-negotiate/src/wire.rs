@@ -575,6 +575,35 @@ impl<'a> Reader<'a> {
         }
     }
 
+    fn skip_str(&mut self, what: &'static str) -> Result<(), WireError> {
+        let n = self.u16(what)? as usize;
+        self.bytes(n, what).map(drop)
+    }
+
+    /// Steps over what [`Reader::pick`] reads (the layout only).
+    fn skip_pick(&mut self) -> Result<(), WireError> {
+        let n = self.count(1, "pick length")?;
+        self.bytes(n, "pick branches").map(drop)
+    }
+
+    /// Steps over what [`Reader::chunnels`] reads (the layout only).
+    fn skip_chunnels(&mut self) -> Result<(), WireError> {
+        let n = self.count(4, "chunnel count")?;
+        for _ in 0..n {
+            self.skip_str("chunnel id")?;
+            let k = self.count(5, "capability count")?;
+            for _ in 0..k {
+                self.skip_str("capability kind")?;
+                self.u8("capability matching")?;
+                let labels = self.count(2, "label count")?;
+                for _ in 0..labels {
+                    self.skip_str("label")?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn pick(&mut self) -> Result<Pick, WireError> {
         let n = self.count(1, "pick length")?;
         let b = self.bytes(n, "pick branches")?;
@@ -691,19 +720,12 @@ impl Hello {
             let chunnels = r.chunnels()?;
             offers.push(StackOption { chunnels, pick });
         }
-        let (zero_rtt, early) = if flags & HELLO_ZERO_RTT != 0 {
-            let pick = r.pick()?;
-            let n = r.count(4, "early message count")?;
-            let mut early = Vec::with_capacity(n);
-            for _ in 0..n {
-                let len = r.u32("early message length")? as usize;
-                early.push(Bytes::copy_from_slice(r.bytes(len, "early message")?));
-            }
-            (Some(pick), early)
+        let zero_rtt = if flags & HELLO_ZERO_RTT != 0 {
+            Some(r.pick()?)
         } else {
-            (None, Vec::new())
+            None
         };
-        r.finish()?;
+        let early = Hello::decode_early(flags, r.buf)?;
         Ok(Hello {
             version,
             conn_id,
@@ -712,6 +734,51 @@ impl Hello {
             early,
             dictated: flags & HELLO_DICTATED != 0,
         })
+    }
+
+    /// Splits a hello body (the bytes after the tag) into its flags, the part that decides
+    /// the server's answer (offers and 0-RTT pick: everything after `conn_id` up to the early
+    /// data), and the early-data part, without decoding (nothing is allocated). Two hellos
+    /// with the same flags and decision part get the same answer from a server, whatever
+    /// their `conn_id` and early data; a server can remember it (see
+    /// [`crate::proto::Server::handle_hello`]). Only the layout is checked here: the parts are
+    /// well-formed only if [`Hello::decode`] accepts the body.
+    pub fn split(body: &[u8]) -> Result<(u8, &[u8], &[u8]), WireError> {
+        let mut r = Reader { buf: body };
+        version(&mut r)?;
+        let flags = r.u8("flags")?;
+        if flags & !HELLO_KNOWN_FLAGS != 0 {
+            return Err(WireError("unknown hello flags"));
+        }
+        r.u64("conn_id")?;
+        let start = body.len() - r.buf.len();
+        let n = r.count(4, "offer count")?;
+        for _ in 0..n {
+            r.skip_pick()?;
+            r.skip_chunnels()?;
+        }
+        if flags & HELLO_ZERO_RTT != 0 {
+            r.skip_pick()?;
+        }
+        let end = body.len() - r.buf.len();
+        Ok((flags, &body[start..end], &body[end..]))
+    }
+
+    /// Decodes the early-data part of a hello body (see [`Hello::split`]): empty unless
+    /// `flags` has the 0-RTT bit.
+    pub fn decode_early(flags: u8, part: &[u8]) -> Result<Vec<Bytes>, WireError> {
+        let mut r = Reader { buf: part };
+        let mut early = Vec::new();
+        if flags & HELLO_ZERO_RTT != 0 {
+            let n = r.count(4, "early message count")?;
+            early.reserve_exact(n);
+            for _ in 0..n {
+                let len = r.u32("early message length")? as usize;
+                early.push(Bytes::copy_from_slice(r.bytes(len, "early message")?));
+            }
+        }
+        r.finish()?;
+        Ok(early)
     }
 
     /// Reads only the `conn_id` of a hello body (to answer a retransmission cheaply).

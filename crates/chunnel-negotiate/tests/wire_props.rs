@@ -400,6 +400,52 @@ fn client_offers() -> Vec<StackOption> {
 }
 
 /// Checks everything a server decision on `msg` must satisfy; `Err` names what failed.
+fn same_decision(got: &Decision, want: &Decision) -> Result<(), TestCaseError> {
+    match (got, want) {
+        (
+            Decision::Accept {
+                accept: a,
+                server_option: so,
+                early: e,
+                response: r,
+                coalesce: c,
+            },
+            Decision::Accept {
+                accept: a2,
+                server_option: so2,
+                early: e2,
+                response: r2,
+                coalesce: c2,
+            },
+        ) => {
+            prop_assert_eq!(a, a2);
+            prop_assert_eq!(so, so2);
+            prop_assert_eq!(e, e2);
+            prop_assert_eq!(r, r2);
+            prop_assert_eq!(c, c2);
+        }
+        (
+            Decision::Reject {
+                reject: a,
+                response: r,
+            },
+            Decision::Reject {
+                reject: a2,
+                response: r2,
+            },
+        ) => {
+            prop_assert_eq!(a, a2);
+            prop_assert_eq!(r, r2);
+        }
+        _ => {
+            return Err(TestCaseError::fail(format!(
+                "remembered and fresh decisions differ in kind: {got:?} vs {want:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn check_decision(server: &Server, msg: &[u8]) -> Result<(), TestCaseError> {
     let decision = server.handle_hello(msg);
     let response = match &decision {
@@ -725,6 +771,43 @@ proptest! {
     fn server_decides_consistently_on_valid_hellos(h in pooled_hello()) {
         check_decision(&server(), &h.encode())?;
         check_decision(&strict_server(), &h.encode())?;
+    }
+
+    /// A server that remembers accepts per offer list answers exactly as a fresh server does:
+    /// the same hellos again under other connection ids (answered from memory), and then
+    /// mutations of them (a corrupted early-data part must still be rejected).
+    #[test]
+    fn remembered_accepts_match_fresh_decisions(
+        hellos in vec(pooled_hello(), 1..6),
+        ids in vec(any::<u64>(), 2),
+        at in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+    ) {
+        for strict in [false, true] {
+            let fresh = || if strict { strict_server() } else { server() };
+            let warm = fresh();
+            let mut asked = Vec::new();
+            for h in &hellos {
+                for &id in &ids {
+                    let mut h = h.clone();
+                    h.conn_id = id;
+                    asked.push(h.encode().to_vec());
+                }
+            }
+            for msg in &asked {
+                same_decision(&warm.handle_hello(msg), &fresh().handle_hello(msg))?;
+            }
+            // Every byte position of every asked hello, overwritten: what the warm server
+            // answers from memory or afresh must match the fresh server.
+            for msg in &asked {
+                let mut m = msg.clone();
+                let i = at.index(m.len());
+                m[i] = byte;
+                same_decision(&warm.handle_hello(&m), &fresh().handle_hello(&m))?;
+                m.truncate(i);
+                same_decision(&warm.handle_hello(&m), &fresh().handle_hello(&m))?;
+            }
+        }
     }
 
     #[test]

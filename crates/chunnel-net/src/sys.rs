@@ -478,14 +478,36 @@ pub(crate) fn send_batch<M: AsRef<[u8]>>(
     Ok(n as usize)
 }
 
-/// [`send_batch`] of one message: `sendto`, or `sendmsg` when there is a header (see
-/// [`recv_one`] for what `sendmmsg` costs on top).
+/// A header and message up to this size are sent from one stack copy (`sendto`) rather than
+/// gathered by the kernel (`sendmsg`, which copies in a header and imports an iovec array).
+const COALESCE: usize = 512;
+
+/// [`send_batch`] of one message: `sendto`, or `sendmsg` when there is a header too large to
+/// copy (see [`recv_one`] for what `sendmmsg` costs on top).
 fn send_one(fd: RawFd, header: &[u8], msg: &[u8], dest: Option<&RawAddr>) -> io::Result<usize> {
     let (name, namelen) = match dest {
         Some(d) => (&d.storage as *const libc::sockaddr_storage, d.len),
         None => (std::ptr::null(), 0),
     };
-    let r = if header.is_empty() {
+    let total = header.len() + msg.len();
+    let r = if !header.is_empty() && total <= COALESCE {
+        let mut buf = [MaybeUninit::<u8>::uninit(); COALESCE];
+        let start = buf.as_mut_ptr().cast::<u8>();
+        // SAFETY: `buf` has room for both (`total <= COALESCE`); the first `total` bytes are
+        // written here before the kernel reads them; source and destination do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(header.as_ptr(), start, header.len());
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), start.add(header.len()), msg.len());
+            libc::sendto(
+                fd,
+                start.cast(),
+                total,
+                libc::MSG_DONTWAIT,
+                name.cast(),
+                namelen,
+            )
+        }
+    } else if header.is_empty() {
         // SAFETY: `msg` and the address (when given) are live for the call; the kernel only
         // reads them.
         unsafe {
