@@ -910,35 +910,51 @@ impl<S: DgramSocket> Shared<S> {
     /// that — or until `other` completes, whichever comes first. Returns `other`'s output if
     /// it completed. `role` is [`ACCEPT_READER`] or [`CONN_READER`]: a connection takes the
     /// place from `accept`, which then stops waiting on the socket (`Ok(None)`) and waits
-    /// for the place to fall vacant instead.
-    async fn wait_readable<T>(
-        &self,
+    /// for the place to fall vacant instead. A place taken is kept in `held`, across calls,
+    /// until the caller drops it.
+    async fn wait_readable<'s, T>(
+        &'s self,
         role: u8,
+        held: &mut Option<ReaderGuard<'s, S>>,
         other: impl Future<Output = T>,
     ) -> io::Result<Option<T>> {
         tokio::pin!(other);
-        let taken = match self.reader.load(Ordering::SeqCst) {
-            NO_READER => {
-                self.reader
-                    .compare_exchange(NO_READER, role, Ordering::SeqCst, Ordering::SeqCst)
-            }
-            ACCEPT_READER if role == CONN_READER => {
-                let r = self.reader.compare_exchange(
-                    ACCEPT_READER,
-                    CONN_READER,
+        // A place kept from an earlier wait of the same caller is still ours unless a
+        // connection took it from `accept`; then the stale guard is let go (its release finds
+        // the place not ours and does nothing).
+        if held.is_some() && self.reader.load(Ordering::SeqCst) != role {
+            *held = None;
+        }
+        let taken = match held {
+            Some(_) => Ok(role),
+            None => match self.reader.load(Ordering::SeqCst) {
+                NO_READER => self.reader.compare_exchange(
+                    NO_READER,
+                    role,
                     Ordering::SeqCst,
                     Ordering::SeqCst,
-                );
-                if r.is_ok() {
-                    // `accept` stops waiting on the socket.
-                    self.wake_accept();
+                ),
+                ACCEPT_READER if role == CONN_READER => {
+                    let r = self.reader.compare_exchange(
+                        ACCEPT_READER,
+                        CONN_READER,
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    );
+                    if r.is_ok() {
+                        // `accept` stops waiting on the socket.
+                        self.wake_accept();
+                    }
+                    r
                 }
-                r
-            }
-            held => Err(held),
+                held => Err(held),
+            },
         };
         if taken.is_ok() {
-            let _guard = ReaderGuard { shared: self, role };
+            // Kept by the caller until it stops reading (returns, or is cancelled): a reader
+            // that loops (it read datagrams for other connections, or nothing) keeps the place
+            // instead of handing it to a waiting connection and taking it back.
+            held.get_or_insert_with(|| ReaderGuard { shared: self, role });
             if role == ACCEPT_READER {
                 let mut ready = std::pin::pin!(self.sock.ready(Interest::READABLE));
                 std::future::poll_fn(|cx| {
@@ -1166,6 +1182,8 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
         let notified = sh.accept_notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
+        // The reader's place, once taken, is kept until this call returns.
+        let mut held = None;
         loop {
             if let Some((addr, peer)) = lock(&sh.demux).backlog.pop_front() {
                 return Ok(ServerConnection {
@@ -1181,7 +1199,11 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
             // wake-up (the reader's place falling vacant wakes this task once per datagram
             // the reader takes). Once the place is free, `wait_readable` takes it; tokio's
             // readiness is only cleared by a read that would block, so nothing is missed.
-            if sh.reader.load(Ordering::Acquire) != CONN_READER {
+            // A connection may have taken the place from us (see `wait_readable`).
+            if held.is_some() && sh.reader.load(Ordering::SeqCst) != ACCEPT_READER {
+                held = None;
+            }
+            if held.is_some() || sh.reader.load(Ordering::Acquire) != CONN_READER {
                 match sh.pump() {
                     Ok(_) => continue,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -1197,7 +1219,7 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                 }
             }
             let fired = sh
-                .wait_readable(ACCEPT_READER, notified.as_mut())
+                .wait_readable(ACCEPT_READER, &mut held, notified.as_mut())
                 .await
                 .map_err(|e| Error::Io {
                     op: "accept",
@@ -1335,6 +1357,11 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             return Ok(0);
         }
         let sh = &self.shared;
+        // The reader's place, once taken, is kept until this call returns: woken for other
+        // connections' datagrams, this one sorts them out and waits again, without handing
+        // the place to another waiting connection (a wake-up of that one's task) and
+        // taking it back.
+        let mut held = None;
         loop {
             let n = self.drain(slots);
             if n > 0 {
@@ -1346,7 +1373,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             }
             // As in `accept`: another connection waiting on the socket reads for this one
             // too. One that finds `accept` there reads for itself (and then takes its place).
-            if sh.reader.load(Ordering::Acquire) != CONN_READER {
+            if held.is_some() || sh.reader.load(Ordering::Acquire) != CONN_READER {
                 let me = Direct {
                     addr: &self.addr,
                     peer: &self.peer,
@@ -1405,7 +1432,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                         () = &mut idle => true,
                     }
                 };
-                sh.wait_readable(CONN_READER, woken)
+                sh.wait_readable(CONN_READER, &mut held, woken)
                     .await
                     .map_err(|e| conn_err("recv", &self.addr, e))?
             };

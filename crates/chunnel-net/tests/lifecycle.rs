@@ -1456,3 +1456,86 @@ async fn a_connection_reads_its_own_datagrams_while_accept_waits() {
         "{queued} of {N} datagrams went through the connection's queue (direct: {direct})"
     );
 }
+
+/// Counts the polls of the future it wraps.
+struct CountPolls<F> {
+    inner: std::pin::Pin<Box<F>>,
+    polls: Arc<AtomicU64>,
+}
+
+impl<F: Future> Future for CountPolls<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        self.polls.fetch_add(1, Ordering::Relaxed);
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+/// With many idle connections waiting on one listener, a message for a busy connection costs
+/// the idle ones at most one wake-up: the idle connection that waits on the socket and reads
+/// the message for the busy one keeps that place instead of handing it to another idle
+/// connection (a second wake-up) and taking it back. Handing the place over on every
+/// wake-up polls idle connections about twice per message.
+#[tokio::test(flavor = "current_thread")]
+async fn idle_connections_are_not_woken_twice_per_message() {
+    const IDLE: u32 = 20;
+    const N: u32 = 200;
+    let cfg = udp::Config::default().with_idle_timeout(None);
+    let mut l = udp::Listener::bind_with(loopback(), cfg).await.unwrap();
+    let k = udp::Connect::new(l.local_addr().unwrap());
+    let mut clients = Vec::new();
+    for i in 0..=IDLE {
+        let c = within("connect", k.clone().connect_wrap(())).await.unwrap();
+        send_id(&c, i).await;
+        clients.push(c);
+    }
+    let polls = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    let mut busy = None;
+    for _ in 0..=IDLE {
+        let s = within("accept", l.accept()).await.unwrap();
+        let first = within("first", s.recv_one()).await.unwrap();
+        if first == id_msg(0) {
+            busy = Some(s);
+            continue;
+        }
+        let polls = Arc::clone(&polls);
+        tasks.push(tokio::spawn(async move {
+            let wait = CountPolls {
+                inner: Box::pin(async move { s.recv_one().await }),
+                polls,
+            };
+            let _ = wait.await;
+        }));
+    }
+    let busy = busy.expect("the busy peer was accepted");
+    let echo = tokio::spawn(async move {
+        while let Ok(m) = busy.recv_one().await {
+            if busy.send_one(m).await.is_err() {
+                break;
+            }
+        }
+    });
+    // Let every idle connection start waiting.
+    tokio::time::sleep(SETTLE).await;
+    let before = polls.load(Ordering::Relaxed);
+    let c = &clients[0];
+    for i in 0..N {
+        c.send_one(id_msg(i)).await.unwrap();
+        assert_eq!(within("echo", c.recv_one()).await.unwrap(), id_msg(i));
+    }
+    let idle_polls = polls.load(Ordering::Relaxed) - before;
+    assert!(
+        idle_polls <= u64::from(N) * 3 / 2,
+        "{idle_polls} polls of idle connections for {N} messages to a busy one"
+    );
+    echo.abort();
+    for t in tasks {
+        t.abort();
+    }
+    drop(l);
+}
