@@ -149,9 +149,14 @@ impl<C> Tagged<C> {
     }
 
     /// Queues messages (tag already stripped) to be received before anything else.
-    pub(crate) fn push_pending(&self, msgs: impl IntoIterator<Item = Bytes>) {
+    pub(crate) fn push_pending(&self, msgs: Vec<Bytes>) {
         let mut q = lock(&self.shared.pending);
-        q.extend(msgs);
+        if q.is_empty() {
+            // Takes the vector's buffer over (no allocation, no copy).
+            *q = VecDeque::from(msgs);
+        } else {
+            q.extend(msgs);
+        }
         let q = &*q;
         self.shared.has_pending.store(
             !q.is_empty() || !lock(&self.shared.raw).is_empty(),

@@ -190,7 +190,9 @@ impl RxScratch {
     fn new(first: usize) -> Self {
         RxScratch {
             out: BytesMut::new(),
-            block: 2048,
+            // Small enough for the allocator's per-thread cache: a client connection that
+            // receives one answer allocates no more than that.
+            block: 512,
             next: first,
             run: 0,
             hint: first,

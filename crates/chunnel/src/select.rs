@@ -99,15 +99,18 @@ where
 impl<A: Offers, B: Offers> Offers for Select<A, B> {
     fn offers(&self) -> Vec<StackOption> {
         let tag = |side: u8, o: StackOption| {
-            let mut branches = vec![side];
+            let mut branches = Vec::with_capacity(1 + o.pick.branches().len());
+            branches.push(side);
             branches.extend_from_slice(o.pick.branches());
             StackOption {
                 chunnels: o.chunnels,
                 pick: Pick::from_branches(branches),
             }
         };
-        let mut out: Vec<_> = self.left.offers().into_iter().map(|o| tag(0, o)).collect();
-        out.extend(self.right.offers().into_iter().map(|o| tag(1, o)));
+        let (left, right) = (self.left.offers(), self.right.offers());
+        let mut out = Vec::with_capacity(left.len() + right.len());
+        out.extend(left.into_iter().map(|o| tag(0, o)));
+        out.extend(right.into_iter().map(|o| tag(1, o)));
         out
     }
 
