@@ -132,7 +132,8 @@ impl Server {
     /// offer list (at most [`REMEMBERED_ACCEPTS`] of them, keys up to
     /// [`REMEMBERED_KEY_MAX`] bytes), and a hello with the same offers again is answered
     /// without decoding or matching them. Compatibility rules of custom capabilities must
-    /// therefore be pure functions of the two capabilities (as [`chunnel::negotiate`] asks).
+    /// therefore be pure functions of the two capabilities (as [`chunnel::negotiate::Rule`]
+    /// says).
     pub fn handle_hello(&self, msg: &[u8]) -> Decision {
         let body = match msg.split_first() {
             Some((&t, body)) if t == Tag::Hello as u8 => body,

@@ -24,7 +24,9 @@ pub enum Match {
 }
 
 /// A compatibility rule for a custom capability type: `ours` is the local capability (the one
-/// that carries the rule), `theirs` the peer's of the same kind.
+/// that carries the rule), `theirs` the peer's of the same kind. It must depend on the two
+/// capabilities only (no clock, no global state): a negotiating server remembers its answer
+/// to an offer list and gives it again to the next client offering the same list.
 pub type Rule = fn(ours: &Capability, theirs: &Capability) -> bool;
 
 /// One capability of a Chunnel: a typed, opaque set of labels with a matching rule.
