@@ -97,8 +97,8 @@ struct Remembered {
     server_option: usize,
     zero_rtt: ZeroRtt,
     client_pick: Pick,
-    /// The encoded answer with `conn_id` 0: the `ACCEPT_DATA` header when `coalescable`,
-    /// else the `ACCEPT` alone.
+    /// The encoded answer to the hello that was decided (its `conn_id` is overwritten for
+    /// each recall): the `ACCEPT_DATA` header when `coalescable`, else the `ACCEPT` alone.
     template: Bytes,
     coalescable: bool,
 }
@@ -229,22 +229,14 @@ impl Server {
         else {
             return;
         };
-        let zeroed = Accept {
-            conn_id: 0,
-            ..accept.clone()
-        };
-        let (plain, data) = zeroed.encode_with_data_header();
-        // Sanity: the answer really differs from the zeroed one only in `conn_id`.
-        if plain.len() != response.len() || data.is_some() != coalesce.is_some() {
-            return;
-        }
+        // This answer is the template: `recall` overwrites its `conn_id`.
         let r = Remembered {
             flags,
             server_option: *server_option,
             zero_rtt: accept.zero_rtt,
             client_pick: accept.client_pick.clone(),
-            coalescable: data.is_some(),
-            template: data.unwrap_or(plain),
+            coalescable: coalesce.is_some(),
+            template: coalesce.clone().unwrap_or_else(|| response.clone()),
         };
         let mut map = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
         if map.len() >= REMEMBERED_ACCEPTS {
