@@ -127,7 +127,7 @@ fn check(server: &Server, msg: &[u8]) {
             );
             let s = &server.offers()[*server_option];
             assert_eq!(accept.server_pick, s.pick);
-            assert_eq!(accept.server_stack, s.chunnels);
+            assert_eq!(accept.server_stack[..], s.chunnels[..]);
             assert!(
                 hello.offers.iter().any(|o| o.pick == accept.client_pick
                     && check_compatible(&s.chunnels, &o.chunnels, 0, 0).is_ok()),
@@ -191,7 +191,7 @@ fn check_dictated(server: &Server, hello: &Hello, decision: &Decision) {
             assert_eq!(accept.conn_id, hello.conn_id);
             assert_eq!(accept.client_pick, Pick::default());
             assert_eq!(accept.server_pick, server.offers()[si].pick);
-            assert_eq!(accept.server_stack, server.offers()[si].chunnels);
+            assert_eq!(accept.server_stack[..], server.offers()[si].chunnels[..]);
             assert_eq!(accept.zero_rtt, ZeroRtt::NotOffered);
             assert!(early.is_empty());
         }

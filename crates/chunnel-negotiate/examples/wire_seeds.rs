@@ -123,7 +123,7 @@ fn accepts() -> Vec<(&'static str, Accept)> {
         zero_rtt: ZeroRtt::NotOffered,
         client_pick: o[0].pick.clone(),
         server_pick: Pick::from_branches(vec![0]),
-        server_stack: o[0].chunnels.clone(),
+        server_stack: o[0].chunnels.clone().into(),
     };
     vec![
         ("not-offered", base.clone()),
@@ -132,7 +132,7 @@ fn accepts() -> Vec<(&'static str, Accept)> {
             Accept {
                 zero_rtt: ZeroRtt::Accepted,
                 client_pick: o[1].pick.clone(),
-                server_stack: o[1].chunnels.clone(),
+                server_stack: o[1].chunnels.clone().into(),
                 ..base.clone()
             },
         ),
@@ -141,7 +141,7 @@ fn accepts() -> Vec<(&'static str, Accept)> {
             Accept {
                 zero_rtt: ZeroRtt::Rejected,
                 server_pick: Pick::default(),
-                server_stack: Vec::new(),
+                server_stack: Vec::new().into(),
                 ..base
             },
         ),

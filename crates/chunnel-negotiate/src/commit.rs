@@ -749,7 +749,7 @@ mod tests {
                 id: format.into(),
                 capabilities: vec![Capability::exact("serialize", [format])],
             }],
-            pick: Pick::from_branches(vec![pick]),
+            pick: Pick::from_slice(&[pick]),
         }
     }
 

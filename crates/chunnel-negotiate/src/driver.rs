@@ -62,7 +62,7 @@ pub struct Info {
     /// The pick applied to the server's stack.
     pub server_pick: Pick,
     /// The server's chosen stack, top first.
-    pub server_stack: Vec<ChunnelInfo>,
+    pub server_stack: Arc<[ChunnelInfo]>,
     /// What happened to a 0-RTT attempt.
     pub zero_rtt: ZeroRtt,
     /// Hellos the client sent (more than 1 means some were lost); 0 on the server.

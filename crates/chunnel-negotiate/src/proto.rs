@@ -9,12 +9,12 @@
 //!   an [`Outcome`] or an [`Error`].
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use chunnel::negotiate::{End, check_compatible, choose};
-use chunnel::{Pick, StackOption};
+use chunnel::{ChunnelInfo, Pick, StackOption};
 
 use crate::Error;
 use crate::wire::{
@@ -79,6 +79,8 @@ pub enum Decision {
 #[derive(Debug)]
 pub struct Server {
     offers: Vec<StackOption>,
+    /// Each option's Chunnels, shared by every accept that names it.
+    stacks: Vec<Arc<[ChunnelInfo]>>,
     max_reported: usize,
     remembered: Mutex<HashMap<Box<[u8]>, Remembered>>,
 }
@@ -114,6 +116,7 @@ impl Server {
     /// A server choosing among `offers` (its own options, most preferred first).
     pub fn new(offers: Vec<StackOption>) -> Self {
         Server {
+            stacks: offers.iter().map(|o| o.chunnels.as_slice().into()).collect(),
             offers,
             max_reported: 16,
             remembered: Mutex::new(HashMap::new()),
@@ -207,7 +210,7 @@ impl Server {
             zero_rtt,
             client_pick,
             server_pick: self.offers[server_option].pick.clone(),
-            server_stack: self.offers[server_option].chunnels.clone(),
+            server_stack: Arc::clone(&self.stacks[server_option]),
         };
         Some(Decision::Accept {
             accept,
@@ -337,7 +340,7 @@ impl Server {
             zero_rtt,
             client_pick,
             server_pick: self.offers[si].pick.clone(),
-            server_stack: self.offers[si].chunnels.clone(),
+            server_stack: Arc::clone(&self.stacks[si]),
         };
         let (response, coalesce) = accept.encode_with_data_header();
         let early = if zero_rtt == ZeroRtt::Accepted {
@@ -627,7 +630,7 @@ mod tests {
                 id: Cow::Borrowed(id),
                 capabilities: vec![Capability::exact("serialize", [label])],
             }],
-            pick: Pick::from_branches(vec![branch]),
+            pick: Pick::from_slice(&[branch]),
         }
     }
 

@@ -297,7 +297,8 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
     {
         let sh = &*self.shared;
         if sh.mode.load(Ordering::Acquire) != 0 {
-            return sh.send_slow(&[], burst).await;
+            // Boxed, as in `send_with_header`.
+            return Box::pin(sh.send_slow(&[], burst)).await;
         }
         sh.inner.send_with_header(DATA, burst).await
     }
@@ -509,7 +510,10 @@ impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
     {
         let sh = &*self.shared;
         if sh.mode.load(Ordering::Acquire) != 0 {
-            return sh.send_slow(header, burst).await;
+            // Boxed: taken once per connection at most (a held accept, 0-RTT capture), and
+            // inline it made every send's future ~700 bytes larger, which every task that
+            // sends carries for its whole life.
+            return Box::pin(sh.send_slow(header, burst)).await;
         }
         send_data(&sh.inner, header, burst).await
     }

@@ -9,6 +9,7 @@
 //! and never panic.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
@@ -121,7 +122,7 @@ pub struct Accept {
     /// The picked option of the server's tree.
     pub server_pick: Pick,
     /// The server's chosen stack, top first: what other endpoints can be told (paper §5.1).
-    pub server_stack: Vec<ChunnelInfo>,
+    pub server_stack: Arc<[ChunnelInfo]>,
 }
 
 /// Why the server refused.
@@ -610,7 +611,7 @@ impl<'a> Reader<'a> {
         if b.iter().any(|&x| x > 1) {
             return Err(WireError("pick branch is neither 0 nor 1"));
         }
-        Ok(Pick::from_branches(b.to_vec()))
+        Ok(Pick::from_slice(b))
     }
 
     fn capability(&mut self) -> Result<Capability, WireError> {
@@ -813,7 +814,7 @@ impl Accept {
             zero_rtt,
             client_pick,
             server_pick,
-            server_stack,
+            server_stack: server_stack.into(),
         })
     }
 }

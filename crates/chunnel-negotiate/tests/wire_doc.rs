@@ -203,7 +203,7 @@ fn examples() -> Vec<(&'static str, Bytes)> {
             zero_rtt: ZeroRtt::NotOffered,
             client_pick: pick(&[1]),
             server_pick: pick(&[0]),
-            server_stack: vec![ratelimit.clone(), json.clone()],
+            server_stack: vec![ratelimit.clone(), json.clone()].into(),
         }
     );
 
@@ -244,7 +244,7 @@ fn examples() -> Vec<(&'static str, Bytes)> {
             zero_rtt: ZeroRtt::Accepted,
             client_pick: pick(&[1]),
             server_pick: pick(&[0]),
-            server_stack: vec![ratelimit, json],
+            server_stack: vec![ratelimit, json].into(),
         }
     );
 

@@ -42,7 +42,8 @@ fn matching() -> impl Strategy<Value = Match> {
 }
 
 fn pick() -> impl Strategy<Value = Pick> {
-    vec(0u8..=1, 0..=4).prop_map(Pick::from_branches)
+    // Short picks are stored inline, long ones (over `Pick::INLINE`) shared: both encode.
+    prop_oneof![vec(0u8..=1, 0..=4), vec(0u8..=1, 20..=30)].prop_map(Pick::from_branches)
 }
 
 fn capability() -> impl Strategy<Value = Capability> {
@@ -116,7 +117,7 @@ fn accept() -> impl Strategy<Value = Accept> {
             zero_rtt,
             client_pick,
             server_pick,
-            server_stack,
+            server_stack: server_stack.into(),
         },
     )
 }
@@ -502,7 +503,7 @@ fn check_decision(server: &Server, msg: &[u8]) -> Result<(), TestCaseError> {
             );
             let s = &server.offers()[*server_option];
             prop_assert_eq!(&accept.server_pick, &s.pick);
-            prop_assert_eq!(&accept.server_stack, &s.chunnels);
+            prop_assert_eq!(&accept.server_stack[..], &s.chunnels[..]);
             // An offer with that pick is compatible with the server's option.
             prop_assert!(hello.offers.iter().any(|o| o.pick == accept.client_pick
                 && check_compatible(&s.chunnels, &o.chunnels, 0, 0).is_ok()));
@@ -578,7 +579,7 @@ fn check_dictated(
             prop_assert_eq!(accept.conn_id, hello.conn_id);
             prop_assert_eq!(&accept.client_pick, &Pick::default());
             prop_assert_eq!(&accept.server_pick, &server.offers()[si].pick);
-            prop_assert_eq!(&accept.server_stack, &server.offers()[si].chunnels);
+            prop_assert_eq!(&accept.server_stack[..], &server.offers()[si].chunnels[..]);
             // No 0-RTT for a dictated hello: nothing early is delivered.
             prop_assert_eq!(accept.zero_rtt, ZeroRtt::NotOffered);
             prop_assert!(early.is_empty());
@@ -901,7 +902,7 @@ fn minimal_list_elements_round_trip() {
         zero_rtt: ZeroRtt::NotOffered,
         client_pick: Pick::default(),
         server_pick: Pick::default(),
-        server_stack: vec![info; 8],
+        server_stack: vec![info; 8].into(),
     };
     assert_eq!(Accept::decode(&a.encode()[1..]), Ok(a));
     let labels = Capability::compositional("k", vec![""; 8]);

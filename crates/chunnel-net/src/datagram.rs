@@ -388,7 +388,7 @@ impl Drop for Spill<'_> {
 async fn send_burst<S: DgramSocket, B>(
     sock: &S,
     cfg: &Config,
-    dest: Option<&sys::RawAddr>,
+    dest: Option<&S::Addr>,
     peer: &(dyn std::fmt::Debug + Sync),
     header: &[u8],
     burst: B,
@@ -441,7 +441,7 @@ where
 fn send_step<S: DgramSocket>(
     sock: &S,
     cfg: &Config,
-    dest: Option<&sys::RawAddr>,
+    dest: Option<&S::Addr>,
     header: &[u8],
     max: usize,
     it: &mut impl Iterator<Item = Bytes>,
@@ -449,6 +449,10 @@ fn send_step<S: DgramSocket>(
     too_large: &mut Option<usize>,
 ) -> io::Result<bool> {
     let fd = sock.as_raw_fd();
+    // Encoded here, in this frame, rather than by the caller: a kernel address (~136 bytes)
+    // held across the caller's await would be carried by every send future.
+    let raw = dest.map(DgramAddr::to_raw);
+    let dest = raw.as_ref();
     // A burst of one message (a request, a reply) is the common case: it is sent from a
     // one-entry array, without setting up (and dropping) the 64 entries of a full batch.
     let mut first = None;
@@ -1328,12 +1332,11 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
         if self.peer.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        let dest = self.addr.to_raw();
         let sh = &self.shared;
         send_burst(
             &sh.sock,
             &sh.cfg,
-            Some(&dest),
+            Some(&self.addr),
             &self.addr,
             header,
             burst,

@@ -11,6 +11,7 @@
 //!   the chosen branch of every select on the chosen path.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use crate::Error;
 
@@ -333,28 +334,98 @@ pub struct StackOption {
 /// A compact nonce naming one concrete stack: the branch taken (0 = preferred, 1 = fallback)
 /// at every select met on the chosen path, in pre-order (outer before inner, top before
 /// bottom).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+///
+/// Up to [`Pick::INLINE`] decisions are stored inline, so building, cloning and comparing
+/// a pick does not allocate (a connection's handshake makes and copies several); a longer
+/// one is shared behind an `Arc`.
+#[derive(Clone)]
 pub struct Pick {
-    branches: Vec<u8>,
+    repr: PickRepr,
+}
+
+#[derive(Clone)]
+enum PickRepr {
+    Inline { len: u8, b: [u8; Pick::INLINE] },
+    Shared(Arc<[u8]>),
 }
 
 impl Pick {
+    /// How many decisions a pick holds without allocating.
+    pub const INLINE: usize = 22;
+
     /// A pick from explicit branch decisions.
     pub fn from_branches(branches: Vec<u8>) -> Self {
-        Pick { branches }
+        Self::from_slice(&branches)
+    }
+
+    /// A pick from explicit branch decisions, copied.
+    pub fn from_slice(branches: &[u8]) -> Self {
+        Self::concat(&[branches])
+    }
+
+    /// The decisions of `parts`, one after the other.
+    pub(crate) fn concat(parts: &[&[u8]]) -> Self {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len <= Self::INLINE {
+            let mut b = [0u8; Self::INLINE];
+            let mut at = 0;
+            for p in parts {
+                b[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+            }
+            // `len <= INLINE < 256`.
+            Pick {
+                repr: PickRepr::Inline { len: len as u8, b },
+            }
+        } else {
+            Pick {
+                repr: PickRepr::Shared(parts.concat().into()),
+            }
+        }
     }
 
     /// The branch decisions, in pre-order.
     pub fn branches(&self) -> &[u8] {
-        &self.branches
+        match &self.repr {
+            PickRepr::Inline { len, b } => &b[..usize::from(*len)],
+            PickRepr::Shared(v) => v,
+        }
     }
 
     /// A cursor that consumes the decisions in order.
     pub fn reader(&self) -> PickReader<'_> {
         PickReader {
-            rest: &self.branches,
+            rest: self.branches(),
             whole: self,
         }
+    }
+}
+
+impl Default for Pick {
+    fn default() -> Self {
+        Self::from_slice(&[])
+    }
+}
+
+impl PartialEq for Pick {
+    fn eq(&self, other: &Self) -> bool {
+        self.branches() == other.branches()
+    }
+}
+
+impl Eq for Pick {}
+
+impl std::hash::Hash for Pick {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.branches().hash(state);
+    }
+}
+
+impl std::fmt::Debug for Pick {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pick")
+            .field("branches", &self.branches())
+            .finish()
     }
 }
 
@@ -447,5 +518,41 @@ impl<T: Negotiate> Offers for T {
     fn apply_pick(&mut self, pick: &mut PickReader<'_>) -> Result<(), Error> {
         self.picked(pick.pick());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hash(p: &Pick) -> u64 {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(p)
+    }
+
+    #[test]
+    fn picks_compare_by_decisions_inline_or_shared() {
+        for n in [0, 1, Pick::INLINE - 1, Pick::INLINE, Pick::INLINE + 1, 40] {
+            let v: Vec<u8> = (0..n).map(|i| (i % 2) as u8).collect();
+            let a = Pick::from_branches(v.clone());
+            assert_eq!(a.branches(), &v[..]);
+            let half = n / 2;
+            let b = Pick::concat(&[&v[..half], &v[half..]]);
+            assert_eq!(a, b);
+            assert_eq!(hash(&a), hash(&b));
+            assert_eq!(a.clone().branches(), &v[..]);
+            let mut r = a.reader();
+            for &d in &v {
+                assert_eq!(r.next_branch().unwrap(), d);
+            }
+            r.finish().unwrap();
+            if n > 0 {
+                let mut w = v.clone();
+                w[n - 1] ^= 1;
+                assert_ne!(a, Pick::from_branches(w));
+            }
+        }
+        assert_eq!(Pick::default().branches(), &[] as &[u8]);
+        assert_ne!(Pick::from_slice(&[0]), Pick::from_slice(&[0, 0]));
     }
 }

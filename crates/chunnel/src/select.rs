@@ -98,14 +98,9 @@ where
 
 impl<A: Offers, B: Offers> Offers for Select<A, B> {
     fn offers(&self) -> Vec<StackOption> {
-        let tag = |side: u8, o: StackOption| {
-            let mut branches = Vec::with_capacity(1 + o.pick.branches().len());
-            branches.push(side);
-            branches.extend_from_slice(o.pick.branches());
-            StackOption {
-                chunnels: o.chunnels,
-                pick: Pick::from_branches(branches),
-            }
+        let tag = |side: u8, o: StackOption| StackOption {
+            chunnels: o.chunnels,
+            pick: Pick::concat(&[&[side], o.pick.branches()]),
         };
         let (left, right) = (self.left.offers(), self.right.offers());
         let mut out = Vec::with_capacity(left.len() + right.len());

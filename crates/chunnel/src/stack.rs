@@ -47,11 +47,9 @@ impl<Outer: Offers, Inner: Offers> Offers for Stack<Outer, Inner> {
             for down in &lower {
                 let mut chunnels = up.chunnels.clone();
                 chunnels.extend(down.chunnels.iter().cloned());
-                let mut branches = up.pick.branches().to_vec();
-                branches.extend_from_slice(down.pick.branches());
                 out.push(StackOption {
                     chunnels,
-                    pick: crate::Pick::from_branches(branches),
+                    pick: crate::Pick::concat(&[up.pick.branches(), down.pick.branches()]),
                 });
             }
         }
