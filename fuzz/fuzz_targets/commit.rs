@@ -38,7 +38,11 @@ fuzz_target!(|data: &[u8]| {
     let mut voted_yes = false;
     for (k, msg) in rest.split(|&b| b == 0xff).enumerate() {
         if let Ok(c) = decode_control(msg) {
-            assert_eq!(&encode_control(&c)[..], msg, "the encoding is not canonical");
+            assert_eq!(
+                &encode_control(&c)[..],
+                msg,
+                "the encoding is not canonical"
+            );
         }
         m.handle_message(msg, t0);
         if mode & 8 != 0 {

@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::proto::{ClientHandshake, Decision, Outcome, Server, Timing};
+use crate::proto::{ClientHandshake, Decision, KnownAccept, Outcome, Server, Timing};
 use crate::tagged::{Tagged, WeakTagged};
 use crate::ticker::Ticker;
 use crate::wire::{Tag, ZeroRtt};
@@ -231,8 +231,17 @@ async fn drive<C: SendHeader>(
 #[derive(Debug, Default)]
 pub struct Client {
     cfg: Config,
-    cache: Mutex<HashMap<String, Pick>>,
+    cache: Mutex<HashMap<String, Remembered>>,
     ticker: Arc<Ticker>,
+}
+
+/// What a client remembers of a server.
+#[derive(Debug)]
+struct Remembered {
+    /// The last pick of the client's stack.
+    pick: Pick,
+    /// The server's last accept, recognised without decoding when it comes again.
+    known: KnownAccept,
 }
 
 impl Client {
@@ -247,11 +256,15 @@ impl Client {
 
     /// The pick remembered for `server`, if any.
     pub fn remembered(&self, server: &str) -> Option<Pick> {
+        self.recall(server).map(|(p, _)| p)
+    }
+
+    fn recall(&self, server: &str) -> Option<(Pick, KnownAccept)> {
         self.cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(server)
-            .cloned()
+            .map(|r| (r.pick.clone(), r.known.clone()))
     }
 
     /// Forgets every remembered pick.
@@ -259,10 +272,12 @@ impl Client {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    fn remember(&self, server: &str, pick: &Pick) {
+    fn remember(&self, server: &str, pick: &Pick, known: KnownAccept) {
         let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if c.get(server) == Some(pick) {
-            // The usual reconnect: nothing new (and no key to allocate).
+        if let Some(r) = c.get_mut(server) {
+            // The usual reconnect: no key to allocate.
+            r.pick = pick.clone();
+            r.known = known;
             return;
         }
         if c.len() >= self.cfg.cache_entries.max(1) && !c.contains_key(server) {
@@ -271,7 +286,13 @@ impl Client {
                 c.remove(&k);
             }
         }
-        c.insert(server.to_owned(), pick.clone());
+        c.insert(
+            server.to_owned(),
+            Remembered {
+                pick: pick.clone(),
+                known,
+            },
+        );
     }
 
     /// 1-RTT: offers `stack`'s options over `base` (connected to the server named `server`,
@@ -316,13 +337,16 @@ impl Client {
             self.cfg.timing,
             Instant::now().into_std(),
         )?;
+        if let Some((_, known)) = self.recall(server) {
+            hs.expect(known);
+        }
         let out = drive(&base, &mut hs, &self.ticker).await?;
         apply_known(&mut stack, &out.accept.client_pick)?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);
         let conn = stack.connect_wrap(tagged).await?;
-        self.remember(server, &out.accept.client_pick);
+        self.remember(server, &out.accept.client_pick, out.known);
         Ok(Negotiated {
             conn,
             info: info(out.accept, out.hellos_sent),
@@ -366,10 +390,9 @@ impl Client {
     {
         let offers = stack.offers();
         let mut first = stack.clone();
-        let Some(pick) = self
-            .remembered(server)
-            .filter(|p| offers.iter().any(|o| &o.pick == p) && apply_known(&mut first, p).is_ok())
-        else {
+        let Some((pick, known)) = self.recall(server).filter(|(p, _)| {
+            offers.iter().any(|o| &o.pick == p) && apply_known(&mut first, p).is_ok()
+        }) else {
             let conn = self.connect_inner(server, stack, base).await?;
             conn.send(early).await?;
             return Ok(conn);
@@ -387,9 +410,10 @@ impl Client {
             self.cfg.timing,
             Instant::now().into_std(),
         )?;
+        hs.expect(known);
         let out = drive(tagged.get_ref(), &mut hs, &self.ticker).await?;
         tagged.push_pending(out.early_replies);
-        self.remember(server, &out.accept.client_pick);
+        self.remember(server, &out.accept.client_pick, out.known);
         let hellos = out.hellos_sent;
         match out.accept.zero_rtt {
             // An accept must name the stack we built and sent the early data with.

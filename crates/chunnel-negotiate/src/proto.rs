@@ -116,7 +116,10 @@ impl Server {
     /// A server choosing among `offers` (its own options, most preferred first).
     pub fn new(offers: Vec<StackOption>) -> Self {
         Server {
-            stacks: offers.iter().map(|o| o.chunnels.as_slice().into()).collect(),
+            stacks: offers
+                .iter()
+                .map(|o| o.chunnels.as_slice().into())
+                .collect(),
             offers,
             max_reported: 16,
             remembered: Mutex::new(HashMap::new()),
@@ -387,12 +390,47 @@ fn reject(
 pub struct Outcome {
     /// The server's accept.
     pub accept: Accept,
-    /// The client option it names.
-    pub option: StackOption,
+    /// The accept with its encoding, for a later handshake with the same server to
+    /// recognise the same answer without decoding it ([`ClientHandshake::expect`]).
+    pub known: KnownAccept,
+    /// The index, in the offers, of the client option it names.
+    pub option: usize,
     /// Data messages (tag stripped) that arrived before the accept, in arrival order.
     pub early_replies: Vec<Bytes>,
     /// Hellos sent (1 unless some were lost).
     pub hellos_sent: u32,
+}
+
+/// An accept as received (the body after the tag), with its decoding: a server that
+/// remembers its decisions sends the same bytes to every hello with the same offers, but
+/// for the `conn_id`.
+#[derive(Clone, Debug)]
+pub struct KnownAccept {
+    body: Bytes,
+    accept: Accept,
+}
+
+/// Where an accept body's `conn_id` lies (after the version byte).
+const ACCEPT_CONN_ID: std::ops::Range<usize> = 1..9;
+
+impl KnownAccept {
+    /// The decoding of `body` if it equals this accept's encoding in every byte but the
+    /// `conn_id`: then it decodes to this accept with that `conn_id`.
+    fn recognise(&self, body: &[u8]) -> Option<Accept> {
+        let (k, b) = (&self.body[..], body);
+        if k.len() != b.len()
+            || k.len() < ACCEPT_CONN_ID.end
+            || k[..ACCEPT_CONN_ID.start] != b[..ACCEPT_CONN_ID.start]
+            || k[ACCEPT_CONN_ID.end..] != b[ACCEPT_CONN_ID.end..]
+        {
+            return None;
+        }
+        let id = b[ACCEPT_CONN_ID].try_into().ok().map(u64::from_be_bytes)?;
+        Some(Accept {
+            conn_id: id,
+            ..self.accept.clone()
+        })
+    }
 }
 
 /// The client side of one handshake.
@@ -401,6 +439,10 @@ pub struct ClientHandshake {
     timing: Timing,
     conn_id: u64,
     offers: Vec<StackOption>,
+    /// An earlier answer of the same server, recognised without decoding.
+    expected: Option<KnownAccept>,
+    /// The accept taken (with `result`), as a [`KnownAccept`].
+    known: Option<KnownAccept>,
     hello: Bytes,
     started: Instant,
     sent: u32,
@@ -447,6 +489,8 @@ impl ClientHandshake {
             timing,
             conn_id: hello.conn_id,
             offers: hello.offers,
+            expected: None,
+            known: None,
             hello: encoded,
             started: now,
             sent: 0,
@@ -477,6 +521,33 @@ impl ClientHandshake {
             dictated: true,
         };
         Self::from_hello(hello, timing, now)
+    }
+
+    /// Recognises an accept equal to `known` (as its server sends again to a hello with the
+    /// same offers, but for the `conn_id`) without decoding it. Any other accept is decoded
+    /// as usual: the outcome is the same either way.
+    pub fn expect(&mut self, known: KnownAccept) {
+        self.expected = Some(known);
+    }
+
+    /// The accept in `body` (after the tag), if it is for this handshake; `body` is copied
+    /// for [`Outcome::known`] unless it is the expected one.
+    fn take_accept(&mut self, body: &[u8]) -> Option<Accept> {
+        if let Some(a) = self.expected.as_ref().and_then(|k| k.recognise(body)) {
+            if a.conn_id != self.conn_id {
+                return None;
+            }
+            self.known = self.expected.take();
+            return Some(a);
+        }
+        let a = Accept::decode(body)
+            .ok()
+            .filter(|a| a.conn_id == self.conn_id)?;
+        self.known = Some(KnownAccept {
+            body: Bytes::copy_from_slice(body),
+            accept: a.clone(),
+        });
+        Some(a)
     }
 
     /// The hello, if one is due now (the first one, or a retransmission).
@@ -529,17 +600,17 @@ impl ClientHandshake {
                 msg.advance(1);
                 self.early_replies.push_back(msg);
             }
-            Some(Tag::Accept) => match Accept::decode(&msg[1..]) {
-                Ok(a) if a.conn_id == self.conn_id => self.on_accept(a),
-                // A stale answer to an earlier attempt, or garbage: not ours.
-                _ => {}
-            },
+            // Not ours (a stale answer to an earlier attempt, or garbage): ignored.
+            Some(Tag::Accept) => {
+                if let Some(a) = self.take_accept(&msg[1..]) {
+                    self.on_accept(a);
+                }
+            }
             // The accept and the server's first reply in one message. The reply was sent
             // before any DATA that may have overtaken it, so it goes first.
             Some(Tag::AcceptData) => {
                 if let Ok((body, at)) = split_accept_data(&msg)
-                    && let Ok(a) = Accept::decode(body)
-                    && a.conn_id == self.conn_id
+                    && let Some(a) = self.take_accept(body)
                 {
                     self.on_accept(a);
                     if self.early_replies.len() < self.timing.max_early_replies {
@@ -563,12 +634,10 @@ impl ClientHandshake {
     }
 
     fn on_accept(&mut self, a: Accept) {
-        let Some(option) = self
-            .offers
-            .iter()
-            .find(|o| o.pick == a.client_pick)
-            .cloned()
-        else {
+        let (Some(option), Some(known)) = (
+            self.offers.iter().position(|o| o.pick == a.client_pick),
+            self.known.take(),
+        ) else {
             self.result = Some(Err(Error::Wire(WireError(
                 "the accept names a pick we did not offer",
             ))));
@@ -576,6 +645,7 @@ impl ClientHandshake {
         };
         self.result = Some(Ok(Outcome {
             accept: a,
+            known,
             option,
             early_replies: Vec::new(),
             hellos_sent: self.sent,

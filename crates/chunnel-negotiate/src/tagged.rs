@@ -75,8 +75,9 @@ struct Shared<C> {
     views: AtomicU64,
     /// Views up to this id have ended at a peer's switch point (0: none).
     ended_upto: AtomicU64,
-    /// Multilateral reconfiguration, once enabled ([`crate::commit::Coordinator`]).
-    ctl: OnceLock<Ctl>,
+    /// Multilateral reconfiguration, once enabled ([`crate::commit::Coordinator`]). Boxed:
+    /// the state machine is a few hundred bytes that most connections never use.
+    ctl: OnceLock<Box<Ctl>>,
 }
 
 /// The reconfiguration state machine of one connection and where its events go.
@@ -463,10 +464,10 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
         // messages fills it, and then loses the answers to its own flood.
         let (tx, rx) = mpsc::channel(256);
         self.ctl
-            .set(Ctl {
+            .set(Box::new(Ctl {
                 machine: Mutex::new(machine),
                 events: tx,
-            })
+            }))
             .ok()
             .map(|()| rx)
     }

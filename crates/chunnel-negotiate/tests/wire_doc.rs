@@ -799,7 +799,7 @@ fn client_ignores_stale_answers() {
     let (_, _, _, accept) = expect_accept(server.handle_hello(&ours.encode()));
     hs.handle_message(accept);
     let out = hs.poll_outcome().expect("done").expect("accepted");
-    assert_eq!(out.option.pick, pick(&[1]));
+    assert_eq!(hello.offers[out.option].pick, pick(&[1]));
     assert_eq!(out.early_replies, vec![Bytes::from_static(b"early")]);
 
     // A reject with conn_id 0 (the server could not read ours) ends a handshake.

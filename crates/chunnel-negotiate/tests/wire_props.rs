@@ -811,12 +811,73 @@ proptest! {
         }
     }
 
+    /// A client that expects an earlier accept (recognised without decoding) ends its
+    /// handshake exactly as a fresh client does: on that accept again under this handshake's
+    /// connection id, on another id, on any other accept, and on every one-byte overwrite
+    /// or truncation of them, alone or coalesced with a reply.
+    #[test]
+    fn expected_accepts_match_fresh_outcomes(
+        first in accept(),
+        other in accept(),
+        pick in 0usize..2,
+        at in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+    ) {
+        // The earlier accept, as a finished handshake keeps it.
+        let offers = client_offers();
+        let mut first = first;
+        first.conn_id = 7;
+        first.client_pick = offers[pick].pick.clone();
+        let mut c = fresh_client();
+        c.handle_message(first.encode());
+        let known = match c.poll_outcome() {
+            Some(Ok(o)) => o.known,
+            other => return Err(TestCaseError::fail(format!("no outcome: {other:?}"))),
+        };
+        let mut again = first.clone();
+        again.conn_id = 8;
+        let mut stranger = first.clone();
+        stranger.conn_id = 9;
+        let mut candidates = Vec::new();
+        for a in [again, stranger, other] {
+            let plain = a.encode().to_vec();
+            let (_, header) = a.encode_with_data_header();
+            let mut coalesced = header.map(|h| h.to_vec()).unwrap_or_default();
+            coalesced.extend_from_slice(&[Tag::Data as u8, 42]);
+            for m in [plain, coalesced] {
+                if m.is_empty() {
+                    continue;
+                }
+                let i = at.index(m.len());
+                let mut overwritten = m.clone();
+                overwritten[i] = byte;
+                candidates.push(m.clone());
+                candidates.push(overwritten);
+                candidates.push(m[..i].to_vec());
+            }
+        }
+        for m in candidates {
+            let run = |expect: bool| {
+                let mut c = ClientHandshake::new(
+                    client_offers(), None, 8, Timing::default(), Instant::now(),
+                ).expect("the test offers fit one message");
+                if expect {
+                    c.expect(known.clone());
+                }
+                c.handle_message(Bytes::from(m.clone()));
+                c.poll_outcome().map(|r| r.map(|o| (o.accept, o.option, o.early_replies)))
+                    .map(|r| r.map_err(|e| e.to_string()))
+            };
+            prop_assert_eq!(run(true), run(false), "message {:?}", m);
+        }
+    }
+
     #[test]
     fn client_never_panics_on_noise(bytes in noise()) {
         let mut c = fresh_client();
         c.handle_message(Bytes::from(bytes));
         if let Some(Ok(o)) = c.poll_outcome() {
-            prop_assert_eq!(o.option.pick, o.accept.client_pick);
+            prop_assert_eq!(&client_offers()[o.option].pick, &o.accept.client_pick);
         }
     }
 
@@ -841,7 +902,7 @@ proptest! {
         let mut c = fresh_client();
         c.handle_message(Bytes::from(bytes));
         if let Some(Ok(o)) = c.poll_outcome() {
-            prop_assert_eq!(o.option.pick, o.accept.client_pick);
+            prop_assert_eq!(&client_offers()[o.option].pick, &o.accept.client_pick);
             prop_assert_eq!(o.accept.conn_id, c.conn_id());
         }
     }

@@ -244,7 +244,10 @@ impl RxScratch {
         // socket once more for the next one before it returns, which costs a lone request
         // (the common case at moderate load) a measurable part of its latency. So a read asks
         // for as many as the last run between two empty reads held (one, when requests come
-        // one at a time), and doubles its ask while reads come back full.
+        // one at a time), and doubles its ask while reads come back full, except after the
+        // first datagram of a run: a lone datagram is the common case, and the read that
+        // then finds the socket empty is cheaper as a one-datagram `recvfrom` than as a
+        // `recvmmsg` of two.
         let want = want.clamp(1, cfg.batch).min(self.next);
         // Sized to what callers ask for, never zeroed (see `sys::Scratch`).
         k.scratch.ensure(want, slot);
@@ -271,7 +274,11 @@ impl RxScratch {
             self.end_run(n);
         } else {
             self.run += n;
-            self.next = want.saturating_mul(2).min(MAX_BATCH);
+            self.next = if self.run == 1 {
+                1
+            } else {
+                want.saturating_mul(2).min(MAX_BATCH)
+            };
         }
         let ok = |m: &RecvMeta| !m.truncated && m.len <= cfg.max_payload;
         // Room for the whole batch is made before any of it is handed out: the block can then
