@@ -58,7 +58,7 @@ cargo run --release --locked -q -p chunnel-bench -- overhead --reps 1 --pings 30
 
 log "chunnel-bench negotiate (short run: checks the tool works end to end)"
 cargo run --release --locked -q -p chunnel-bench -- negotiate --reps 1 --conns 200 \
-  | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==3, d; print("bench JSON ok:", d["checks"])'
+  | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==4, d; print("bench JSON ok:", d["checks"])'
 
 log "chunnel-bench kv (short run: the YCSB generator against both sharding modes and the inline baselines)"
 cargo run --release --locked -q -p chunnel-bench -- kv --reps 1 --records 500 --loads 2000,4000 \

@@ -112,6 +112,23 @@ pub(crate) trait DgramSocket: AsRawFd + Send + Sync + 'static {
     ) -> io::Result<R>;
     /// Takes the pending socket error (`SO_ERROR`).
     fn take_error(&self) -> io::Result<Option<io::Error>>;
+
+    /// Sends with `f` at once, before asking the runtime whether the socket is writable;
+    /// only if the kernel says it is full does `f` run again under the runtime's readiness
+    /// protocol ([`DgramSocket::try_io_with`], which then clears the stale readiness).
+    ///
+    /// A datagram socket's send buffer is almost never full, and the runtime knows nothing
+    /// of a fresh socket until its first event: asking it first made every new
+    /// connection's first send wait for an event-loop turn (an `epoll_wait` and a task
+    /// wake-up) before its first datagram could leave.
+    fn try_send_with<R>(&self, mut f: impl FnMut() -> io::Result<R>) -> io::Result<R> {
+        match f() {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                self.try_io_with(Interest::WRITABLE, f)
+            }
+            r => r,
+        }
+    }
 }
 
 impl DgramSocket for tokio::net::UdpSocket {
@@ -478,9 +495,7 @@ fn send_step<S: DgramSocket>(
             Some(m) => match it.next() {
                 None => {
                     let one = [Some(m)];
-                    return match sock.try_io_with(Interest::WRITABLE, || {
-                        sys::send_batch(fd, header, &one, dest)
-                    }) {
+                    return match sock.try_send_with(|| sys::send_batch(fd, header, &one, dest)) {
                         Ok(_) => Ok(true),
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             let [one] = one;
@@ -531,9 +546,7 @@ fn send_step<S: DgramSocket>(
         }
         let mut sent = 0;
         while sent < n {
-            match sock.try_io_with(Interest::WRITABLE, || {
-                sys::send_batch(fd, header, &batch[sent..n], dest)
-            }) {
+            match sock.try_send_with(|| sys::send_batch(fd, header, &batch[sent..n], dest)) {
                 Ok(k) => sent += k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     spill.keep(batch[sent..n].iter_mut().filter_map(Option::take));

@@ -1539,3 +1539,30 @@ async fn idle_connections_are_not_woken_twice_per_message() {
     }
     drop(l);
 }
+
+/// A fresh connection's first datagram leaves in the first poll of its send: the runtime has
+/// not yet reported the new socket writable (that takes an event-loop turn), and asking it
+/// first made every new connection's first message wait for that turn.
+#[tokio::test(flavor = "current_thread")]
+async fn first_send_on_a_fresh_socket_needs_no_event_loop_turn() {
+    let peer = std::net::UdpSocket::bind(loopback()).expect("bind peer");
+    peer.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let addr = peer.local_addr().expect("peer address");
+    for _ in 0..3 {
+        let c = udp::Connect::new(addr)
+            .connect_wrap(())
+            .await
+            .expect("connect");
+        let mut send = std::pin::pin!(c.send_one(Bytes::from_static(b"first")));
+        let polled =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(send.as_mut().poll(cx))).await;
+        assert!(
+            matches!(polled, std::task::Poll::Ready(Ok(()))),
+            "the first send did not complete in its first poll: {polled:?}"
+        );
+        let mut buf = [0u8; 16];
+        let (n, _) = peer.recv_from(&mut buf).expect("the datagram arrives");
+        assert_eq!(&buf[..n], b"first");
+    }
+}
