@@ -567,10 +567,16 @@ where
                     continue;
                 }
             };
-            let (tx, server, stack) = (tx.clone(), Arc::clone(&server), stack.clone());
-            let held = Arc::clone(&held);
-            let mut handshake =
-                Box::pin(async move { serve_one(base, &server, stack, cfg, &held).await });
+            let tx = tx.clone();
+            // Boxed straight from `serve_one` (not an `async move` around it, which would
+            // hold its arguments twice).
+            let mut handshake = Box::pin(serve_one(
+                base,
+                Arc::clone(&server),
+                stack.clone(),
+                cfg,
+                Arc::clone(&held),
+            ));
             // The hello usually arrived with the datagram that made this connection: then the
             // handshake completes in this first poll and needs no task of its own. Otherwise it
             // continues in its own task, so a slow client delays nobody.
@@ -596,38 +602,23 @@ where
 
 async fn serve_one<C, S>(
     base: C,
-    server: &Server,
+    server: Arc<Server>,
     mut stack: S,
     cfg: Config,
-    held: &Held<C>,
+    held: Arc<Held<C>>,
 ) -> Result<Negotiated<S::Connection>, Error>
 where
     C: SendHeader + PeerHandoff + 'static,
     S: Chunnel<Tagged<C>> + Offers,
 {
-    let hello = {
-        let recv_hello = async {
-            let mut slot = [None];
-            loop {
-                if base.recv(&mut slot).await? == 0 {
-                    continue;
-                }
-                match slot[0].take() {
-                    Some(m) if m.first() == Some(&(Tag::Hello as u8)) => return Ok(m),
-                    // Stale data or answers from an earlier connection of this address.
-                    _ => continue,
-                }
-            }
-        };
-        tokio::pin!(recv_hello);
-        // Arm the timer only if the hello is not already there.
-        match poll_once(recv_hello.as_mut()).await {
-            Poll::Ready(r) => r,
-            Poll::Pending => tokio::time::timeout(cfg.hello_timeout, recv_hello)
-                .await
-                .map_err(|_| Error::NoHello(cfg.hello_timeout))?,
-        }
-        .map_err(Error::Chunnel)?
+    // The hello usually came with the datagram that made this connection. Waiting for it
+    // is boxed: a receive (and its timer) inline made this future ~2 KiB, which the
+    // listener boxes and writes for every connection.
+    let is_hello = |m: &Bytes| m.first() == Some(&(Tag::Hello as u8));
+    let hello = match base.take_queued() {
+        Some(m) if is_hello(&m) => m,
+        // Stale data or answers from an earlier connection of this address are dropped.
+        _ => Box::pin(recv_hello(&base, cfg.hello_timeout)).await?,
     };
     match server.handle_hello(&hello) {
         Decision::Accept {
@@ -641,7 +632,8 @@ where
             let hold = match coalesce {
                 Some(h) if !early.is_empty() && !cfg.accept_hold.is_zero() => Some(h),
                 _ => {
-                    base.send_with_header(&[], [response.clone()]).await?;
+                    // Boxed, as the receive above (one allocation per 1-RTT connection).
+                    Box::pin(base.send_with_header(&[], [response.clone()])).await?;
                     None
                 }
             };
@@ -662,7 +654,7 @@ where
         }
         Decision::Reject { reject, response } => {
             // Best effort: the client retransmits if this is lost and gets the same answer.
-            let _ = base.send_with_header(&[], [response]).await;
+            let _ = Box::pin(base.send_with_header(&[], [response])).await;
             Err(match reject.reason {
                 crate::wire::RejectReason::Incompatible => Error::Incompatible {
                     found_by: chunnel::End::Server,
@@ -678,6 +670,35 @@ where
             })
         }
     }
+}
+
+/// Waits (at most `wait`) for a connection's hello; other messages are stale (data or
+/// answers of an earlier connection of the same address) and dropped.
+async fn recv_hello<C: ChunnelConnection<Data = Bytes>>(
+    base: &C,
+    wait: Duration,
+) -> Result<Bytes, Error> {
+    let recv = async {
+        let mut slot = [None];
+        loop {
+            if base.recv(&mut slot).await? == 0 {
+                continue;
+            }
+            match slot[0].take() {
+                Some(m) if m.first() == Some(&(Tag::Hello as u8)) => return Ok(m),
+                _ => continue,
+            }
+        }
+    };
+    tokio::pin!(recv);
+    // Arm the timer only if the hello is not already there.
+    match poll_once(recv.as_mut()).await {
+        Poll::Ready(r) => r,
+        Poll::Pending => tokio::time::timeout(wait, recv)
+            .await
+            .map_err(|_| Error::NoHello(wait))?,
+    }
+    .map_err(Error::Chunnel)
 }
 
 /// A byte-to-byte layer built at run time from the server's description of it.

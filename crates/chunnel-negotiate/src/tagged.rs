@@ -9,6 +9,7 @@
 //! listener's hold time runs out ([`crate::Config::accept_hold`]).
 
 use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
@@ -215,28 +216,52 @@ impl<C: SendHeader> Shared<C> {
         }
     }
 
-    /// The send path when `mode` is not 0: capture (0-RTT early data) or carry the held
+    /// Keeps a burst sent while capturing (0-RTT early data, which goes in the hello):
+    /// `header` (of tagging layers above) is copied in front of each message. Returns
+    /// `None`, giving the burst back, when not capturing.
+    fn capture<B: IntoIterator<Item = Bytes>>(&self, header: &[u8], burst: B) -> Option<B> {
+        if self.mode.load(Ordering::Acquire) & CAPTURING == 0 {
+            return Some(burst);
+        }
+        let mut q = lock(&self.captured);
+        if header.is_empty() {
+            q.extend(burst);
+        } else {
+            // Rare (a tagging layer's 0-RTT data): header and payload copied once.
+            q.extend(
+                burst
+                    .into_iter()
+                    .map(|m| Bytes::from([header, &m[..]].concat())),
+            );
+        }
+        None
+    }
+
+    /// The send path when `mode` is not 0: capture (0-RTT early data), or carry the held
     /// accept in front of the first message. `header` goes after the DATA tag (tagging
-    /// layers above).
-    async fn send_slow<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    /// layers above). Taken at most once per connection while an accept is held, so the
+    /// future is boxed (here, so that the caller's future holds only the pointer): inline,
+    /// it made every send's future larger, which every task that sends carries for its
+    /// whole life.
+    #[allow(clippy::type_complexity)]
+    fn send_slow<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> Option<Pin<Box<impl Future<Output = Result<(), Error>> + Send + 'a>>>
+    where
+        B: IntoIterator<Item = Bytes> + Send + 'a,
+        B::IntoIter: Send,
+    {
+        let burst = self.capture(header, burst)?;
+        Some(Box::pin(self.send_held(header, burst)))
+    }
+
+    async fn send_held<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
     where
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        if self.mode.load(Ordering::Acquire) & CAPTURING != 0 {
-            // Rare (0-RTT early data of a tagging layer): copy header and payload once.
-            let mut q = lock(&self.captured);
-            if header.is_empty() {
-                q.extend(burst);
-            } else {
-                q.extend(
-                    burst
-                        .into_iter()
-                        .map(|m| Bytes::from([header, &m[..]].concat())),
-                );
-            }
-            return Ok(());
-        }
         let mut it = burst.into_iter().peekable();
         if let Some(held) = self.take_held() {
             match it.next() {
@@ -249,18 +274,25 @@ impl<C: SendHeader> Shared<C> {
                     };
                     self.inner.send_with_header(&h, [first]).await?;
                 }
-                first => {
-                    if let Some((_, accept)) = &self.answer {
-                        self.inner.send_with_header(&[], [accept.clone()]).await?;
-                    }
-                    if let Some(m) = first {
-                        send_data(&self.inner, header, [m]).await?;
-                    }
-                }
+                // Rare (a reply too long to carry the accept): boxed, to keep this future
+                // small.
+                first => Box::pin(self.send_accept_then(header, first)).await?,
             }
         }
         if it.peek().is_some() {
-            send_data(&self.inner, header, it).await?;
+            // Boxed too: a burst after the held accept's reply is rare.
+            Box::pin(send_data(&self.inner, header, it)).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends the accept alone, then `first` (if any) as DATA.
+    async fn send_accept_then(&self, header: &[u8], first: Option<Bytes>) -> Result<(), Error> {
+        if let Some((_, accept)) = &self.answer {
+            self.inner.send_with_header(&[], [accept.clone()]).await?;
+        }
+        if let Some(m) = first {
+            send_data(&self.inner, header, [m]).await?;
         }
         Ok(())
     }
@@ -298,8 +330,11 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
     {
         let sh = &*self.shared;
         if sh.mode.load(Ordering::Acquire) != 0 {
-            // Boxed, as in `send_with_header`.
-            return Box::pin(sh.send_slow(&[], burst)).await;
+            // As in `send_with_header`.
+            return match sh.send_slow(&[], burst) {
+                Some(f) => f.await,
+                None => Ok(()),
+            };
         }
         sh.inner.send_with_header(DATA, burst).await
     }
@@ -511,10 +546,11 @@ impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
     {
         let sh = &*self.shared;
         if sh.mode.load(Ordering::Acquire) != 0 {
-            // Boxed: taken once per connection at most (a held accept, 0-RTT capture), and
-            // inline it made every send's future ~700 bytes larger, which every task that
-            // sends carries for its whole life.
-            return Box::pin(sh.send_slow(header, burst)).await;
+            // A held accept (boxed, see `send_slow`), or capture (no future).
+            return match sh.send_slow(header, burst) {
+                Some(f) => f.await,
+                None => Ok(()),
+            };
         }
         send_data(&sh.inner, header, burst).await
     }

@@ -1341,6 +1341,13 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
         self.peer.notify.notify_waiters();
         admitted
     }
+
+    fn take_queued(&self) -> Option<Bytes> {
+        let m = lock(&self.peer.queue).pop_front()?;
+        self.last_rx
+            .store(self.shared.nanos_now(), Ordering::Relaxed);
+        Some(m)
+    }
 }
 
 impl<S: DgramSocket> SendHeader for ServerConnection<S> {

@@ -142,10 +142,24 @@ pub trait PeerHandoff {
     /// Ends this connection and hands `first` to the listener as a new connection's first
     /// message. Returns whether that happened.
     fn hand_off(&self, first: bytes::Bytes) -> bool;
+
+    /// The oldest message that has already arrived for this connection, taken without
+    /// waiting; `None` if there is none, or if the connection cannot tell (the default).
+    /// A listener's connection usually starts with its first message queued: negotiation
+    /// reads the hello this way, without setting up a receive. A wrapper that acts on what
+    /// is received (a fault injector, say) keeps the default, so every message goes through
+    /// its `recv`.
+    fn take_queued(&self) -> Option<bytes::Bytes> {
+        None
+    }
 }
 
 impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
     fn hand_off(&self, first: bytes::Bytes) -> bool {
         (**self).hand_off(first)
+    }
+
+    fn take_queued(&self) -> Option<bytes::Bytes> {
+        (**self).take_queued()
     }
 }
