@@ -21,7 +21,6 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
@@ -805,6 +804,67 @@ struct Peer {
     queue: Mutex<VecDeque<Bytes>>,
     notify: Notify,
     closed: AtomicBool,
+    /// Closed by the idle sweep: the next `recv` reports [`Error::PeerClosed`] (once).
+    idled: AtomicBool,
+    /// When a message was last handed to the connection, in [`Shared::nanos_now`] units.
+    last_rx: AtomicU64,
+}
+
+impl Peer {
+    fn new(queue: VecDeque<Bytes>) -> Self {
+        Peer {
+            queue: Mutex::new(queue),
+            notify: Notify::new(),
+            closed: AtomicBool::new(false),
+            idled: AtomicBool::new(false),
+            last_rx: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The accepted connections of a listener with an idle timeout, by when each is next
+/// checked (the earliest on top). One task per listener sweeps it; a connection has no
+/// timer of its own (a timer per connection was an allocation and a timer-wheel insertion
+/// per connection, and a timer to poll in every wait of its receives).
+struct IdleSweep<A> {
+    due: std::collections::BinaryHeap<IdleEntry<A>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl<A> std::fmt::Debug for IdleSweep<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdleSweep")
+            .field("connections", &self.due.len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct IdleEntry<A> {
+    /// When to look again, in [`Shared::nanos_now`] units.
+    at: u64,
+    addr: A,
+    peer: std::sync::Weak<Peer>,
+}
+
+impl<A> PartialEq for IdleEntry<A> {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at
+    }
+}
+
+impl<A> Eq for IdleEntry<A> {}
+
+impl<A> PartialOrd for IdleEntry<A> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl<A> Ord for IdleEntry<A> {
+    /// Reversed: `BinaryHeap` keeps the greatest on top, the sweep wants the earliest.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.at.cmp(&self.at)
+    }
 }
 
 #[derive(Debug)]
@@ -849,6 +909,7 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// The origin of the connections' receive times (kept as nanoseconds since it).
     epoch: Instant,
     spill: SpillPool,
+    idle: Mutex<IdleSweep<S::Addr>>,
 }
 
 /// Decrements a counter on drop.
@@ -904,6 +965,72 @@ impl<S: DgramSocket> Shared<S> {
     /// The instant `nanos` after [`Shared::epoch`].
     fn instant_of(&self, nanos: u64) -> Instant {
         self.epoch + Duration::from_nanos(nanos)
+    }
+
+    /// Puts a newly accepted connection under the idle sweep (started on first use; it
+    /// ends when nothing is left to watch, or with the listener and its connections).
+    fn watch_idle(self: &Arc<Self>, addr: &S::Addr, peer: &Arc<Peer>, timeout: Duration) {
+        let now = self.nanos_now();
+        peer.last_rx.store(now, Ordering::Relaxed);
+        let mut g = lock(&self.idle);
+        g.due.push(IdleEntry {
+            at: now.saturating_add(nanos(timeout)),
+            addr: addr.clone(),
+            peer: Arc::downgrade(peer),
+        });
+        if g.task.as_ref().is_none_or(|t| t.is_finished()) {
+            g.task = Some(tokio::spawn(sweep_idle(Arc::downgrade(self), timeout)));
+        }
+    }
+
+    /// Ends the connections idle for `timeout` as of `now`; those that are not are looked
+    /// at again when they could be. Returns when to sweep next (`None`: nothing to watch).
+    fn sweep_idle_once(&self, timeout: Duration, now: u64) -> Option<u64> {
+        let timeout = nanos(timeout);
+        loop {
+            let e = {
+                let mut g = lock(&self.idle);
+                match g.due.peek() {
+                    Some(e) if e.at <= now => g.due.pop()?,
+                    Some(e) => return Some(e.at),
+                    None => {
+                        g.task = None;
+                        return None;
+                    }
+                }
+            };
+            let Some(peer) = e.peer.upgrade() else {
+                continue; // the connection was dropped
+            };
+            if peer.closed.load(Ordering::Acquire) {
+                continue;
+            }
+            let quiet_until = peer.last_rx.load(Ordering::Relaxed).saturating_add(timeout);
+            let mut d = lock(&self.demux);
+            // Messages waiting to be read count as activity (the application is behind,
+            // the peer is not silent). The queue is filled under the demux lock, so one
+            // found empty here stays so until the connection has left the map.
+            let at = if quiet_until > now {
+                Some(quiet_until)
+            } else if !lock(&peer.queue).is_empty() {
+                Some(now.saturating_add(timeout))
+            } else {
+                None
+            };
+            if let Some(at) = at {
+                drop(d);
+                lock(&self.idle).due.push(IdleEntry { at, ..e });
+                continue;
+            }
+            peer.idled.store(true, Ordering::Release);
+            if !peer.closed.swap(true, Ordering::AcqRel)
+                && d.peers.get(&e.addr).is_some_and(|p| Arc::ptr_eq(p, &peer))
+            {
+                d.peers.remove(&e.addr);
+            }
+            drop(d);
+            peer.notify.notify_waiters();
+        }
     }
 
     /// Wakes `accept` if it waits for the reader's place to change hands.
@@ -1087,11 +1214,7 @@ impl<S: DgramSocket> Shared<S> {
                                     .fetch_add(1, Ordering::Relaxed);
                                 return;
                             }
-                            let p = Arc::new(Peer {
-                                queue: Mutex::new(VecDeque::new()),
-                                notify: Notify::new(),
-                                closed: AtomicBool::new(false),
-                            });
+                            let p = Arc::new(Peer::new(VecDeque::new()));
                             d.peers.insert(addr.clone(), p.clone());
                             d.backlog.push_back((addr, p.clone()));
                             self.accept_notify.notify_one();
@@ -1122,6 +1245,26 @@ impl<S: DgramSocket> Shared<S> {
     }
 }
 
+/// A duration in [`Shared::nanos_now`] units.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The idle sweep of one listener: sleeps until the earliest connection could be idle.
+async fn sweep_idle<S: DgramSocket>(shared: std::sync::Weak<Shared<S>>, timeout: Duration) {
+    loop {
+        let Some(sh) = shared.upgrade() else {
+            return; // the listener and all its connections are gone
+        };
+        let Some(next) = sh.sweep_idle_once(timeout, sh.nanos_now()) else {
+            return;
+        };
+        let at = sh.instant_of(next);
+        drop(sh);
+        tokio::time::sleep_until(at).await;
+    }
+}
+
 /// The server side of a datagram datapath: one bound socket, a connection per peer.
 #[derive(Debug)]
 pub struct Listener<S: DgramSocket> {
@@ -1148,6 +1291,10 @@ impl<S: DgramSocket> Listener<S> {
                 accept_waker: Mutex::new(None),
                 epoch: Instant::now(),
                 spill: SpillPool::default(),
+                idle: Mutex::new(IdleSweep {
+                    due: std::collections::BinaryHeap::new(),
+                    task: None,
+                }),
             }),
         }
     }
@@ -1211,13 +1358,15 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
         // The reader's place, once taken, is kept until this call returns.
         let mut held = None;
         loop {
-            if let Some((addr, peer)) = lock(&sh.demux).backlog.pop_front() {
+            let next = lock(&sh.demux).backlog.pop_front();
+            if let Some((addr, peer)) = next {
+                if let Some(t) = sh.cfg.idle_timeout {
+                    sh.watch_idle(&addr, &peer, t);
+                }
                 return Ok(ServerConnection {
                     shared: sh.clone(),
                     addr,
                     peer,
-                    last_rx: AtomicU64::new(sh.nanos_now()),
-                    idle: Mutex::new(None),
                 });
             }
             // While a connection waits on the socket it reads (and sorts new peers into the
@@ -1265,11 +1414,6 @@ pub struct ServerConnection<S: DgramSocket> {
     shared: Arc<Shared<S>>,
     addr: S::Addr,
     peer: Arc<Peer>,
-    /// When a message last arrived, in [`Shared::nanos_now`] units.
-    last_rx: AtomicU64,
-    /// The idle timer, kept between waits and moved only when it fires early (see `recv`),
-    /// where a fresh timer per wait was a timer-wheel insertion and removal per message.
-    idle: Mutex<Option<Pin<Box<tokio::time::Sleep>>>>,
 }
 
 impl<S: DgramSocket> ServerConnection<S> {
@@ -1293,14 +1437,14 @@ impl<S: DgramSocket> ServerConnection<S> {
         }
     }
 
-    /// Ends the connection for idleness, unless a message slipped in meanwhile.
-    fn close_if_idle(&self) -> bool {
-        let mut d = lock(&self.shared.demux);
-        if !lock(&self.peer.queue).is_empty() {
-            return false;
+    /// The error of a closed connection: [`Error::PeerClosed`] the first time after the
+    /// idle sweep closed it, [`Error::Closed`] otherwise.
+    fn closed_error(&self) -> Error {
+        if self.peer.idled.swap(false, Ordering::AcqRel) {
+            Error::PeerClosed
+        } else {
+            Error::Closed
         }
-        self.leave(&mut d);
-        true
     }
 
     fn drain(&self, slots: &mut [Option<Bytes>]) -> usize {
@@ -1328,11 +1472,7 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
             && d.backlog.len() < sh.cfg.backlog
             && !d.peers.contains_key(&self.addr);
         if admitted {
-            let p = Arc::new(Peer {
-                queue: Mutex::new(VecDeque::from([first])),
-                notify: Notify::new(),
-                closed: AtomicBool::new(false),
-            });
+            let p = Arc::new(Peer::new(VecDeque::from([first])));
             d.peers.insert(self.addr.clone(), p.clone());
             d.backlog.push_back((self.addr.clone(), p));
             sh.accept_notify.notify_one();
@@ -1344,7 +1484,8 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
 
     fn take_queued(&self) -> Option<Bytes> {
         let m = lock(&self.peer.queue).pop_front()?;
-        self.last_rx
+        self.peer
+            .last_rx
             .store(self.shared.nanos_now(), Ordering::Relaxed);
         Some(m)
     }
@@ -1397,11 +1538,11 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         loop {
             let n = self.drain(slots);
             if n > 0 {
-                self.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
+                self.peer.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
                 return Ok(n);
             }
             if self.peer.closed.load(Ordering::Acquire) {
-                return Err(Error::Closed);
+                return Err(self.closed_error());
             }
             // As in `accept`: another connection waiting on the socket reads for this one
             // too. One that finds `accept` there reads for itself (and then takes its place).
@@ -1414,7 +1555,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 match sh.pump_for(Some(me)) {
                     Ok((_, 0)) => continue,
                     Ok((_, direct)) => {
-                        self.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
+                        self.peer.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
                         return Ok(direct);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -1424,54 +1565,17 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             }
             // About to wait: register for this connection's wake-ups first, then look once
             // more (a message queued, or a close, between the look above and now is seen
-            // here; one after it wakes the registration).
+            // here; one after it wakes the registration). The idle sweep closes the
+            // connection and wakes it the same way.
             let notified = self.peer.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             if !lock(&self.peer.queue).is_empty() || self.peer.closed.load(Ordering::Acquire) {
                 continue;
             }
-            // Taken for the wait (a concurrent `recv` makes its own) and put back after it;
-            // dropped with this future if the caller cancels.
-            let mut timer = lock(&self.idle).take();
-            let idle_fired = {
-                let idle = async {
-                    match sh.cfg.idle_timeout {
-                        Some(t) => {
-                            // Left where it was when messages came since it was set: it then
-                            // fires early, once, and moves to the real deadline. Moving it on
-                            // every wait cost a timer update per message.
-                            let due = || sh.instant_of(self.last_rx.load(Ordering::Relaxed)) + t;
-                            let s = timer
-                                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due())));
-                            loop {
-                                s.as_mut().await;
-                                let due = due();
-                                if Instant::now() >= due {
-                                    break;
-                                }
-                                s.as_mut().reset(due);
-                            }
-                        }
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::pin!(idle);
-                let woken = async {
-                    tokio::select! {
-                        biased;
-                        () = &mut notified => false,
-                        () = &mut idle => true,
-                    }
-                };
-                sh.wait_readable(CONN_READER, &mut held, woken)
-                    .await
-                    .map_err(|e| conn_err("recv", &self.addr, e))?
-            };
-            *lock(&self.idle) = timer;
-            if idle_fired == Some(true) && self.close_if_idle() {
-                return Err(Error::PeerClosed);
-            }
+            sh.wait_readable(CONN_READER, &mut held, notified)
+                .await
+                .map_err(|e| conn_err("recv", &self.addr, e))?;
         }
     }
 }

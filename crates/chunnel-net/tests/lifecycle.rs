@@ -359,6 +359,62 @@ async fn idle_timeout_ends_with_peer_closed<D: Dgram>() {
     assert_eq!(D::peer_count(&l), 1);
 }
 
+/// Waits (bounded) until the listener holds `n` peers.
+async fn until_peer_count<D: Dgram>(l: &D::Listener, n: usize, what: &str) {
+    within(what, async {
+        while D::peer_count(l) != n {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+/// The idle timeout holds whether or not a receive is pending: a connection the application
+/// does not read is ended too (its state freed; its next receive reports `PeerClosed`,
+/// then `Closed`), while messages waiting to be read keep it alive. The sweep that ends
+/// connections stops when none is left and starts again for the next one.
+async fn idle_timeout_without_a_pending_receive<D: Dgram>() {
+    let n = D::NAME;
+    let cfg = D::config().with_idle_timeout(Some(Duration::from_millis(150)));
+    let (mut l, k) = bind::<D>(cfg).await;
+    for round in 0..2 {
+        let c = connect::<D>(&k).await;
+        send_id(&c, 1).await;
+        send_id(&c, 2).await;
+        let s = accept::<D>(&mut l).await;
+        assert_eq!(recv_id(&s, "first").await, 1);
+        // The second message waits unread for three timeouts: the connection stays.
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        assert_eq!(
+            D::peer_count(&l),
+            1,
+            "{n} round {round}: unread messages keep it"
+        );
+        assert_eq!(recv_id(&s, "second").await, 2);
+        // Then nobody reads and the peer is silent: ended, without a receive pending.
+        until_peer_count::<D>(&l, 0, "idle end without a pending receive").await;
+        match within("recv after the idle end", s.recv_one()).await {
+            Err(Error::PeerClosed) => {}
+            other => panic!("{n} round {round}: first recv gave {other:?}, not PeerClosed"),
+        }
+        match within("recv again", s.recv_one()).await {
+            Err(e) if e.is_closed() => {}
+            other => panic!("{n} round {round}: second recv gave {other:?}, not Closed"),
+        }
+        drop(c);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_idle_timeout_without_a_pending_receive() {
+    idle_timeout_without_a_pending_receive::<Udp>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unix_dgram_idle_timeout_without_a_pending_receive() {
+    idle_timeout_without_a_pending_receive::<UnixDgram>().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn udp_idle_timeout_ends_with_peer_closed() {
     idle_timeout_ends_with_peer_closed::<Udp>().await;
@@ -371,8 +427,9 @@ async fn unix_dgram_idle_timeout_ends_with_peer_closed() {
 
 /// Messages keep a connection alive past its idle timeout: a client that sends every 40 ms
 /// for 1.2 s (three times the 400 ms timeout, which leaves 360 ms for a stalled test thread)
-/// is served throughout, over the connection it started with. (The idle timer is left in place as messages arrive and moves when it fires
-/// early: firing must not end a connection that is in use.)
+/// is served throughout, over the connection it started with. (The listener's idle sweep
+/// looks at each connection when it could first be idle: a look that finds it in use must
+/// not end it, and must look again later.)
 async fn traffic_keeps_the_idle_timer_away<D: Dgram>() {
     let n = D::NAME;
     let cfg = D::config().with_idle_timeout(Some(Duration::from_millis(400)));
