@@ -352,11 +352,13 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                 return Err(Error::EndOfEpoch);
             }
             // Answer a retransmitted hello here, before taking any data, so cancelling this
-            // future never loses a received message.
+            // future never loses a received message. The sends of this function are rare and
+            // boxed: inline, each made every receive's future (which a serving task carries
+            // for its whole life) the size of a send's larger.
             if sh.reply_due.swap(false, Ordering::AcqRel)
                 && let Some((_, r)) = &sh.answer
             {
-                sh.inner.send_with_header(&[], [r.clone()]).await?;
+                Box::pin(sh.inner.send_with_header(&[], [r.clone()])).await?;
             }
             let mut from_raw = 0;
             if sh.has_pending.load(Ordering::Acquire) {
@@ -395,7 +397,9 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
             } else {
                 // The application waits for the peer instead of replying: the held accept
                 // goes out alone now.
-                sh.release_accept().await?;
+                if sh.mode.load(Ordering::Acquire) & ACCEPT_HELD != 0 {
+                    Box::pin(sh.release_accept()).await?;
+                }
                 sh.inner.recv(slots).await?
             };
             let mut kept = 0;

@@ -1214,7 +1214,10 @@ impl<S: DgramSocket> Shared<S> {
                                     .fetch_add(1, Ordering::Relaxed);
                                 return;
                             }
-                            let p = Arc::new(Peer::new(VecDeque::new()));
+                            // Room for one: a connection usually starts with one message
+                            // (VecDeque's first growth is to four, 128 bytes kept for the
+                            // connection's life).
+                            let p = Arc::new(Peer::new(VecDeque::with_capacity(1)));
                             d.peers.insert(addr.clone(), p.clone());
                             d.backlog.push_back((addr, p.clone()));
                             self.accept_notify.notify_one();
