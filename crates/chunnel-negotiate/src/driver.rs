@@ -162,16 +162,14 @@ async fn poll_once<F: Future + Unpin>(mut fut: F) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut fut).poll(cx))).await
 }
 
+/// A fresh connection id: a counter under a keyed hash whose random key is drawn once per
+/// process (so ids are distinct and not guessable from earlier ones, without a clock read
+/// or a new key per connection).
 fn new_conn_id() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = RandomState::new().build_hasher();
+    static KEY: std::sync::OnceLock<RandomState> = std::sync::OnceLock::new();
+    let mut h = KEY.get_or_init(RandomState::new).build_hasher();
     h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
     // 0 means "unknown" in a reject.
     h.finish().max(1)
 }

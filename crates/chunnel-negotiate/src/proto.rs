@@ -8,7 +8,7 @@
 //! * [`ClientHandshake`] sends a hello, retransmits it with exponential backoff, and ends in
 //!   an [`Outcome`] or an [`Error`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -447,7 +447,9 @@ pub struct ClientHandshake {
     started: Instant,
     sent: u32,
     next_send: Option<Instant>,
-    early_replies: VecDeque<Bytes>,
+    /// In arrival order, but for an ACCEPT_DATA's reply, which goes first (a vector: it is
+    /// handed over whole, and usually holds that one reply).
+    early_replies: Vec<Bytes>,
     result: Option<Result<Outcome, Error>>,
     finished: bool,
 }
@@ -495,7 +497,7 @@ impl ClientHandshake {
             started: now,
             sent: 0,
             next_send: Some(now),
-            early_replies: VecDeque::new(),
+            early_replies: Vec::new(),
             result: None,
             finished: false,
         })
@@ -598,7 +600,7 @@ impl ClientHandshake {
             // or came in the same batch; keep it (bounded) for the application.
             Some(Tag::Data) if self.early_replies.len() < self.timing.max_early_replies => {
                 msg.advance(1);
-                self.early_replies.push_back(msg);
+                self.early_replies.push(msg);
             }
             // Not ours (a stale answer to an earlier attempt, or garbage): ignored.
             Some(Tag::Accept) => {
@@ -615,7 +617,7 @@ impl ClientHandshake {
                     self.on_accept(a);
                     if self.early_replies.len() < self.timing.max_early_replies {
                         msg.advance(at);
-                        self.early_replies.push_front(msg);
+                        self.early_replies.insert(0, msg);
                     }
                 }
             }
@@ -670,7 +672,7 @@ impl ClientHandshake {
     pub fn poll_outcome(&mut self) -> Option<Result<Outcome, Error>> {
         let mut r = self.result.take();
         if let Some(Ok(out)) = &mut r {
-            out.early_replies = self.early_replies.drain(..).collect();
+            out.early_replies = std::mem::take(&mut self.early_replies);
         }
         self.finished |= r.is_some();
         r
