@@ -40,6 +40,11 @@ pub(crate) struct Args {
     /// default, all of them, so the server's state grows for the whole run.
     #[arg(long, default_value_t = 2000)]
     idle_ms: u64,
+    /// Before measuring, run connections of every variant for this long (ms). Longer than
+    /// `--idle-ms`, the server is measured in steady state: as many connections expire as
+    /// start, and their teardown runs alongside. Default: a short warm-up only.
+    #[arg(long, default_value_t = 0)]
+    warmup_ms: u64,
     /// Profiling aid: after the warm-up, run only `--profile-conns` connections of this
     /// variant (raw_udp, one_rtt, zero_rtt) and exit (no JSON). For `strace` / `perf` /
     /// callgrind on one path.
@@ -129,6 +134,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "cpu": a.cpu,
         "server_cpu": a.server_cpu,
         "server_idle_ms": a.idle_ms,
+        "warmup_ms": a.warmup_ms,
         "reps": a.reps,
         "conns_per_rep": a.conns,
         "size": a.size,
@@ -223,6 +229,12 @@ async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
         }
     }
     ensure!(client.remembered(&key).is_some(), "no pick remembered");
+    let until = Instant::now() + Duration::from_millis(a.warmup_ms);
+    while Instant::now() < until {
+        for v in VARIANTS {
+            one(v, &client, &key, raw_addr, addr, &msg).await?;
+        }
+    }
     if let Some(name) = &a.profile {
         let v = VARIANTS
             .into_iter()
