@@ -984,10 +984,11 @@ impl<S: DgramSocket> Shared<S> {
     }
 
     /// Ends the connections idle for `timeout` as of `now`; those that are not are looked
-    /// at again when they could be. Returns when to sweep next (`None`: nothing to watch).
+    /// at again when they could be. Looks at no more than [`SWEEP_BATCH`] connections.
+    /// Returns when to sweep next (`None`: nothing to watch; `now` itself: more are due).
     fn sweep_idle_once(&self, timeout: Duration, now: u64) -> Option<u64> {
         let timeout = nanos(timeout);
-        loop {
+        for _ in 0..SWEEP_BATCH {
             let e = {
                 let mut g = lock(&self.idle);
                 match g.due.peek() {
@@ -1031,6 +1032,7 @@ impl<S: DgramSocket> Shared<S> {
             drop(d);
             peer.notify.notify_waiters();
         }
+        Some(now)
     }
 
     /// Wakes `accept` if it waits for the reader's place to change hands.
@@ -1248,6 +1250,9 @@ impl<S: DgramSocket> Shared<S> {
     }
 }
 
+/// Connections the idle sweep looks at before it lets other tasks run.
+const SWEEP_BATCH: usize = 256;
+
 /// A duration in [`Shared::nanos_now`] units.
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
@@ -1259,12 +1264,18 @@ async fn sweep_idle<S: DgramSocket>(shared: std::sync::Weak<Shared<S>>, timeout:
         let Some(sh) = shared.upgrade() else {
             return; // the listener and all its connections are gone
         };
-        let Some(next) = sh.sweep_idle_once(timeout, sh.nanos_now()) else {
+        let now = sh.nanos_now();
+        let Some(next) = sh.sweep_idle_once(timeout, now) else {
             return;
         };
         let at = sh.instant_of(next);
         drop(sh);
-        tokio::time::sleep_until(at).await;
+        if next <= now {
+            // More are due: let other tasks run between batches.
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep_until(at).await;
+        }
     }
 }
 

@@ -405,6 +405,35 @@ async fn idle_timeout_without_a_pending_receive<D: Dgram>() {
     }
 }
 
+/// Many connections idle at once are all ended: the sweep looks at a bounded batch at a
+/// time and comes back for the rest. The runtime (one thread) is blocked for three idle
+/// timeouts, so all 600 connections are due at the sweep's next look: three batches of
+/// at most 256.
+#[tokio::test(flavor = "current_thread")]
+async fn udp_many_connections_idle_at_once_are_all_ended() {
+    let cfg = Udp::config().with_idle_timeout(Some(Duration::from_millis(100)));
+    let (mut l, k) = bind::<Udp>(cfg).await;
+    let mut clients = Vec::new();
+    let mut servers = Vec::new();
+    for i in 0..600 {
+        let c = connect::<Udp>(&k).await;
+        send_id(&c, i).await;
+        let s = accept::<Udp>(&mut l).await;
+        // Read (an unread message would keep the connection alive), then left alone.
+        assert_eq!(recv_id(&s, "the one message").await, i);
+        servers.push(s);
+        clients.push(c);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    until_peer_count::<Udp>(&l, 0, "600 idle connections ended").await;
+    for s in &servers {
+        match within("recv after the idle end", s.recv_one()).await {
+            Err(Error::PeerClosed) => {}
+            other => panic!("an idle connection gave {other:?}, not PeerClosed"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn udp_idle_timeout_without_a_pending_receive() {
     idle_timeout_without_a_pending_receive::<Udp>().await;
