@@ -47,8 +47,10 @@ pub struct Config {
     pub peer_queue: usize,
     /// New peers waiting for `accept` before datagrams from further new peers are dropped.
     pub backlog: usize,
-    /// A server-side connection that receives nothing for this long ends with
-    /// [`Error::PeerClosed`]. `None` keeps it until dropped.
+    /// A server-side connection that receives nothing for this long ends: its state on the
+    /// listener is freed and its next `recv` returns [`Error::PeerClosed`], whether or not
+    /// one was pending (messages received but not yet read count as activity). One task
+    /// per listener checks, so a connection carries no timer. `None` keeps it until dropped.
     pub idle_timeout: Option<Duration>,
 }
 
