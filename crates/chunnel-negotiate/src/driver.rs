@@ -612,7 +612,6 @@ where
     // The hello usually came with the datagram that made this connection. Waiting for it
     // is boxed: a receive (and its timer) inline made this future ~2 KiB, which the
     // listener boxes and writes for every connection.
-    let is_hello = |m: &Bytes| m.first() == Some(&(Tag::Hello as u8));
     let hello = match base.take_queued() {
         Some(m) if is_hello(&m) => m,
         // Stale data or answers from an earlier connection of this address are dropped.
@@ -670,6 +669,10 @@ where
     }
 }
 
+fn is_hello(m: &[u8]) -> bool {
+    m.first() == Some(&(Tag::Hello as u8))
+}
+
 /// Waits (at most `wait`) for a connection's hello; other messages are stale (data or
 /// answers of an earlier connection of the same address) and dropped.
 async fn recv_hello<C: ChunnelConnection<Data = Bytes>>(
@@ -683,7 +686,7 @@ async fn recv_hello<C: ChunnelConnection<Data = Bytes>>(
                 continue;
             }
             match slot[0].take() {
-                Some(m) if m.first() == Some(&(Tag::Hello as u8)) => return Ok(m),
+                Some(m) if is_hello(&m) => return Ok(m),
                 _ => continue,
             }
         }

@@ -18,8 +18,8 @@ use chunnel::{ChunnelInfo, Pick, StackOption};
 
 use crate::Error;
 use crate::wire::{
-    ACCEPT_DATA_PREFIX, Accept, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt,
-    split_accept_data,
+    ACCEPT_CONN_ID, ACCEPT_DATA_PREFIX, Accept, Hello, Reject, RejectReason, Tag, VERSION,
+    WireError, ZeroRtt, split_accept_data,
 };
 
 /// Retransmission and size limits of a handshake.
@@ -195,11 +195,11 @@ impl Server {
         } else {
             Vec::new()
         };
-        // The template with this connection's id: `conn_id` follows the accept's tag and
-        // version (and the `ACCEPT_DATA` prefix).
-        let at = if coalescable { ACCEPT_DATA_PREFIX } else { 0 } + 2;
+        // The template with this connection's id, in the accept's body: after its tag (and
+        // the `ACCEPT_DATA` prefix).
+        let body = if coalescable { ACCEPT_DATA_PREFIX } else { 0 } + 1;
         let mut b = BytesMut::from(&template[..]);
-        b.get_mut(at..at + 8)?
+        b.get_mut(body + ACCEPT_CONN_ID.start..body + ACCEPT_CONN_ID.end)?
             .copy_from_slice(&conn_id.to_be_bytes());
         let all = b.freeze();
         let (response, coalesce) = if coalescable {
@@ -409,9 +409,6 @@ pub struct KnownAccept {
     body: Bytes,
     accept: Accept,
 }
-
-/// Where an accept body's `conn_id` lies (after the version byte).
-const ACCEPT_CONN_ID: std::ops::Range<usize> = 1..9;
 
 impl KnownAccept {
     /// The decoding of `body` if it equals this accept's encoding in every byte but the

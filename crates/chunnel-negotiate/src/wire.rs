@@ -354,6 +354,11 @@ impl Hello {
 /// accept's `u16` length.
 pub const ACCEPT_DATA_PREFIX: usize = 3;
 
+/// Where an `ACCEPT` body's `conn_id` lies (the bytes after the tag: version, then
+/// `conn_id`). A server rewrites it in a remembered answer; a client recognises a repeated
+/// answer by every other byte.
+pub(crate) const ACCEPT_CONN_ID: std::ops::Range<usize> = 1..9;
+
 impl Accept {
     /// Encodes the message, tag included.
     pub fn encode(&self) -> Bytes {

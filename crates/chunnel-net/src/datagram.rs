@@ -875,6 +875,18 @@ struct Demux<A> {
     backlog: VecDeque<(A, Arc<Peer>)>,
 }
 
+impl<A: DgramAddr> Demux<A> {
+    /// Closes `peer` and removes it from the map if it is still `addr`'s peer (a new
+    /// connection of the same address may have replaced it). Nothing if already closed.
+    fn leave(&mut self, addr: &A, peer: &Arc<Peer>) {
+        if !peer.closed.swap(true, Ordering::AcqRel)
+            && self.peers.get(addr).is_some_and(|p| Arc::ptr_eq(p, peer))
+        {
+            self.peers.remove(addr);
+        }
+    }
+}
+
 /// A connection reading for itself in [`Shared::pump_for`].
 struct Direct<'a, A> {
     addr: &'a A,
@@ -1026,11 +1038,7 @@ impl<S: DgramSocket> Shared<S> {
                 continue;
             }
             peer.idled.store(true, Ordering::Release);
-            if !peer.closed.swap(true, Ordering::AcqRel)
-                && d.peers.get(&e.addr).is_some_and(|p| Arc::ptr_eq(p, &peer))
-            {
-                d.peers.remove(&e.addr);
-            }
+            d.leave(&e.addr, &peer);
             drop(d);
             peer.notify.notify_waiters();
         }
@@ -1444,13 +1452,7 @@ impl<S: DgramSocket> ServerConnection<S> {
 
     /// Removes this peer from the listener (demux lock held).
     fn leave(&self, d: &mut Demux<S::Addr>) {
-        if !self.peer.closed.swap(true, Ordering::AcqRel)
-            && d.peers
-                .get(&self.addr)
-                .is_some_and(|p| Arc::ptr_eq(p, &self.peer))
-        {
-            d.peers.remove(&self.addr);
-        }
+        d.leave(&self.addr, &self.peer);
     }
 
     /// The error of a closed connection: [`Error::PeerClosed`] the first time after the
