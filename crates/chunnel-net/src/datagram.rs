@@ -1017,11 +1017,13 @@ impl<S: DgramSocket> Shared<S> {
             let Some(peer) = e.peer.upgrade() else {
                 continue; // the connection was dropped
             };
+            let quiet_until = peer.last_rx.load(Ordering::Relaxed).saturating_add(timeout);
+            let mut d = lock(&self.demux);
+            // Looked at under the demux lock, which `close` takes too: a connection the
+            // application closed meanwhile is not reported as idle.
             if peer.closed.load(Ordering::Acquire) {
                 continue;
             }
-            let quiet_until = peer.last_rx.load(Ordering::Relaxed).saturating_add(timeout);
-            let mut d = lock(&self.demux);
             // Messages waiting to be read count as activity (the application is behind,
             // the peer is not silent). The queue is filled under the demux lock, so one
             // found empty here stays so until the connection has left the map.
