@@ -40,8 +40,8 @@ pub type Connection = datagram::Connection<UdpSocket>;
 /// A server-side UDP connection (one peer of a [`Listener`]).
 pub type ServerConnection = datagram::ServerConnection<UdpSocket>;
 
-/// The base Chunnel of a UDP client: `connect_wrap(())` binds an ephemeral port and connects
-/// it to `addr`.
+/// The base Chunnel of a UDP client: `connect_wrap(())` makes a socket connected to `addr`
+/// (the kernel binds it to an ephemeral port).
 #[derive(Clone, Debug)]
 pub struct Connect {
     addr: SocketAddr,
@@ -79,16 +79,10 @@ impl Chunnel<()> for Connect {
     type Connection = Connection;
 
     async fn connect_wrap(&mut self, (): ()) -> Result<Connection, Error> {
-        let local: SocketAddr = if self.addr.is_ipv4() {
-            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-        } else {
-            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-        };
-        let sock = UdpSocket::bind(local)
-            .await
-            .map_err(|e| Error::from_io("bind", local, e))?;
-        sock.connect(self.addr)
-            .await
+        // No explicit bind: `connect` binds an ephemeral port itself (see
+        // `sys::connected_udp`). A UDP connect sends nothing, so it completes at once.
+        let sock = crate::sys::connected_udp(&self.addr)
+            .and_then(UdpSocket::from_std)
             .map_err(|e| Error::from_io("connect", self.addr, e))?;
         Ok(datagram::Connection::new(sock, self.addr, self.cfg.clone()))
     }

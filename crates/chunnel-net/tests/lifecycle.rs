@@ -711,6 +711,66 @@ async fn udp_bind_in_use_is_addr_in_use() {
     }
 }
 
+/// A UDP client socket is bound by its `connect` (no explicit bind): to an ephemeral port on
+/// the address its route to the server uses, for IPv4 and IPv6, and an exchange works both
+/// ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_client_is_bound_by_connect_to_the_routes_address() {
+    for (listen, family) in [("127.0.0.1:0", "IPv4"), ("[::1]:0", "IPv6")] {
+        let mut l = match udp::Listener::bind(listen.parse().unwrap()).await {
+            Ok(l) => l,
+            // No IPv6 loopback on this host: nothing to check for that family.
+            Err(e) if family == "IPv6" => {
+                eprintln!("skipping IPv6: {e}");
+                continue;
+            }
+            Err(e) => panic!("bind {listen}: {e}"),
+        };
+        let server = l.local_addr().unwrap();
+        let c = udp::Connect::new(server)
+            .connect_wrap(())
+            .await
+            .expect("connect");
+        let local = c.get_ref().local_addr().unwrap();
+        assert_eq!(
+            local.ip(),
+            server.ip(),
+            "{family}: local address not the route's"
+        );
+        assert_ne!(local.port(), 0, "{family}: no ephemeral port bound");
+        send_id(&c, 7).await;
+        let a = accept::<Udp>(&mut l).await;
+        assert_eq!(
+            a.peer_addr(),
+            &local,
+            "{family}: server sees another address"
+        );
+        assert_eq!(recv_id(&a, "server recv").await, 7);
+        send_id(&a, 8).await;
+        assert_eq!(recv_id(&c, "client recv").await, 8);
+    }
+}
+
+/// A UDP connect the kernel refuses at once (the broadcast address, on a socket without
+/// `SO_BROADCAST`) is a typed error naming the operation and carrying the kernel's reason,
+/// not a panic or a socket that fails later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_connect_to_broadcast_is_a_typed_error() {
+    let bad: SocketAddr = "255.255.255.255:9".parse().unwrap();
+    match udp::Connect::new(bad).connect_wrap(()).await {
+        Err(Error::Io { op, source }) => {
+            assert_eq!(op, "connect");
+            assert_eq!(
+                source.kind(),
+                std::io::ErrorKind::PermissionDenied,
+                "{source}"
+            );
+        }
+        Err(e) => panic!("connect to the broadcast address gave {e}"),
+        Ok(_) => panic!("connect to the broadcast address succeeded"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_bind_in_use_is_addr_in_use() {
     let l = tcp::Listener::bind(loopback()).await.expect("bind");
