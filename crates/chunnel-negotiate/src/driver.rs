@@ -543,6 +543,9 @@ where
     S::Connection: 'static,
 {
     let (tx, rx) = mpsc::channel(cfg.backlog.max(1));
+    // The task below does nothing but accept and hand on (a handshake that must wait gets a
+    // task of its own; a full channel too).
+    listener.accepting_in_loop();
     let server = Arc::new(Server::new(stack.offers()));
     let held = Arc::new(Held {
         queue: Mutex::new(std::collections::VecDeque::new()),
@@ -557,10 +560,22 @@ where
         loop {
             let base = match listener.accept().await {
                 Ok(b) => b,
+                Err(e) if e.is_closed() => {
+                    let _ = tx.send(Err(Error::Chunnel(e))).await;
+                    return;
+                }
                 Err(e) => {
-                    let fatal = e.is_closed();
-                    if tx.send(Err(Error::Chunnel(e))).await.is_err() || fatal {
-                        return;
+                    // Handed on without waiting for room, as a connection is below (the loop
+                    // keeps accepting, as it promised the listener).
+                    match tx.try_send(Err(Error::Chunnel(e))) {
+                        Err(mpsc::error::TrySendError::Full(r)) => {
+                            let tx = tx.clone();
+                            tokio::spawn(async move {
+                                let _ = tx.send(r).await;
+                            });
+                        }
+                        Err(mpsc::error::TrySendError::Closed(_)) => return,
+                        Ok(()) => {}
                     }
                     continue;
                 }

@@ -912,6 +912,15 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// for itself go straight into its slots, where those `accept` reads go through a queue
     /// and a wake-up of the connection's task.
     reader: AtomicU8,
+    /// Whether the last datagram sorted started a new connection. While it did (a stream of
+    /// new peers, each sending one request: short-lived clients), a connection about to wait
+    /// leaves the reader's place to `accept`, which those datagrams are for: a connection
+    /// holding it would be woken for each of them only to queue it and wake `accept`.
+    fresh: AtomicBool,
+    /// `accept` is called in a loop ([`chunnel::Listener::accepting_in_loop`]): it keeps the
+    /// reader's place between calls, and a connection holding the place hands it to
+    /// `accept` once new peers are what comes in.
+    accept_in_loop: AtomicBool,
     /// Connections waiting for the reader's place (`vacancy_waiters` of them).
     reader_vacant: Notify,
     vacancy_waiters: AtomicUsize,
@@ -942,11 +951,55 @@ const ACCEPT_READER: u8 = 1;
 /// A connection waits on the socket.
 const CONN_READER: u8 = 2;
 
+/// Kept by a connection's `recv` that came back from waiting without the reader's place: it
+/// may have taken the one wake-up a vacant place sends (see [`ReaderGuard`]). If it ends
+/// without taking the place (its message was queued, or it read one for itself), the place
+/// may still be vacant with connections waiting for it: one of them is woken in its stead.
+struct Baton<'a, S: DgramSocket> {
+    shared: &'a Shared<S>,
+    armed: bool,
+}
+
+impl<S: DgramSocket> Drop for Baton<'_, S> {
+    fn drop(&mut self) {
+        let sh = self.shared;
+        if self.armed
+            && sh.reader.load(Ordering::SeqCst) == NO_READER
+            && sh.vacancy_waiters.load(Ordering::SeqCst) > 0
+        {
+            sh.reader_vacant.notify_one();
+        }
+    }
+}
+
 /// Held by the task that waits on the socket; gives the place up on drop (also when the
 /// waiting future is cancelled) and wakes the tasks waiting to take it.
 struct ReaderGuard<'a, S: DgramSocket> {
     shared: &'a Shared<S>,
     role: u8,
+}
+
+impl<S: DgramSocket> ReaderGuard<'_, S> {
+    /// A connection's place goes to `accept` (which then holds it without a guard until it
+    /// next waits: see `wait_readable`), and `accept` is woken to notice.
+    fn hand_to_accept(self) {
+        let sh = self.shared;
+        let handed = self.role == CONN_READER
+            && sh
+                .reader
+                .compare_exchange(
+                    CONN_READER,
+                    ACCEPT_READER,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok();
+        if handed {
+            std::mem::forget(self);
+            sh.wake_accept();
+        }
+        // Otherwise dropped: released as usual.
+    }
 }
 
 impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
@@ -1047,6 +1100,30 @@ impl<S: DgramSocket> Shared<S> {
         Some(now)
     }
 
+    /// Records whether the datagram just sorted started a new connection (see
+    /// [`Shared::fresh`]); written only on a change.
+    fn set_fresh(&self, fresh: bool) {
+        if self.fresh.load(Ordering::Relaxed) != fresh {
+            self.fresh.store(fresh, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a connection about to wait may take the reader's place from `accept`: not
+    /// while the datagrams coming in start new connections (see [`Shared::fresh`]).
+    fn conn_may_take_from_accept(&self) -> bool {
+        !self.fresh.load(Ordering::Relaxed)
+    }
+
+    /// Whether a connection about to wait would get the reader's place now (it is vacant, or
+    /// `accept` holds it and may be asked to give it up).
+    fn place_open_to_conn(&self) -> bool {
+        match self.reader.load(Ordering::SeqCst) {
+            NO_READER => true,
+            ACCEPT_READER => self.conn_may_take_from_accept(),
+            _ => false,
+        }
+    }
+
     /// Wakes `accept` if it waits for the reader's place to change hands.
     fn wake_accept(&self) {
         let w = lock(&self.accept_waker).take();
@@ -1101,7 +1178,9 @@ impl<S: DgramSocket> Shared<S> {
                     Ordering::SeqCst,
                     Ordering::SeqCst,
                 ),
-                ACCEPT_READER if role == CONN_READER => {
+                // Kept by an earlier `accept` of the loop, or handed to it by a connection.
+                ACCEPT_READER if role == ACCEPT_READER => Ok(ACCEPT_READER),
+                ACCEPT_READER if role == CONN_READER && self.conn_may_take_from_accept() => {
                     let r = self.reader.compare_exchange(
                         ACCEPT_READER,
                         CONN_READER,
@@ -1167,7 +1246,7 @@ impl<S: DgramSocket> Shared<S> {
             let vacant = self.reader_vacant.notified();
             tokio::pin!(vacant);
             vacant.as_mut().enable();
-            if self.reader.load(Ordering::SeqCst) != CONN_READER {
+            if self.place_open_to_conn() {
                 return Ok(None);
             }
             tokio::select! {
@@ -1211,6 +1290,7 @@ impl<S: DgramSocket> Shared<S> {
                         if lock(&me.peer.queue).is_empty() {
                             me.slots[direct] = Some(m);
                             direct += 1;
+                            self.set_fresh(false);
                             return;
                         }
                     }
@@ -1230,14 +1310,26 @@ impl<S: DgramSocket> Shared<S> {
                             }
                             // Room for one: a connection usually starts with one message
                             // (VecDeque's first growth is to four, 128 bytes kept for the
-                            // connection's life).
-                            let p = Arc::new(Peer::new(VecDeque::with_capacity(1)));
+                            // connection's life). Nobody waits on a new peer's queue yet.
+                            let mut q = VecDeque::with_capacity(1);
+                            if self.cfg.peer_queue > 0 {
+                                q.push_back(m);
+                                self.stats.queued.fetch_add(1, Ordering::Relaxed);
+                            } else {
+                                self.stats
+                                    .dropped_queue_full
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
+                            let p = Arc::new(Peer::new(q));
                             d.peers.insert(addr.clone(), p.clone());
-                            d.backlog.push_back((addr, p.clone()));
+                            d.backlog.push_back((addr, p));
+                            drop(d);
                             self.accept_notify.notify_one();
-                            p
+                            self.set_fresh(true);
+                            return;
                         }
                     };
+                    self.set_fresh(false);
                     let mut q = lock(&peer.queue);
                     if q.len() >= self.cfg.peer_queue {
                         self.stats
@@ -1312,6 +1404,8 @@ impl<S: DgramSocket> Listener<S> {
                 stats: Stats::default(),
                 listener_open: AtomicBool::new(true),
                 reader: AtomicU8::new(NO_READER),
+                fresh: AtomicBool::new(false),
+                accept_in_loop: AtomicBool::new(false),
                 reader_vacant: Notify::new(),
                 vacancy_waiters: AtomicUsize::new(0),
                 accept_waker: Mutex::new(None),
@@ -1362,11 +1456,19 @@ impl<S: DgramSocket> Drop for Listener<S> {
         // Connections already accepted keep working; new peers are no longer admitted, and
         // peers nobody accepted are forgotten.
         self.shared.listener_open.store(false, Ordering::Release);
-        let mut d = lock(&self.shared.demux);
-        let pending: Vec<_> = d.backlog.drain(..).collect();
-        for (addr, _) in pending {
-            d.peers.remove(&addr);
+        {
+            let mut d = lock(&self.shared.demux);
+            let pending: Vec<_> = d.backlog.drain(..).collect();
+            for (addr, _) in pending {
+                d.peers.remove(&addr);
+            }
         }
+        // A place `accept` kept between calls (or was handed) is given up as any reader
+        // gives it up: a waiting connection takes it. Nothing if `accept` does not hold it.
+        drop(ReaderGuard {
+            shared: &self.shared,
+            role: ACCEPT_READER,
+        });
     }
 }
 
@@ -1381,13 +1483,20 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
         let notified = sh.accept_notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        // The reader's place, once taken, is kept until this call returns.
+        // The reader's place, once taken, is kept until this call returns; in a loop, until
+        // the next call (unless a connection took it meanwhile): see `wait_readable`.
         let mut held = None;
         loop {
             let next = lock(&sh.demux).backlog.pop_front();
             if let Some((addr, peer)) = next {
                 if let Some(t) = sh.cfg.idle_timeout {
                     sh.watch_idle(&addr, &peer, t);
+                }
+                if sh.accept_in_loop.load(Ordering::Relaxed)
+                    && let Some(g) = held.take()
+                {
+                    // Not released: the next call takes it up again.
+                    std::mem::forget(g);
                 }
                 return Ok(ServerConnection {
                     shared: sh.clone(),
@@ -1431,6 +1540,10 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                 notified.as_mut().enable();
             }
         }
+    }
+
+    fn accepting_in_loop(&mut self) {
+        self.shared.accept_in_loop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -1550,11 +1663,17 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             return Ok(0);
         }
         let sh = &self.shared;
+        // Declared before `held`, so a place this call took is released (and the next waiter
+        // woken by that) before the baton is looked at.
+        let mut baton = Baton {
+            shared: sh,
+            armed: false,
+        };
         // The reader's place, once taken, is kept until this call returns: woken for other
         // connections' datagrams, this one sorts them out and waits again, without handing
         // the place to another waiting connection (a wake-up of that one's task) and
         // taking it back.
-        let mut held = None;
+        let mut held: Option<ReaderGuard<'_, S>> = None;
         loop {
             let n = self.drain(slots);
             if n > 0 {
@@ -1565,15 +1684,27 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 return Err(self.closed_error());
             }
             // As in `accept`: another connection waiting on the socket reads for this one
-            // too. One that finds `accept` there reads for itself (and then takes its place).
-            if held.is_some() || sh.reader.load(Ordering::Acquire) != CONN_READER {
+            // too. One that finds `accept` there reads for itself (and then takes its place),
+            // unless new peers are what comes in: then `accept` keeps reading for everyone.
+            if held.is_some() || sh.place_open_to_conn() {
                 let me = Direct {
                     addr: &self.addr,
                     peer: &self.peer,
                     slots: &mut *slots,
                 };
                 match sh.pump_for(Some(me)) {
-                    Ok((_, 0)) => continue,
+                    Ok((_, 0)) => {
+                        // New peers coming in, for an `accept` that loops: the place goes to
+                        // it, so their next datagrams wake it directly, not this task first.
+                        if held.is_some()
+                            && !sh.conn_may_take_from_accept()
+                            && sh.accept_in_loop.load(Ordering::Relaxed)
+                            && let Some(g) = held.take()
+                        {
+                            g.hand_to_accept();
+                        }
+                        continue;
+                    }
                     Ok((_, direct)) => {
                         self.peer.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
                         return Ok(direct);
@@ -1596,6 +1727,9 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             sh.wait_readable(CONN_READER, &mut held, notified)
                 .await
                 .map_err(|e| conn_err("recv", &self.addr, e))?;
+            // Back without the place: this call may have taken the wake-up that a vacant place
+            // sends one waiting connection.
+            baton.armed = held.is_none();
         }
     }
 }

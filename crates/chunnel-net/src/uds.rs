@@ -181,6 +181,10 @@ impl chunnel::Listener for DatagramListener {
     ) -> impl std::future::Future<Output = Result<DatagramServerConnection, Error>> + Send {
         self.inner.accept()
     }
+
+    fn accepting_in_loop(&mut self) {
+        chunnel::Listener::accepting_in_loop(&mut self.inner);
+    }
 }
 
 /// Removes a listener's socket file when the listener goes away.

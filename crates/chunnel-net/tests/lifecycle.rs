@@ -1686,6 +1686,186 @@ async fn idle_connections_are_not_woken_twice_per_message() {
     drop(l);
 }
 
+/// Accepts in a loop (having told the listener so) and parks every accepted connection in a
+/// task that waits to receive, counting the polls of those waits. Returns the listener task's
+/// handle (it gives the listener back when `stop` fires), the poll counter and how many
+/// connections were accepted.
+type LoopingServer = tokio::task::JoinHandle<(udp::Listener, Vec<tokio::task::JoinHandle<()>>)>;
+
+fn looping_server(
+    mut l: udp::Listener,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> (LoopingServer, Arc<AtomicU64>, Arc<AtomicU64>) {
+    let polls = Arc::new(AtomicU64::new(0));
+    let accepted = Arc::new(AtomicU64::new(0));
+    let (p, a) = (Arc::clone(&polls), Arc::clone(&accepted));
+    let task = tokio::spawn(async move {
+        l.accepting_in_loop();
+        let mut waits = Vec::new();
+        loop {
+            tokio::select! {
+                c = l.accept() => {
+                    let c = c.unwrap();
+                    a.fetch_add(1, Ordering::Relaxed);
+                    let polls = Arc::clone(&p);
+                    waits.push(tokio::spawn(async move {
+                        let wait = CountPolls {
+                            inner: Box::pin(async move {
+                                // The first message, then wait for one that never comes.
+                                let _ = c.recv_one().await;
+                                let _ = c.recv_one().await;
+                            }),
+                            polls,
+                        };
+                        wait.await;
+                    }));
+                }
+                _ = &mut stop => break,
+            }
+        }
+        (l, waits)
+    });
+    (task, polls, accepted)
+}
+
+/// New peers, each sending one datagram (short-lived clients), wake a listener whose
+/// `accept` loops, not the connections waiting to receive: those are polled about once each
+/// (their first message and the start of their wait). When a waiting connection read the
+/// socket for everyone, each new peer's datagram woke it too (about twice as many polls).
+#[tokio::test(flavor = "current_thread")]
+async fn new_peers_wake_a_looping_accept_not_waiting_connections() {
+    const N: u64 = 200;
+    let cfg = udp::Config::default().with_idle_timeout(None);
+    let l = udp::Listener::bind_with(loopback(), cfg).await.unwrap();
+    let k = udp::Connect::new(l.local_addr().unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+    let (server, polls, accepted) = looping_server(l, stop_rx);
+    let mut clients = Vec::new();
+    for i in 0..N {
+        let c = within("connect", k.clone().connect_wrap(())).await.unwrap();
+        send_id(&c, i as u32).await;
+        clients.push(c);
+        // Let the server take this peer in before the next one comes.
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+            if accepted.load(Ordering::Relaxed) > i && polls.load(Ordering::Relaxed) > i {
+                break;
+            }
+        }
+    }
+    within("all accepted", async {
+        while accepted.load(Ordering::Relaxed) < N {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(SETTLE).await;
+    let p = polls.load(Ordering::Relaxed);
+    assert!(
+        p <= N * 3 / 2,
+        "{p} polls of {N} waiting connections for {N} new peers"
+    );
+    stop_tx.send(()).unwrap();
+    let (l, waits) = within("server stop", server).await.unwrap();
+    drop(l);
+    for w in waits {
+        w.abort();
+    }
+}
+
+/// A looping listener keeps the socket's reader place between `accept` calls (it waits on the
+/// socket before each new peer comes); dropped, it gives the place up, so connections still
+/// waiting keep receiving (one of them reads for all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_keep_receiving_after_a_looping_listener_is_dropped() {
+    const N: u32 = 4;
+    let cfg = udp::Config::default().with_idle_timeout(None);
+    let mut l = udp::Listener::bind_with(loopback(), cfg).await.unwrap();
+    let k = udp::Connect::new(l.local_addr().unwrap());
+    let (conn_tx, mut conn_rx) = tokio::sync::mpsc::channel(8);
+    let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        l.accepting_in_loop();
+        loop {
+            tokio::select! {
+                c = l.accept() => conn_tx.send(c.unwrap()).await.unwrap(),
+                _ = &mut stop_rx => break,
+            }
+        }
+        drop(l);
+    });
+    let mut clients = Vec::new();
+    let mut waits = Vec::new();
+    for i in 0..N {
+        // The accept loop is waiting on the socket when this peer's datagram comes.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let c = within("connect", k.clone().connect_wrap(())).await.unwrap();
+        send_id(&c, i).await;
+        let s = within("accept", conn_rx.recv()).await.unwrap();
+        assert_eq!(recv_id(&s, "first").await, i);
+        waits.push(tokio::spawn(async move { s.recv_one().await }));
+        clients.push(c);
+    }
+    tokio::time::sleep(SETTLE).await;
+    stop_tx.send(()).unwrap();
+    within("server stop", server).await.unwrap();
+    for (i, c) in clients.iter().enumerate() {
+        send_id(c, 100 + i as u32).await;
+    }
+    for (i, w) in waits.into_iter().enumerate() {
+        let m = within("receive after the listener is gone", w)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(msg_id(&m), 100 + i as u32);
+    }
+}
+
+/// Connections waiting to receive while nobody calls `accept` read for each other: every
+/// message reaches its connection, round after round, whichever of them holds the reader's
+/// place when it comes (one that finds its message queued passes the wake-up of a vacant
+/// place on to the next waiting connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_connections_all_receive_while_nobody_accepts() {
+    const N: u32 = 8;
+    let cfg = udp::Config::default().with_idle_timeout(None);
+    let mut l = udp::Listener::bind_with(loopback(), cfg).await.unwrap();
+    let k = udp::Connect::new(l.local_addr().unwrap());
+    let mut clients = Vec::new();
+    let mut servers = Vec::new();
+    for i in 0..N {
+        let c = within("connect", k.clone().connect_wrap(())).await.unwrap();
+        send_id(&c, i).await;
+        let s = within("accept", l.accept()).await.unwrap();
+        assert_eq!(recv_id(&s, "first").await, i);
+        clients.push(c);
+        servers.push(Arc::new(s));
+    }
+    // From here on, `accept` is never polled again.
+    for round in 1..=5u32 {
+        let waits: Vec<_> = servers
+            .iter()
+            .map(|s| {
+                let s = Arc::clone(s);
+                tokio::spawn(async move { s.recv_one().await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // All at once, so some are queued by whichever connection reads.
+        for (i, c) in clients.iter().enumerate() {
+            send_id(c, round * 100 + i as u32).await;
+        }
+        for (i, w) in waits.into_iter().enumerate() {
+            let m = within("every waiting connection receives", w)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(msg_id(&m), round * 100 + i as u32);
+        }
+    }
+    drop(l);
+}
+
 /// A fresh connection's first datagram leaves in the first poll of its send: the runtime has
 /// not yet reported the new socket writable (that takes an event-loop turn), and asking it
 /// first made every new connection's first message wait for that turn.

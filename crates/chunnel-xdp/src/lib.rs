@@ -361,4 +361,11 @@ where
             EitherListener::Right(r) => r.accept().await.map(Either::Right),
         }
     }
+
+    fn accepting_in_loop(&mut self) {
+        match self {
+            EitherListener::Left(l) => l.accepting_in_loop(),
+            EitherListener::Right(r) => r.accepting_in_loop(),
+        }
+    }
 }

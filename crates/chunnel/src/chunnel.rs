@@ -70,6 +70,16 @@ pub trait Listener: Send {
     /// is handed out by the next call. [`Serve`] is not once a base connection was accepted and
     /// its stack is being built (dropping then drops that connection).
     fn accept(&mut self) -> impl Future<Output = Result<Self::Connection, Error>> + Send;
+
+    /// The caller's promise that `accept` is called in a loop from now on, by a task that
+    /// does little else between calls than hand each connection on, until the listener is
+    /// dropped. A listener may then keep waiting for the network between calls: the
+    /// datagram listeners of `chunnel-net` keep their place as the task that reads the
+    /// socket, so a new peer's first datagram wakes the accepting task directly (otherwise
+    /// a waiting connection would read it and wake that task). Breaking the promise delays
+    /// connections waiting to receive until the next `accept` call or the drop. Default:
+    /// nothing.
+    fn accepting_in_loop(&mut self) {}
 }
 
 /// A listener that wraps every accepted connection in a stack: `accept` returns the finished
