@@ -8,7 +8,6 @@
 //! * [`ClientHandshake`] sends a hello, retransmits it with exponential backoff, and ends in
 //!   an [`Outcome`] or an [`Error`].
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -82,7 +81,10 @@ pub struct Server {
     /// Each option's Chunnels, shared by every accept that names it.
     stacks: Vec<Arc<[ChunnelInfo]>>,
     max_reported: usize,
-    remembered: Mutex<HashMap<Box<[u8]>, Remembered>>,
+    /// Most recently used first. A short list searched in order, not a hash map: it holds
+    /// at most [`REMEMBERED_ACCEPTS`] entries, a server usually sees one or two offer lists,
+    /// and hashing a key of ~100 bytes cost more than comparing it with the first entry.
+    remembered: Mutex<Vec<(Box<[u8]>, Remembered)>>,
 }
 
 /// Distinct offer lists whose accept a [`Server`] remembers; when full, it forgets them all
@@ -122,7 +124,7 @@ impl Server {
                 .collect(),
             offers,
             max_reported: 16,
-            remembered: Mutex::new(HashMap::new()),
+            remembered: Mutex::new(Vec::new()),
         }
     }
 
@@ -179,8 +181,13 @@ impl Server {
     /// is none (or the early data does not decode: the full path then rejects the hello).
     fn recall(&self, flags: u8, key: &[u8], early: &[u8], conn_id: u64) -> Option<Decision> {
         let (server_option, zero_rtt, client_pick, template, coalescable) = {
-            let map = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
-            let r = map.get(key).filter(|r| r.flags == flags)?;
+            let mut list = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+            let i = list.iter().position(|(k, _)| **k == *key)?;
+            if i > 0 {
+                // Most recently used first: a busy offer list is found at once.
+                list.swap(0, i);
+            }
+            let r = Some(&list[0].1).filter(|r| r.flags == flags)?;
             (
                 r.server_option,
                 r.zero_rtt,
@@ -244,11 +251,15 @@ impl Server {
             coalescable: coalesce.is_some(),
             template: coalesce.clone().unwrap_or_else(|| response.clone()),
         };
-        let mut map = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
-        if map.len() >= REMEMBERED_ACCEPTS {
-            map.clear();
+        let mut list = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = list.iter_mut().find(|(k, _)| **k == *key) {
+            e.1 = r;
+            return;
         }
-        map.insert(key.into(), r);
+        if list.len() >= REMEMBERED_ACCEPTS {
+            list.clear();
+        }
+        list.insert(0, (key.into(), r));
     }
 
     fn decide(&self, hello: Hello) -> Decision {
