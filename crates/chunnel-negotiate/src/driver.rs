@@ -18,7 +18,9 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::proto::{ClientHandshake, Decision, KnownAccept, Outcome, Server, Timing};
+use crate::proto::{
+    ClientHandshake, Decision, HelloTemplate, KnownAccept, Outcome, Server, Timing,
+};
 use crate::tagged::{Tagged, WeakTagged};
 use crate::ticker::Ticker;
 use crate::wire::{Tag, ZeroRtt};
@@ -240,6 +242,15 @@ struct Remembered {
     pick: Pick,
     /// The server's last accept, recognised without decoding when it comes again.
     known: KnownAccept,
+    /// The last 0-RTT hello, reused while the stack's offers and the pick are unchanged.
+    hello: Option<Arc<HelloTemplate>>,
+}
+
+/// What a client recalls of a server for a connection.
+struct Recalled {
+    pick: Pick,
+    known: KnownAccept,
+    hello: Option<Arc<HelloTemplate>>,
 }
 
 impl Client {
@@ -254,15 +265,19 @@ impl Client {
 
     /// The pick remembered for `server`, if any.
     pub fn remembered(&self, server: &str) -> Option<Pick> {
-        self.recall(server).map(|(p, _)| p)
+        self.recall(server).map(|r| r.pick)
     }
 
-    fn recall(&self, server: &str) -> Option<(Pick, KnownAccept)> {
+    fn recall(&self, server: &str) -> Option<Recalled> {
         self.cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(server)
-            .map(|r| (r.pick.clone(), r.known.clone()))
+            .map(|r| Recalled {
+                pick: r.pick.clone(),
+                known: r.known.clone(),
+                hello: r.hello.clone(),
+            })
     }
 
     /// Forgets every remembered pick.
@@ -270,12 +285,23 @@ impl Client {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    fn remember(&self, server: &str, pick: &Pick, known: KnownAccept) {
+    /// Remembers `server`'s answer; `hello`, a 0-RTT hello template, replaces the one kept
+    /// (a template for another pick is dropped, one for the same pick kept otherwise).
+    fn remember(
+        &self,
+        server: &str,
+        pick: &Pick,
+        known: KnownAccept,
+        hello: Option<Arc<HelloTemplate>>,
+    ) {
         let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = c.get_mut(server) {
             // The usual reconnect: no key to allocate.
             r.pick = pick.clone();
             r.known = known;
+            if hello.is_some() || r.hello.as_ref().is_some_and(|t| t.pick != *pick) {
+                r.hello = hello;
+            }
             return;
         }
         if c.len() >= self.cfg.cache_entries.max(1) && !c.contains_key(server) {
@@ -289,6 +315,7 @@ impl Client {
             Remembered {
                 pick: pick.clone(),
                 known,
+                hello,
             },
         );
     }
@@ -335,8 +362,8 @@ impl Client {
             self.cfg.timing,
             Instant::now().into_std(),
         )?;
-        if let Some((_, known)) = self.recall(server) {
-            hs.expect(known);
+        if let Some(r) = self.recall(server) {
+            hs.expect(r.known);
         }
         let out = drive(&base, &mut hs, &self.ticker).await?;
         apply_known(&mut stack, &out.accept.client_pick)?;
@@ -344,7 +371,7 @@ impl Client {
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);
         let conn = stack.connect_wrap(tagged).await?;
-        self.remember(server, &out.accept.client_pick, out.known);
+        self.remember(server, &out.accept.client_pick, out.known, None);
         Ok(Negotiated {
             conn,
             info: info(out.accept, out.hellos_sent),
@@ -386,10 +413,25 @@ impl Client {
         S: Chunnel<Tagged<C>> + Offers + Clone + Send,
         <S::Connection as ChunnelConnection>::Data: Clone,
     {
-        let offers = stack.offers();
+        // A reconnect with unchanged offers reuses the last hello (no offer list is built);
+        // otherwise the offers are made and the remembered pick checked against them.
+        let digest = chunnel::negotiate::offers_digest(&stack);
+        let recalled = self.recall(server);
+        let template = recalled.as_ref().and_then(|r| {
+            r.hello
+                .clone()
+                .filter(|t| t.digest == digest && t.pick == r.pick)
+        });
+        let offers = match template {
+            Some(_) => None,
+            None => Some(stack.offers()),
+        };
         let mut first = stack.clone();
-        let Some((pick, known)) = self.recall(server).filter(|(p, _)| {
-            offers.iter().any(|o| &o.pick == p) && apply_known(&mut first, p).is_ok()
+        let Some(Recalled { pick, known, .. }) = recalled.filter(|r| {
+            offers
+                .as_ref()
+                .is_none_or(|o| o.iter().any(|o| o.pick == r.pick))
+                && apply_known(&mut first, &r.pick).is_ok()
         }) else {
             let conn = self.connect_inner(server, stack, base).await?;
             conn.send(early).await?;
@@ -401,17 +443,30 @@ impl Client {
         let sent = conn.send(early.clone()).await;
         let captured = tagged.take_capture();
         sent?;
-        let mut hs = ClientHandshake::new(
-            offers,
-            Some((pick.clone(), captured)),
-            new_conn_id(),
-            self.cfg.timing,
-            Instant::now().into_std(),
-        )?;
+        let (conn_id, now) = (new_conn_id(), Instant::now().into_std());
+        let mut hs = match (&template, offers) {
+            (Some(t), _) => {
+                ClientHandshake::from_template(t, &captured, conn_id, self.cfg.timing, now)?
+            }
+            (None, offers) => ClientHandshake::new(
+                offers.unwrap_or_default(),
+                Some((pick.clone(), captured)),
+                conn_id,
+                self.cfg.timing,
+                now,
+            )?,
+        };
         hs.expect(known);
         let out = drive(tagged.get_ref(), &mut hs, &self.ticker).await?;
         tagged.push_pending(out.early_replies);
-        self.remember(server, &out.accept.client_pick, out.known);
+        // Nothing to remember when the server answered as last time to the same hello.
+        if !(template.is_some() && out.recognised && out.accept.client_pick == pick) {
+            let t = hs
+                .template(digest)
+                .filter(|t| t.pick == out.accept.client_pick)
+                .map(Arc::new);
+            self.remember(server, &out.accept.client_pick, out.known, t);
+        }
         let hellos = out.hellos_sent;
         match out.accept.zero_rtt {
             // An accept must name the stack we built and sent the early data with.

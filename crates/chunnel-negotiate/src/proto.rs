@@ -410,6 +410,22 @@ pub struct Outcome {
     pub early_replies: Vec<Bytes>,
     /// Hellos sent (1 unless some were lost).
     pub hellos_sent: u32,
+    /// The accept was the one expected ([`ClientHandshake::expect`]), recognised by its
+    /// bytes: `known` is that same [`KnownAccept`].
+    pub recognised: bool,
+}
+
+/// A 0-RTT hello kept for the next connection with the same offers and pick: its bytes before
+/// the early data (all but the `conn_id` the same for every such connection) and the offers
+/// they encode. See [`ClientHandshake::template`].
+#[derive(Debug)]
+pub struct HelloTemplate {
+    /// The [`chunnel::negotiate::offers_digest`] of the tree whose offers these are.
+    pub digest: u64,
+    /// The 0-RTT pick the hello names.
+    pub pick: Pick,
+    offers: Arc<[StackOption]>,
+    prefix: Bytes,
 }
 
 /// An accept as received (the body after the tag), with its decoding: a server that
@@ -446,9 +462,13 @@ impl KnownAccept {
 pub struct ClientHandshake {
     timing: Timing,
     conn_id: u64,
-    offers: Vec<StackOption>,
+    offers: Arc<[StackOption]>,
+    /// The 0-RTT pick, and where the hello's early data starts.
+    zero_rtt: Option<(Pick, usize)>,
     /// An earlier answer of the same server, recognised without decoding.
     expected: Option<KnownAccept>,
+    /// The accept taken was the expected one.
+    recognised: bool,
     /// The accept taken (with `result`), as a [`KnownAccept`].
     known: Option<KnownAccept>,
     hello: Bytes,
@@ -488,7 +508,60 @@ impl ClientHandshake {
     }
 
     fn from_hello(hello: Hello, timing: Timing, now: Instant) -> Result<Self, Error> {
-        let encoded = hello.encode();
+        let (encoded, split) = hello.encode_split();
+        let zero_rtt = hello.zero_rtt.map(|p| (p, split));
+        Self::from_encoded(
+            encoded,
+            hello.conn_id,
+            hello.offers.into(),
+            zero_rtt,
+            timing,
+            now,
+        )
+    }
+
+    /// Starts a 0-RTT handshake like [`ClientHandshake::new`] with the template's offers and
+    /// pick, without encoding the offers: the hello is the template's bytes with this
+    /// `conn_id` and `early` (byte for byte what `new` would send).
+    pub fn from_template(
+        template: &HelloTemplate,
+        early: &[Bytes],
+        conn_id: u64,
+        timing: Timing,
+        now: Instant,
+    ) -> Result<Self, Error> {
+        let encoded = Hello::encode_from_prefix(&template.prefix, conn_id, early);
+        Self::from_encoded(
+            encoded,
+            conn_id,
+            Arc::clone(&template.offers),
+            Some((template.pick.clone(), template.prefix.len())),
+            timing,
+            now,
+        )
+    }
+
+    /// This 0-RTT handshake's hello as a template for the next connection with the same
+    /// offers (`digest`: their [`chunnel::negotiate::offers_digest`]); `None` if the hello is
+    /// not 0-RTT.
+    pub fn template(&self, digest: u64) -> Option<HelloTemplate> {
+        let (pick, split) = self.zero_rtt.as_ref()?;
+        Some(HelloTemplate {
+            digest,
+            pick: pick.clone(),
+            offers: Arc::clone(&self.offers),
+            prefix: self.hello.slice(..*split),
+        })
+    }
+
+    fn from_encoded(
+        encoded: Bytes,
+        conn_id: u64,
+        offers: Arc<[StackOption]>,
+        zero_rtt: Option<(Pick, usize)>,
+        timing: Timing,
+        now: Instant,
+    ) -> Result<Self, Error> {
         if encoded.len() > timing.max_message {
             return Err(Error::OffersTooLarge {
                 len: encoded.len(),
@@ -497,9 +570,11 @@ impl ClientHandshake {
         }
         Ok(ClientHandshake {
             timing,
-            conn_id: hello.conn_id,
-            offers: hello.offers,
+            conn_id,
+            offers,
+            zero_rtt,
             expected: None,
+            recognised: false,
             known: None,
             hello: encoded,
             started: now,
@@ -548,6 +623,7 @@ impl ClientHandshake {
                 return None;
             }
             self.known = self.expected.take();
+            self.recognised = true;
             return Some(a);
         }
         let a = Accept::decode(body)
@@ -659,6 +735,7 @@ impl ClientHandshake {
             option,
             early_replies: Vec::new(),
             hellos_sent: self.sent,
+            recognised: self.recognised,
         }));
     }
 

@@ -318,9 +318,20 @@ fn put_labels(b: &mut BytesMut, labels: &Option<Vec<String>>) {
     }
 }
 
+/// Where a hello's `conn_id` lies (tag, version and flags come first).
+pub(crate) const HELLO_CONN_ID: std::ops::Range<usize> = 3..11;
+
 impl Hello {
     /// Encodes the message, tag included.
     pub fn encode(&self) -> Bytes {
+        self.encode_split().0
+    }
+
+    /// Encodes the message, and says where its early data starts (the early message count;
+    /// the end when the hello is not 0-RTT): the bytes before it are the same for every
+    /// connection with these offers and 0-RTT pick but for the `conn_id`
+    /// ([`HELLO_CONN_ID`]); [`Hello::encode_from_prefix`] builds a hello from them.
+    pub(crate) fn encode_split(&self) -> (Bytes, usize) {
         let mut b = BytesMut::with_capacity(256);
         b.put_u8(Tag::Hello as u8);
         b.put_u8(self.version);
@@ -338,15 +349,36 @@ impl Hello {
             put_pick(&mut b, &o.pick);
             put_chunnels(&mut b, &o.chunnels);
         }
+        let mut split = b.len();
         if let Some(p) = &self.zero_rtt {
             put_pick(&mut b, p);
-            let n = put_count(&mut b, self.early.len());
-            for m in &self.early[..n] {
-                b.put_u32(m.len() as u32);
-                b.put_slice(m);
-            }
+            split = b.len();
+            put_early(&mut b, &self.early);
         }
+        (b.freeze(), split)
+    }
+
+    /// A 0-RTT hello from the part of an earlier one before its early data
+    /// ([`Hello::encode_split`]), for connection `conn_id` with `early`: the same bytes
+    /// [`Hello::encode`] makes of that hello with this `conn_id` and early data.
+    pub(crate) fn encode_from_prefix(prefix: &[u8], conn_id: u64, early: &[Bytes]) -> Bytes {
+        let len = prefix.len() + 2 + early.iter().map(|m| 4 + m.len()).sum::<usize>();
+        let mut b = BytesMut::with_capacity(len);
+        b.put_slice(prefix);
+        if let Some(id) = b.get_mut(HELLO_CONN_ID) {
+            id.copy_from_slice(&conn_id.to_be_bytes());
+        }
+        put_early(&mut b, early);
         b.freeze()
+    }
+}
+
+/// A 0-RTT hello's early messages: a count, then each length-prefixed.
+fn put_early(b: &mut BytesMut, early: &[Bytes]) {
+    let n = put_count(b, early.len());
+    for m in &early[..n] {
+        b.put_u32(m.len() as u32);
+        b.put_slice(m);
     }
 }
 

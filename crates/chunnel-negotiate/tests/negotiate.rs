@@ -412,6 +412,49 @@ async fn zero_rtt_rejected_repicks_and_resends_exactly_once() -> Result<()> {
     Ok(())
 }
 
+/// A client reuses its last 0-RTT hello while its stack offers the same options, and makes a
+/// new one when they change: here the remembered pick (branch 1) now names another Chunnel
+/// (`Xor(3)`, which the server lacks). A stale hello would have the server accept 0-RTT for
+/// the old `Xor(2)` and the early data, sent through `Xor(3)`, arrive garbled.
+#[tokio::test]
+async fn zero_rtt_hello_is_made_afresh_when_the_offers_change() -> Result<()> {
+    let (addr, _seen, mut msgs) = echo_server(select(Xor(1), Xor(2))).await?;
+    let client = Client::new(fast());
+    let c = client
+        .connect("svc", select(Xor(5), Xor(2)), base(addr).await?)
+        .await?;
+    echo(&c, "learn").await?;
+    expect_exactly(&mut msgs, &["learn"]).await?;
+    // Two reconnects with the same stack: the second sends the first one's hello again.
+    for early in ["same-1", "same-2"] {
+        let c = client
+            .connect_0rtt(
+                "svc",
+                select(Xor(5), Xor(2)),
+                base(addr).await?,
+                [Bytes::from(early)],
+            )
+            .await?;
+        assert_eq!(c.info().zero_rtt, ZeroRtt::Accepted);
+        assert_eq!(timeout(WAIT, c.recv_one()).await??, early);
+        expect_exactly(&mut msgs, &[early]).await?;
+    }
+    // Same pick, other offers.
+    let c = client
+        .connect_0rtt(
+            "svc",
+            select(Xor(1), Xor(3)),
+            base(addr).await?,
+            [Bytes::from("changed")],
+        )
+        .await?;
+    assert_eq!(c.info().zero_rtt, ZeroRtt::Rejected);
+    assert_eq!(c.info().client_pick.branches(), &[0]);
+    expect_exactly(&mut msgs, &["changed"]).await?;
+    assert_eq!(timeout(WAIT, c.recv_one()).await??, "changed");
+    echo(&c, "after").await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_concurrent_clients_get_their_own_stacks() -> Result<()> {
     let (addr, mut seen, _) = echo_server(select(Xor(1), Xor(2))).await?;

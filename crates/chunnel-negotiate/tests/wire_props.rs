@@ -872,6 +872,60 @@ proptest! {
         }
     }
 
+    /// A handshake started from an earlier 0-RTT handshake's template sends, byte for byte,
+    /// the hello a fresh one with the same offers, pick, `conn_id` and early data sends, and
+    /// ends the same way on the same accept (or on noise).
+    #[test]
+    fn hellos_from_templates_match_fresh_hellos(
+        offers in vec(stack_option(), 1..=4),
+        which in any::<prop::sample::Index>(),
+        first_early in early_data(),
+        early in early_data(),
+        ids in (any::<u64>(), any::<u64>()),
+        answer in accept(),
+        noise in noise(),
+    ) {
+        let pick = offers[which.index(offers.len())].pick.clone();
+        let now = Instant::now();
+        let first = ClientHandshake::new(
+            offers.clone(), Some((pick.clone(), first_early)), ids.0, Timing::default(), now,
+        );
+        // Offer lists too large for one message are refused either way.
+        let Ok(first) = first else { return Ok(()) };
+        let t = first.template(42).expect("a 0-RTT handshake has a template");
+        prop_assert_eq!(t.digest, 42);
+        prop_assert_eq!(&t.pick, &pick);
+        let fresh = ClientHandshake::new(
+            offers.clone(), Some((pick.clone(), early.clone())), ids.1, Timing::default(), now,
+        );
+        let reused = ClientHandshake::from_template(&t, &early, ids.1, Timing::default(), now);
+        let (mut fresh, mut reused) = match (fresh, reused) {
+            (Ok(f), Ok(r)) => (f, r),
+            (Err(f), Err(r)) => {
+                prop_assert_eq!(f.to_string(), r.to_string());
+                return Ok(());
+            }
+            (f, r) => {
+                return Err(TestCaseError::fail(format!(
+                    "fresh {:?} vs template {:?}", f.map(|_| ()), r.map(|_| ())
+                )));
+            }
+        };
+        prop_assert_eq!(fresh.poll_transmit(now), reused.poll_transmit(now));
+        let mut answer = answer;
+        answer.conn_id = ids.1;
+        answer.client_pick = pick;
+        for m in [answer.encode(), Bytes::from(noise)] {
+            fresh.handle_message(m.clone());
+            reused.handle_message(m);
+        }
+        let end = |c: &mut ClientHandshake| {
+            c.poll_outcome()
+                .map(|r| r.map(|o| (o.accept, o.option)).map_err(|e| e.to_string()))
+        };
+        prop_assert_eq!(end(&mut fresh), end(&mut reused));
+    }
+
     #[test]
     fn client_never_panics_on_noise(bytes in noise()) {
         let mut c = fresh_client();

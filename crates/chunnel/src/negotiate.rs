@@ -11,6 +11,7 @@
 //!   the chosen branch of every select on the chosen path.
 
 use std::borrow::Cow;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::Error;
@@ -313,7 +314,7 @@ pub trait Negotiate {
 }
 
 /// One Chunnel of a concrete stack, as offered to a peer.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ChunnelInfo {
     /// The Chunnel's stable id.
     pub id: Cow<'static, str>,
@@ -323,7 +324,7 @@ pub struct ChunnelInfo {
 
 /// One concrete stack that a tree of selects allows: its Chunnels from the top (application
 /// side) to the bottom (wire side), and the pick that selects it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StackOption {
     /// The Chunnels, top first.
     pub chunnels: Vec<ChunnelInfo>,
@@ -483,6 +484,23 @@ pub trait Offers {
     /// [`Negotiate::picked`]). `connect_wrap` then builds exactly that stack.
     fn apply_pick(&mut self, pick: &mut PickReader<'_>) -> Result<(), Error>;
 
+    /// Feeds `h` what [`Offers::offers`] is made of, without making the offers: trees that
+    /// feed the same bytes offer the same options. A negotiating client keeps the digest
+    /// with the hello it encoded, and reuses that hello for as long as its stack's digest
+    /// is unchanged (a reconnect then builds no offer list).
+    ///
+    /// The default feeds the offers themselves (correct for any tree, but it makes them);
+    /// leaves, [`crate::Select`] and [`crate::Stack`] feed their parts. What is fed must be
+    /// self-delimiting, so that the feeds of a combinator's parts cannot run into each other.
+    fn hash_offers(&self, h: &mut dyn Hasher) {
+        let offers = self.offers();
+        h.write_u8(DIGEST_OFFERS);
+        h.write_usize(offers.len());
+        for o in &offers {
+            o.hash(&mut &mut *h);
+        }
+    }
+
     /// Applies a whole pick. The pick is checked against [`Offers::offers`] first, so a pick
     /// that names no offered option changes nothing (no select is fixed, no leaf is told).
     fn apply(&mut self, pick: &Pick) -> Result<(), Error> {
@@ -497,7 +515,50 @@ pub trait Offers {
     }
 }
 
+/// The first byte of each kind of [`Offers::hash_offers`] feed.
+pub(crate) const DIGEST_OFFERS: u8 = 0;
+pub(crate) const DIGEST_UNAVAILABLE: u8 = 1;
+pub(crate) const DIGEST_LEAF: u8 = 2;
+pub(crate) const DIGEST_NO_LAYER: u8 = 3;
+pub(crate) const DIGEST_SELECT: u8 = 4;
+pub(crate) const DIGEST_STACK: u8 = 5;
+
+/// The [`Offers::hash_offers`] digest of a tree, as one number: 64-bit FNV-1a, the same in
+/// every process. The input is the local stack's own description (not a peer's), so a
+/// simple, fast hash serves; a reconnect computes it once.
+pub fn offers_digest<O: Offers + ?Sized>(tree: &O) -> u64 {
+    let mut h = Fnv1a(0xcbf2_9ce4_8422_2325);
+    tree.hash_offers(&mut h);
+    h.finish()
+}
+
+/// 64-bit FNV-1a.
+struct Fnv1a(u64);
+
+impl Hasher for Fnv1a {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 impl<T: Negotiate> Offers for T {
+    fn hash_offers(&self, h: &mut dyn Hasher) {
+        // What `offers` below makes: nothing, or one option of this one Chunnel.
+        if self.check_available().is_err() {
+            h.write_u8(DIGEST_UNAVAILABLE);
+            return;
+        }
+        h.write_u8(DIGEST_LEAF);
+        self.id().hash(&mut &mut *h);
+        self.capabilities().hash(&mut &mut *h);
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         if self.check_available().is_err() {
             return Vec::new();
@@ -528,6 +589,112 @@ mod tests {
     fn hash(p: &Pick) -> u64 {
         use std::hash::{BuildHasher, BuildHasherDefault};
         BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(p)
+    }
+
+    /// A leaf whose capability label and availability the test sets.
+    #[derive(Clone)]
+    struct Leaf {
+        id: &'static str,
+        label: &'static str,
+        up: bool,
+    }
+
+    impl Negotiate for Leaf {
+        fn id(&self) -> &'static str {
+            self.id
+        }
+        fn capabilities(&self) -> Vec<Capability> {
+            vec![Capability::exact("serialize", [self.label])]
+        }
+        fn check_available(&self) -> Result<(), Error> {
+            if self.up {
+                Ok(())
+            } else {
+                Err(Error::BadPick { what: "down" })
+            }
+        }
+    }
+
+    fn leaf(id: &'static str, label: &'static str, up: bool) -> Leaf {
+        Leaf { id, label, up }
+    }
+
+    /// The default digest, from the offers themselves (as a tree without its own feed).
+    struct ByOffers<'a>(&'a dyn Offers);
+
+    impl Offers for ByOffers<'_> {
+        fn offers(&self) -> Vec<StackOption> {
+            self.0.offers()
+        }
+        fn available(&self) -> Result<(), Error> {
+            self.0.available()
+        }
+        fn apply_pick(&mut self, _: &mut PickReader<'_>) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+
+    /// Over a family of trees (leaves up or down, labels, nesting, stacks, the identity),
+    /// two trees with the same digest have the same offers (equal offers may still differ in
+    /// digest: `stack![a, Identity]` offers what `a` does); the default digest, made from
+    /// the offers, is equal exactly when they are.
+    #[test]
+    fn offer_digests_name_their_offers() {
+        use crate::{Identity, select, stack};
+        let (a, a2, a_down) = (
+            leaf("a", "json", true),
+            leaf("a", "bin", true),
+            leaf("a", "json", false),
+        );
+        let (b, c) = (leaf("b", "json", true), leaf("c", "json", true));
+        let trees: Vec<(&str, Box<dyn Offers>)> = vec![
+            ("a", Box::new(a.clone())),
+            ("a2", Box::new(a2.clone())),
+            ("a_down", Box::new(a_down.clone())),
+            ("identity", Box::new(Identity)),
+            ("sel(a,b)", Box::new(select(a.clone(), b.clone()))),
+            ("sel(b,a)", Box::new(select(b.clone(), a.clone()))),
+            ("sel(a2,b)", Box::new(select(a2.clone(), b.clone()))),
+            ("sel(a_down,b)", Box::new(select(a_down.clone(), b.clone()))),
+            (
+                "sel(a,sel(b,c))",
+                Box::new(select(a.clone(), select(b.clone(), c.clone()))),
+            ),
+            (
+                "sel(sel(a,b),c)",
+                Box::new(select(select(a.clone(), b.clone()), c.clone())),
+            ),
+            ("sel(a,identity)", Box::new(select(a.clone(), Identity))),
+            ("stack(a,b)", Box::new(stack![a.clone(), b.clone()])),
+            ("stack(b,a)", Box::new(stack![b.clone(), a.clone()])),
+            (
+                "stack(sel(a,b),c)",
+                Box::new(stack![select(a.clone(), b.clone()), c.clone()]),
+            ),
+            ("stack(a,identity)", Box::new(stack![a.clone(), Identity])),
+            ("same sel(a,b)", Box::new(select(a.clone(), b.clone()))),
+        ];
+        for (n1, t1) in &trees {
+            let d1 = offers_digest(t1.as_ref());
+            for (n2, t2) in &trees {
+                let same_offers = t1.offers() == t2.offers();
+                let d2 = offers_digest(t2.as_ref());
+                // Sound: a digest names its offers (a client reusing its hello on an equal
+                // digest sends what it would have built).
+                assert!(
+                    d1 != d2 || same_offers,
+                    "{n1} vs {n2}: same digest, other offers"
+                );
+                let default_same =
+                    offers_digest(&ByOffers(t1.as_ref())) == offers_digest(&ByOffers(t2.as_ref()));
+                assert_eq!(default_same, same_offers, "{n1} vs {n2}: default digest");
+            }
+        }
+        // The same tree built twice has one digest (the reuse happens at all).
+        assert_eq!(
+            offers_digest(&select(a.clone(), b.clone())),
+            offers_digest(&select(a.clone(), b.clone()))
+        );
     }
 
     #[test]

@@ -22,6 +22,10 @@ impl<C: ChunnelConnection + Send> Chunnel<C> for Identity {
 
 /// The identity is no layer: it contributes nothing to negotiation.
 impl Offers for Identity {
+    fn hash_offers(&self, h: &mut dyn std::hash::Hasher) {
+        h.write_u8(crate::negotiate::DIGEST_NO_LAYER);
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         vec![StackOption {
             chunnels: Vec::new(),

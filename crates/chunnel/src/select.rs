@@ -97,6 +97,12 @@ where
 }
 
 impl<A: Offers, B: Offers> Offers for Select<A, B> {
+    fn hash_offers(&self, h: &mut dyn std::hash::Hasher) {
+        h.write_u8(crate::negotiate::DIGEST_SELECT);
+        self.left.hash_offers(h);
+        self.right.hash_offers(h);
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         let tag = |side: u8, o: StackOption| StackOption {
             chunnels: o.chunnels,

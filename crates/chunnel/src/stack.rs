@@ -40,6 +40,12 @@ where
 }
 
 impl<Outer: Offers, Inner: Offers> Offers for Stack<Outer, Inner> {
+    fn hash_offers(&self, h: &mut dyn std::hash::Hasher) {
+        h.write_u8(crate::negotiate::DIGEST_STACK);
+        self.outer.hash_offers(h);
+        self.inner.hash_offers(h);
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         let lower = self.inner.offers();
         let mut out = Vec::new();

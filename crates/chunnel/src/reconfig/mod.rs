@@ -195,6 +195,10 @@ where
 }
 
 impl<A: Offers, B: Offers, M> Offers for Reconfigurable<A, B, M> {
+    fn hash_offers(&self, h: &mut dyn std::hash::Hasher) {
+        self.select.hash_offers(h);
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         self.select.offers()
     }
@@ -223,6 +227,10 @@ impl<C: ChunnelConnection + Send> Chunnel<C> for Shared {
 }
 
 impl Offers for Shared {
+    fn hash_offers(&self, h: &mut dyn std::hash::Hasher) {
+        crate::Identity.hash_offers(h);
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         crate::Identity.offers()
     }
