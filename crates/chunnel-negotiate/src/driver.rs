@@ -687,7 +687,7 @@ where
         // Stale data or answers from an earlier connection of this address are dropped.
         _ => Box::pin(recv_hello(&base, cfg.hello_timeout)).await?,
     };
-    match server.handle_hello(&hello) {
+    match server.handle_hello_bytes(&hello) {
         Decision::Accept {
             accept,
             early,

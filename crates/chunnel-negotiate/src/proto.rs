@@ -143,6 +143,16 @@ impl Server {
     /// therefore be pure functions of the two capabilities (as [`chunnel::negotiate::Rule`]
     /// says).
     pub fn handle_hello(&self, msg: &[u8]) -> Decision {
+        self.handle(msg, &Bytes::copy_from_slice)
+    }
+
+    /// As [`Server::handle_hello`]; an accepted hello's early data comes as slices of `msg`
+    /// (no copy) when its offers are remembered.
+    pub fn handle_hello_bytes(&self, msg: &Bytes) -> Decision {
+        self.handle(msg, &|part| msg.slice_ref(part))
+    }
+
+    fn handle(&self, msg: &[u8], early_bytes: &dyn Fn(&[u8]) -> Bytes) -> Decision {
         let body = match msg.split_first() {
             Some((&t, body)) if t == Tag::Hello as u8 => body,
             _ => return reject(0, RejectReason::Malformed, Vec::new(), "not a hello".into()),
@@ -162,7 +172,7 @@ impl Server {
             .ok()
             .filter(|(_, key, _)| key.len() <= REMEMBERED_KEY_MAX);
         if let Some((flags, key, early)) = split
-            && let Some(d) = self.recall(flags, key, early, conn_id)
+            && let Some(d) = self.recall(flags, key, early, conn_id, early_bytes)
         {
             return d;
         }
@@ -179,7 +189,14 @@ impl Server {
 
     /// The remembered accept for this offer list, for connection `conn_id`; `None` if there
     /// is none (or the early data does not decode: the full path then rejects the hello).
-    fn recall(&self, flags: u8, key: &[u8], early: &[u8], conn_id: u64) -> Option<Decision> {
+    fn recall(
+        &self,
+        flags: u8,
+        key: &[u8],
+        early: &[u8],
+        conn_id: u64,
+        early_bytes: &dyn Fn(&[u8]) -> Bytes,
+    ) -> Option<Decision> {
         let (server_option, zero_rtt, client_pick, template, coalescable) = {
             let mut list = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
             let i = list.iter().position(|(k, _)| **k == *key)?;
@@ -196,7 +213,7 @@ impl Server {
                 r.coalescable,
             )
         };
-        let early = Hello::decode_early(flags, early).ok()?;
+        let early = Hello::decode_early_with(flags, early, early_bytes).ok()?;
         let early = if zero_rtt == ZeroRtt::Accepted {
             early
         } else {

@@ -805,6 +805,16 @@ impl Hello {
     /// Decodes the early-data part of a hello body (see [`Hello::split`]): empty unless
     /// `flags` has the 0-RTT bit.
     pub fn decode_early(flags: u8, part: &[u8]) -> Result<Vec<Bytes>, WireError> {
+        Self::decode_early_with(flags, part, Bytes::copy_from_slice)
+    }
+
+    /// As [`Hello::decode_early`]; each message is made by `make` from its bytes in `part`
+    /// (a copy, or a slice of the buffer that holds `part`).
+    pub(crate) fn decode_early_with(
+        flags: u8,
+        part: &[u8],
+        make: impl Fn(&[u8]) -> Bytes,
+    ) -> Result<Vec<Bytes>, WireError> {
         let mut r = Reader { buf: part };
         let mut early = Vec::new();
         if flags & HELLO_ZERO_RTT != 0 {
@@ -812,7 +822,7 @@ impl Hello {
             early.reserve_exact(n);
             for _ in 0..n {
                 let len = r.u32("early message length")? as usize;
-                early.push(Bytes::copy_from_slice(r.bytes(len, "early message")?));
+                early.push(make(r.bytes(len, "early message")?));
             }
         }
         r.finish()?;

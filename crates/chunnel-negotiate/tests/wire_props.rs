@@ -795,8 +795,13 @@ proptest! {
                     asked.push(h.encode().to_vec());
                 }
             }
+            // The server in a listener takes the hello as `Bytes` (early data as slices of
+            // it): it must decide exactly as on a plain slice.
+            let warm_bytes = fresh();
             for msg in &asked {
                 same_decision(&warm.handle_hello(msg), &fresh().handle_hello(msg))?;
+                let b = Bytes::from(msg.clone());
+                same_decision(&warm_bytes.handle_hello_bytes(&b), &fresh().handle_hello(msg))?;
             }
             // Every byte position of every asked hello, overwritten: what the warm server
             // answers from memory or afresh must match the fresh server.
@@ -805,6 +810,8 @@ proptest! {
                 let i = at.index(m.len());
                 m[i] = byte;
                 same_decision(&warm.handle_hello(&m), &fresh().handle_hello(&m))?;
+                let b = Bytes::from(m.clone());
+                same_decision(&warm_bytes.handle_hello_bytes(&b), &fresh().handle_hello(&m))?;
                 m.truncate(i);
                 same_decision(&warm.handle_hello(&m), &fresh().handle_hello(&m))?;
             }
