@@ -113,6 +113,10 @@ pub(crate) trait DgramSocket: AsRawFd + Send + Sync + 'static {
     ) -> io::Result<R>;
     /// Takes the pending socket error (`SO_ERROR`).
     fn take_error(&self) -> io::Result<Option<io::Error>>;
+    /// Polls for readability, registering `cx` in the socket's one receive-waker slot (the
+    /// task of the latest call is the one woken). Only a listener's reader calls it, under
+    /// [`Shared::read_register`].
+    fn poll_read_ready(&self, cx: &mut std::task::Context<'_>) -> Poll<io::Result<()>>;
 
     /// Sends with `f` at once, before asking the runtime whether the socket is writable;
     /// only if the kernel says it is full does `f` run again under the runtime's readiness
@@ -147,6 +151,9 @@ impl DgramSocket for tokio::net::UdpSocket {
     fn take_error(&self) -> io::Result<Option<io::Error>> {
         tokio::net::UdpSocket::take_error(self)
     }
+    fn poll_read_ready(&self, cx: &mut std::task::Context<'_>) -> Poll<io::Result<()>> {
+        self.poll_recv_ready(cx)
+    }
 }
 
 impl DgramSocket for tokio::net::UnixDatagram {
@@ -163,6 +170,9 @@ impl DgramSocket for tokio::net::UnixDatagram {
     }
     fn take_error(&self) -> io::Result<Option<io::Error>> {
         tokio::net::UnixDatagram::take_error(self)
+    }
+    fn poll_read_ready(&self, cx: &mut std::task::Context<'_>) -> Poll<io::Result<()>> {
+        self.poll_recv_ready(cx)
     }
 }
 
@@ -921,6 +931,13 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// reader's place between calls, and a connection holding the place hands it to
     /// `accept` once new peers are what comes in.
     accept_in_loop: AtomicBool,
+    /// Held while the reader checks that it still is the reader and registers its task in
+    /// the socket's one receive-waker slot ([`DgramSocket::poll_read_ready`]). A task that
+    /// takes the place registers after it took it, so it registers after any task that
+    /// still saw itself as the reader: the slot ends with the real reader's waker. (A
+    /// readiness future per wait put a waiter in a locked list and took it out again: a
+    /// few hundred instructions per wait, and its size in every receive future.)
+    read_register: Mutex<()>,
     /// Connections waiting for the reader's place (`vacancy_waiters` of them).
     reader_vacant: Notify,
     vacancy_waiters: AtomicUsize,
@@ -1202,7 +1219,6 @@ impl<S: DgramSocket> Shared<S> {
             // instead of handing it to a waiting connection and taking it back.
             held.get_or_insert_with(|| ReaderGuard { shared: self, role });
             if role == ACCEPT_READER {
-                let mut ready = std::pin::pin!(self.sock.ready(Interest::READABLE));
                 std::future::poll_fn(|cx| {
                     if let Poll::Ready(t) = other.as_mut().poll(cx) {
                         return Poll::Ready(Ok(Some(t)));
@@ -1210,17 +1226,18 @@ impl<S: DgramSocket> Shared<S> {
                     if !self.accept_sees_held(ACCEPT_READER, cx) {
                         return Poll::Ready(Ok(None)); // taken by a connection
                     }
-                    ready.as_mut().poll(cx).map(|r| r.map(|_| None))
+                    self.poll_socket(ACCEPT_READER, cx).map(|r| r.map(|_| None))
                 })
                 .await
             } else {
-                // `biased`: no random branch order (it drew a random number per poll), and
-                // readiness first, as the reason to be here.
-                tokio::select! {
-                    biased;
-                    r = self.sock.ready(Interest::READABLE) => r.map(|_| None),
-                    t = &mut other => Ok(Some(t)),
-                }
+                std::future::poll_fn(|cx| {
+                    // Readiness first, as the reason to be here.
+                    if let Poll::Ready(r) = self.poll_socket(CONN_READER, cx) {
+                        return Poll::Ready(r.map(|_| None));
+                    }
+                    other.as_mut().poll(cx).map(|t| Ok(Some(t)))
+                })
+                .await
             }
         } else if role == ACCEPT_READER {
             // A connection holds the place (and reads for everyone): `accept` waits for it to
@@ -1255,6 +1272,16 @@ impl<S: DgramSocket> Shared<S> {
                 () = &mut vacant => Ok(None),
             }
         }
+    }
+
+    /// The reader's wait on the socket: ready (or no longer `role`'s place: the caller
+    /// looks again), or pending with `cx` registered to be woken when it may be readable.
+    fn poll_socket(&self, role: u8, cx: &mut std::task::Context<'_>) -> Poll<io::Result<()>> {
+        let _registering = lock(&self.read_register);
+        if self.reader.load(Ordering::SeqCst) != role {
+            return Poll::Ready(Ok(()));
+        }
+        self.sock.poll_read_ready(cx)
     }
 
     /// Reads one batch from the socket and sorts it into peer queues.
@@ -1405,6 +1432,7 @@ impl<S: DgramSocket> Listener<S> {
                 listener_open: AtomicBool::new(true),
                 reader: AtomicU8::new(NO_READER),
                 fresh: AtomicBool::new(false),
+                read_register: Mutex::new(()),
                 accept_in_loop: AtomicBool::new(false),
                 reader_vacant: Notify::new(),
                 vacancy_waiters: AtomicUsize::new(0),
@@ -1770,3 +1798,69 @@ peer_addr!(
     Connection.peer,
     ServerConnection.addr
 );
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Context, Poll, Wake, Waker};
+
+    use super::*;
+
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn counter() -> (Arc<Count>, Waker) {
+        let c = Arc::new(Count(AtomicUsize::new(0)));
+        (Arc::clone(&c), Waker::from(c))
+    }
+
+    /// A task that still acts as the reader after the place changed hands does not
+    /// register in the socket's one receive-waker slot: the new reader's registration stays,
+    /// and a datagram wakes the new reader. (Registering without the check overwrote it, and
+    /// the new reader slept through the datagram.)
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_stale_reader_does_not_take_the_receive_waker_slot() {
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = sock.local_addr().unwrap();
+        let l = Listener::new(sock, crate::udp::Config::default());
+        let sh = &l.shared;
+        // Nothing to read yet: a read clears any readiness the runtime assumed.
+        assert!(sh.pump().is_err());
+        let (old, old_waker) = counter();
+        let (new, new_waker) = counter();
+        sh.reader.store(ACCEPT_READER, Ordering::SeqCst);
+        let mut old_cx = Context::from_waker(&old_waker);
+        assert!(sh.poll_socket(ACCEPT_READER, &mut old_cx).is_pending());
+        // A connection takes the place and registers.
+        sh.reader.store(CONN_READER, Ordering::SeqCst);
+        let mut new_cx = Context::from_waker(&new_waker);
+        assert!(sh.poll_socket(CONN_READER, &mut new_cx).is_pending());
+        // The old reader polls again before it notices: told to look again, not registered.
+        assert!(matches!(
+            sh.poll_socket(ACCEPT_READER, &mut old_cx),
+            Poll::Ready(Ok(()))
+        ));
+        let peer = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        peer.send_to(b"x", addr).unwrap();
+        // Let the runtime see the datagram.
+        for _ in 0..100 {
+            if new.0.load(Ordering::SeqCst) > 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            new.0.load(Ordering::SeqCst),
+            1,
+            "the new reader was not woken"
+        );
+        assert_eq!(old.0.load(Ordering::SeqCst), 0);
+        sh.reader.store(NO_READER, Ordering::SeqCst);
+    }
+}

@@ -1866,6 +1866,55 @@ async fn waiting_connections_all_receive_while_nobody_accepts() {
     drop(l);
 }
 
+/// The reader's place changes hands all the time on a looping listener with both kinds of
+/// traffic (a connection takes it while its peer keeps talking; new peers hand it back to
+/// `accept`), on two worker threads: every request still gets its echo. Each hand-over
+/// re-registers the socket's one receive waker; a reader whose registration was lost would
+/// leave an echo unanswered (a hang, caught by the bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_looping_listener_answers_mixed_new_and_returning_peers() {
+    let cfg = udp::Config::default().with_idle_timeout(None);
+    let mut l = udp::Listener::bind_with(loopback(), cfg).await.unwrap();
+    let k = udp::Connect::new(l.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        l.accepting_in_loop();
+        while let Ok(c) = l.accept().await {
+            tokio::spawn(async move {
+                while let Ok(m) = c.recv_one().await {
+                    if c.send_one(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let steady: Vec<_> = {
+        let mut v = Vec::new();
+        for _ in 0..4 {
+            v.push(within("connect", k.clone().connect_wrap(())).await.unwrap());
+        }
+        v
+    };
+    let mut clients = Vec::new();
+    for round in 0..300u32 {
+        // A new peer, then every steady peer, some of them concurrently.
+        let fresh = within("connect", k.clone().connect_wrap(())).await.unwrap();
+        send_id(&fresh, round).await;
+        assert_eq!(recv_id(&fresh, "new peer's echo").await, round);
+        clients.push(fresh);
+        let mut echoes = Vec::new();
+        for (i, c) in steady.iter().enumerate() {
+            let id = round * 10 + i as u32;
+            send_id(c, id).await;
+            echoes.push((c, id));
+        }
+        for (c, id) in echoes {
+            assert_eq!(recv_id(c, "steady peer's echo").await, id);
+        }
+    }
+    server.abort();
+}
+
 /// A fresh connection's first datagram leaves in the first poll of its send: the runtime has
 /// not yet reported the new socket writable (that takes an event-loop turn), and asking it
 /// first made every new connection's first message wait for that turn.
