@@ -179,6 +179,26 @@ impl<C> Tagged<C> {
     }
 }
 
+/// What [`Shared::send_slow`] did with a burst.
+enum SlowSend<F> {
+    /// Kept for the hello (0-RTT capture).
+    Captured,
+    /// Sent already (the held accept and its reply, in one datagram).
+    Sent(Result<(), Error>),
+    /// To be sent by this (boxed) future.
+    Later(Pin<Box<F>>),
+}
+
+impl<F: Future<Output = Result<(), Error>>> SlowSend<F> {
+    async fn finish(self) -> Result<(), Error> {
+        match self {
+            SlowSend::Captured => Ok(()),
+            SlowSend::Sent(r) => r,
+            SlowSend::Later(f) => f.await,
+        }
+    }
+}
+
 /// A [`Tagged`] that may be gone: lets the listener release a held accept on time.
 #[derive(Debug)]
 pub(crate) struct WeakTagged<C>(Weak<Shared<C>>);
@@ -243,27 +263,48 @@ impl<C: SendHeader> Shared<C> {
     /// future is boxed (here, so that the caller's future holds only the pointer): inline,
     /// it made every send's future larger, which every task that sends carries for its
     /// whole life.
-    #[allow(clippy::type_complexity)]
+    ///
+    /// The usual case, the held accept and one reply that fit one datagram, is sent at once
+    /// when the base connection can ([`SendHeader::try_send_with_header`]): no future at all.
     fn send_slow<'a, B>(
         &'a self,
         header: &'a [u8],
         burst: B,
-    ) -> Option<Pin<Box<impl Future<Output = Result<(), Error>> + Send + 'a>>>
+    ) -> SlowSend<impl Future<Output = Result<(), Error>> + Send + 'a>
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
-        let burst = self.capture(header, burst)?;
-        Some(Box::pin(self.send_held(header, burst)))
+        let Some(burst) = self.capture(header, burst) else {
+            return SlowSend::Captured;
+        };
+        let mut it = burst.into_iter();
+        let held = self.take_held();
+        let first = it.next();
+        let mut second = None;
+        if let (Some(h), Some(m)) = (&held, &first)
+            && header.is_empty()
+            && h.len() + m.len() <= self.max_message
+        {
+            second = it.next();
+            if second.is_none()
+                && let Some(r) = self.inner.try_send_with_header(h, m)
+            {
+                return SlowSend::Sent(r);
+            }
+        }
+        let rest = first.into_iter().chain(second).chain(it);
+        SlowSend::Later(Box::pin(self.send_held(header, held, rest)))
     }
 
-    async fn send_held<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    /// Sends `held` (the accept taken from its hold, if it was) in front of the first
+    /// message of `burst`, and the rest as DATA.
+    async fn send_held<I>(&self, header: &[u8], held: Option<Bytes>, burst: I) -> Result<(), Error>
     where
-        B: IntoIterator<Item = Bytes> + Send,
-        B::IntoIter: Send,
+        I: Iterator<Item = Bytes> + Send,
     {
-        let mut it = burst.into_iter().peekable();
-        if let Some(held) = self.take_held() {
+        let mut it = burst.peekable();
+        if let Some(held) = held {
             match it.next() {
                 Some(first) if held.len() + header.len() + first.len() <= self.max_message => {
                     // Once per connection: the accept, any layer header, the reply.
@@ -331,10 +372,7 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
         let sh = &*self.shared;
         if sh.mode.load(Ordering::Acquire) != 0 {
             // As in `send_with_header`.
-            return match sh.send_slow(&[], burst) {
-                Some(f) => f.await,
-                None => Ok(()),
-            };
+            return sh.send_slow(&[], burst).finish().await;
         }
         sh.inner.send_with_header(DATA, burst).await
     }
@@ -551,10 +589,7 @@ impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
         let sh = &*self.shared;
         if sh.mode.load(Ordering::Acquire) != 0 {
             // A held accept (boxed, see `send_slow`), or capture (no future).
-            return match sh.send_slow(header, burst) {
-                Some(f) => f.await,
-                None => Ok(()),
-            };
+            return sh.send_slow(header, burst).finish().await;
         }
         send_data(&sh.inner, header, burst).await
     }

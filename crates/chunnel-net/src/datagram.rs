@@ -420,6 +420,32 @@ impl Drop for Spill<'_> {
 ///
 /// The batch arrays live in [`send_step`]'s stack frame, not in this future: a future is
 /// copied when a task is spawned and when it finishes, and 64-entry arrays made it ~4.8 KB.
+/// One datagram (`header` then `msg`) sent if the socket takes it at once; `None` if it
+/// would block (the caller waits with [`send_burst`]).
+fn try_send_now<S: DgramSocket>(
+    sock: &S,
+    cfg: &Config,
+    dest: Option<&S::Addr>,
+    peer: &(dyn std::fmt::Debug + Sync),
+    header: &[u8],
+    msg: &Bytes,
+) -> Option<Result<(), Error>> {
+    let max = cfg.max_payload.saturating_sub(header.len());
+    if msg.len() > max {
+        return Some(Err(Error::MessageTooLarge {
+            len: msg.len(),
+            max,
+        }));
+    }
+    let fd = sock.as_raw_fd();
+    let raw = dest.map(DgramAddr::to_raw);
+    match sock.try_send_with(|| sys::send_one(fd, header, msg, raw.as_ref())) {
+        Ok(_) => Some(Ok(())),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+        Err(e) => Some(Err(conn_err("send", peer, e))),
+    }
+}
+
 async fn send_burst<S: DgramSocket, B>(
     sock: &S,
     cfg: &Config,
@@ -652,6 +678,13 @@ impl<S: DgramSocket> SendHeader for Connection<S> {
             &self.spill,
         )
         .await
+    }
+
+    fn try_send_with_header(&self, header: &[u8], msg: &Bytes) -> Option<Result<(), Error>> {
+        if let Err(e) = self.check_open() {
+            return Some(Err(e));
+        }
+        try_send_now(&self.sock, &self.cfg, None, &self.peer, header, msg)
     }
 }
 
@@ -1672,6 +1705,14 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
             &sh.spill,
         )
         .await
+    }
+
+    fn try_send_with_header(&self, header: &[u8], msg: &Bytes) -> Option<Result<(), Error>> {
+        if self.peer.closed.load(Ordering::Acquire) {
+            return Some(Err(Error::Closed));
+        }
+        let sh = &self.shared;
+        try_send_now(&sh.sock, &sh.cfg, Some(&self.addr), &self.addr, header, msg)
     }
 }
 

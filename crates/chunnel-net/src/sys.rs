@@ -484,7 +484,12 @@ const COALESCE: usize = 512;
 
 /// [`send_batch`] of one message: `sendto`, or `sendmsg` when there is a header too large to
 /// copy (see [`recv_one`] for what `sendmmsg` costs on top).
-fn send_one(fd: RawFd, header: &[u8], msg: &[u8], dest: Option<&RawAddr>) -> io::Result<usize> {
+pub(crate) fn send_one(
+    fd: RawFd,
+    header: &[u8],
+    msg: &[u8],
+    dest: Option<&RawAddr>,
+) -> io::Result<usize> {
     let (name, namelen) = match dest {
         Some(d) => (&d.storage as *const libc::sockaddr_storage, d.len),
         None => (std::ptr::null(), 0),

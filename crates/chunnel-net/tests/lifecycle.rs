@@ -1915,6 +1915,38 @@ async fn a_looping_listener_answers_mixed_new_and_returning_peers() {
     server.abort();
 }
 
+/// `try_send_with_header` sends one datagram (header, then message) at once, on both ends,
+/// and says why not otherwise: too large for the datapath, or a closed connection.
+#[tokio::test(flavor = "current_thread")]
+async fn try_send_with_header_sends_at_once_or_says_why() {
+    use chunnel::SendHeader;
+    let cfg = udp::Config::default().with_max_payload_bytes(100);
+    let mut l = udp::Listener::bind_with(loopback(), cfg.clone())
+        .await
+        .unwrap();
+    let c = udp::Connect::new(l.local_addr().unwrap())
+        .with_config(cfg)
+        .connect_wrap(())
+        .await
+        .unwrap();
+    let m = Bytes::from_static(b"body");
+    assert!(matches!(c.try_send_with_header(b"h:", &m), Some(Ok(()))));
+    let s = within("accept", l.accept()).await.unwrap();
+    assert_eq!(within("recv", s.recv_one()).await.unwrap(), "h:body");
+    assert!(matches!(s.try_send_with_header(b"s:", &m), Some(Ok(()))));
+    assert_eq!(within("recv", c.recv_one()).await.unwrap(), "s:body");
+    let big = Bytes::from(vec![0u8; 99]);
+    assert!(matches!(
+        c.try_send_with_header(b"h:", &big),
+        Some(Err(Error::MessageTooLarge { len: 99, max: 98 }))
+    ));
+    s.close();
+    assert!(matches!(
+        s.try_send_with_header(b"", &m),
+        Some(Err(Error::Closed))
+    ));
+}
+
 /// A fresh connection's first datagram leaves in the first poll of its send: the runtime has
 /// not yet reported the new socket writable (that takes an event-loop turn), and asking it
 /// first made every new connection's first message wait for that turn.

@@ -113,6 +113,19 @@ pub trait SendHeader: ChunnelConnection<Data = bytes::Bytes> {
     where
         B: IntoIterator<Item = bytes::Bytes> + Send + 'a,
         B::IntoIter: Send;
+
+    /// Sends `msg` with `header` in front of it if that can be done without waiting;
+    /// `None` if it cannot (the connection would have to wait, or sends only through
+    /// `send_with_header`): the caller then sends with `send_with_header`. Lets a layer with
+    /// a one-off send (a held handshake answer in front of the first reply) do it without
+    /// building a future for it. The default is `None`.
+    fn try_send_with_header(
+        &self,
+        _header: &[u8],
+        _msg: &bytes::Bytes,
+    ) -> Option<Result<(), Error>> {
+        None
+    }
 }
 
 impl<C: SendHeader + ?Sized> SendHeader for std::sync::Arc<C> {
@@ -126,6 +139,10 @@ impl<C: SendHeader + ?Sized> SendHeader for std::sync::Arc<C> {
         B::IntoIter: Send,
     {
         (**self).send_with_header(header, burst)
+    }
+
+    fn try_send_with_header(&self, header: &[u8], msg: &bytes::Bytes) -> Option<Result<(), Error>> {
+        (**self).try_send_with_header(header, msg)
     }
 }
 
