@@ -202,8 +202,15 @@ async fn drive<C: SendHeader>(
             return r;
         }
         let now = Instant::now();
-        if let Some(m) = hs.poll_transmit(now.into_std()) {
-            base.send_with_header(&[], [m]).await?;
+        if let Some(m) = hs.poll_transmit_ref(now.into_std()) {
+            // At once if the socket takes it (no handle to share the hello, no future).
+            match base.try_send_with_header(&[], m) {
+                Some(r) => r?,
+                None => {
+                    let m = m.clone();
+                    base.send_with_header(&[], [m]).await?
+                }
+            }
             continue;
         }
         let Some(deadline) = hs.poll_timeout() else {

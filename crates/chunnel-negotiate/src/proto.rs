@@ -655,6 +655,12 @@ impl ClientHandshake {
 
     /// The hello, if one is due now (the first one, or a retransmission).
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Bytes> {
+        self.poll_transmit_ref(now).cloned()
+    }
+
+    /// As [`ClientHandshake::poll_transmit`], lending the hello instead of sharing it (a
+    /// driver that sends it at once needs no handle of its own).
+    pub fn poll_transmit_ref(&mut self, now: Instant) -> Option<&Bytes> {
         if self.done() {
             return None;
         }
@@ -663,7 +669,7 @@ impl ClientHandshake {
                 self.sent += 1;
                 let shift = (self.sent - 1).min(16);
                 self.next_send = Some(now + self.timing.initial_rto * (1u32 << shift));
-                Some(self.hello.clone())
+                Some(&self.hello)
             }
             _ => None,
         }

@@ -4,12 +4,11 @@
 //! tokio timer per handshake, each registration earlier than every timer the runtime already
 //! has wakes the runtime's driver (a system call) and costs a few thousand instructions to arm
 //! and cancel, on every connection set-up, although the deadline almost never passes. Instead,
-//! handshakes register their deadline here (a map insert, removed when the wait ends) and one
+//! handshakes register their deadline here (a slot in a list, freed when the wait ends) and one
 //! task per [`Ticker`], running only while some deadline is registered, wakes every [`GRAIN`]
 //! and wakes the handshakes whose deadline has passed. Retransmissions therefore go out up to
 //! one grain late, which the protocol allows (docs/wire.md §8.4: the wait is a minimum).
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,9 +26,54 @@ pub(crate) struct Ticker {
 
 #[derive(Debug, Default)]
 struct State {
-    waiting: BTreeMap<(Instant, u64), Waker>,
-    next_id: u64,
+    /// Slots of waiting handshakes (`None`: free). Unordered: the ticker looks at every
+    /// registered deadline once per grain, and registering or leaving is a slot write.
+    slots: Vec<Option<(Instant, Waker)>>,
+    /// Per slot, bumped whenever it is freed: a handle names (slot, generation), so a
+    /// deadline whose slot the ticker freed and gave to another finds it is not its own.
+    gens: Vec<u64>,
+    /// Free slots.
+    free: Vec<usize>,
+    /// Registered deadlines.
+    waiting: usize,
     running: bool,
+}
+
+impl State {
+    fn register(&mut self, deadline: Instant, waker: &Waker) -> (usize, u64) {
+        self.waiting += 1;
+        let i = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                self.gens.push(0);
+                self.slots.len() - 1
+            }
+        };
+        self.slots[i] = Some((deadline, waker.clone()));
+        (i, self.gens[i])
+    }
+
+    /// The slot of handle `(i, gen)`, if still its own.
+    fn own(&mut self, (i, generation): (usize, u64)) -> Option<&mut (Instant, Waker)> {
+        if self.gens.get(i) != Some(&generation) {
+            return None;
+        }
+        self.slots.get_mut(i)?.as_mut()
+    }
+
+    fn free_slot(&mut self, i: usize) {
+        self.waiting -= 1;
+        self.gens[i] += 1;
+        self.free.push(i);
+    }
+
+    fn leave(&mut self, h: (usize, u64)) {
+        if self.own(h).is_some() {
+            self.slots[h.0] = None;
+            self.free_slot(h.0);
+        }
+    }
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -54,14 +98,22 @@ impl Ticker {
             tick.tick().await;
             let now = Instant::now();
             let mut st = lock(&self.st);
-            while let Some(entry) = st.waiting.first_entry() {
-                if entry.key().0 > now {
-                    break;
+            for i in 0..st.slots.len() {
+                if st.slots[i].as_ref().is_some_and(|(d, _)| *d <= now)
+                    && let Some((_, waker)) = st.slots[i].take()
+                {
+                    st.free_slot(i);
+                    waker.wake();
                 }
-                entry.remove().wake();
             }
-            if st.waiting.is_empty() {
+            if st.waiting == 0 {
                 st.running = false;
+                // Nothing registered: the slots go too (a burst of handshakes leaves no
+                // memory behind). Handles still held name no slot (their generation is
+                // gone with it), which is what they would find anyway: freed.
+                st.slots = Vec::new();
+                st.free = Vec::new();
+                st.gens = Vec::new();
                 return;
             }
         }
@@ -73,30 +125,36 @@ impl Ticker {
 pub(crate) struct Deadline {
     ticker: Arc<Ticker>,
     deadline: Instant,
-    id: Option<u64>,
+    /// The registered slot and its generation.
+    id: Option<(usize, u64)>,
 }
 
 impl Future for Deadline {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if Instant::now() >= self.deadline {
-            if let Some(id) = self.id.take() {
-                lock(&self.ticker.st).waiting.remove(&(self.deadline, id));
+        let this = &mut *self;
+        if Instant::now() >= this.deadline {
+            if let Some(id) = this.id.take() {
+                lock(&this.ticker.st).leave(id);
             }
             return Poll::Ready(());
         }
-        let deadline = self.deadline;
-        let mut st = lock(&self.ticker.st);
-        let id = match self.id {
-            Some(id) => id,
-            None => {
-                let id = st.next_id;
-                st.next_id += 1;
-                id
+        let mut st = lock(&this.ticker.st);
+        let id = match this.id.take() {
+            // Still registered: the waker is refreshed in place.
+            Some(h) if st.own(h).is_some() => {
+                if let Some((_, w)) = st.own(h)
+                    && !w.will_wake(cx.waker())
+                {
+                    w.clone_from(cx.waker());
+                }
+                h
             }
+            // New, or a slot the ticker freed when it woke this deadline (its clock ran a
+            // little ahead of ours): registered again.
+            _ => st.register(this.deadline, cx.waker()),
         };
-        st.waiting.insert((deadline, id), cx.waker().clone());
         let start = !st.running;
         st.running = true;
         drop(st);
@@ -111,7 +169,7 @@ impl Future for Deadline {
 impl Drop for Deadline {
     fn drop(&mut self) {
         if let Some(id) = self.id {
-            lock(&self.ticker.st).waiting.remove(&(self.deadline, id));
+            lock(&self.ticker.st).leave(id);
         }
     }
 }
@@ -130,12 +188,35 @@ mod tests {
             let mut w = Box::pin(w);
             assert!(futures_poll(&mut w).is_pending());
         }
-        assert!(lock(&t.st).waiting.is_empty());
+        assert_eq!(lock(&t.st).waiting, 0);
         // A deadline already passed completes at once.
         let d = Instant::now() + Duration::from_millis(1);
         std::thread::sleep(Duration::from_millis(2));
         t.wait(d).await;
         assert!(Instant::now() >= d);
+    }
+
+    /// A handle whose slot was freed (its deadline woken) and given to another deadline no
+    /// longer reaches it: the other deadline's waker stays.
+    #[test]
+    fn a_freed_slot_given_to_another_is_not_the_old_handles() {
+        let mut st = State::default();
+        let now = Instant::now();
+        let h1 = st.register(now, Waker::noop());
+        // The ticker wakes and frees it.
+        st.slots[h1.0] = None;
+        st.free_slot(h1.0);
+        let h2 = st.register(now + Duration::from_secs(1), Waker::noop());
+        assert_eq!(h1.0, h2.0, "the slot is reused");
+        assert!(st.own(h1).is_none());
+        assert!(st.own(h2).is_some());
+        st.leave(h1);
+        assert_eq!(
+            st.waiting, 1,
+            "leaving with a stale handle freed another's slot"
+        );
+        st.leave(h2);
+        assert_eq!(st.waiting, 0);
     }
 
     fn futures_poll<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {

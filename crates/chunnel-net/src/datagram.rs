@@ -191,6 +191,10 @@ struct RxScratch {
     run: usize,
     /// The size of the last run: what the first read after a wait asks for.
     hint: usize,
+    /// No read yet. A first read of one datagram copies it into a buffer of its own size
+    /// (one allocation) instead of reserving a block and sharing it (two): a short-lived
+    /// client usually reads one answer.
+    first: bool,
 }
 
 const OUT_BLOCK: usize = 64 * 1024;
@@ -218,12 +222,13 @@ impl RxScratch {
     fn new(first: usize) -> Self {
         RxScratch {
             out: BytesMut::new(),
-            // Small enough for the allocator's per-thread cache: a client connection that
-            // receives one answer allocates no more than that.
+            // Small enough for the allocator's per-thread cache (a connection's first
+            // datagram alone is copied into a buffer of its own: see `first`).
             block: 512,
             next: first,
             run: 0,
             hint: first,
+            first: true,
         }
     }
 
@@ -309,6 +314,16 @@ impl RxScratch {
             };
         }
         let ok = |m: &RecvMeta| !m.truncated && m.len <= cfg.max_payload;
+        if std::mem::take(&mut self.first) && n == 1 && ok(&k.metas[0]) {
+            let payload = Bytes::copy_from_slice(k.scratch.filled(0, k.metas[0].len));
+            let addr = if want_addr {
+                A::from_raw(&k.metas[0].addr)
+            } else {
+                None
+            };
+            deliver(addr, payload);
+            return Ok(n);
+        }
         // Room for the whole batch is made before any of it is handed out: the block can then
         // be reclaimed in place whenever the application has dropped the previous batches.
         // Reserving in the middle of a batch would find the batch's first messages alive and
