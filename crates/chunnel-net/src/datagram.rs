@@ -1303,6 +1303,12 @@ impl<S: DgramSocket> Shared<S> {
                 }
             })
             .await
+        } else if taken == Err(ACCEPT_READER) && self.accept_in_loop.load(Ordering::Relaxed) {
+            // A looping `accept` reads for this connection (new peers are coming in): only
+            // this connection's own wake-up is waited for. `accept` keeps the place until the
+            // listener is dropped, which wakes every connection (a cancelled `accept` takes it
+            // up again at its next call, which its loop makes soon).
+            Ok(Some(other.await))
         } else {
             // Counted, then registered, before the place is looked at again: a reader leaving
             // after this wakes us; one that left before it is seen here.
@@ -1332,7 +1338,8 @@ impl<S: DgramSocket> Shared<S> {
         self.sock.poll_read_ready(cx)
     }
 
-    /// Reads one batch from the socket and sorts it into peer queues.
+    /// Reads one batch from the socket and sorts it into peer queues (`accept`'s read: the
+    /// new peers it finds are in the backlog when it looks next, so it is not notified).
     fn pump(&self) -> io::Result<usize> {
         self.pump_for(None).map(|(n, _)| n)
     }
@@ -1341,6 +1348,8 @@ impl<S: DgramSocket> Shared<S> {
     /// slots while its queue is empty (the calling connection reads them anyway: no queue, no
     /// wake-up, no lookup). Returns (datagrams read, delivered into the slots).
     fn pump_for(&self, mut me: Option<Direct<'_, S::Addr>>) -> io::Result<(usize, usize)> {
+        // A connection reads (`accept` otherwise, which needs no notification of new peers).
+        let conn_reads = me.is_some();
         let mut rx = lock(&self.rx);
         let fd = self.sock.as_raw_fd();
         let mut direct = 0;
@@ -1399,7 +1408,9 @@ impl<S: DgramSocket> Shared<S> {
                             d.peers.insert(addr.clone(), p.clone());
                             d.backlog.push_back((addr, p));
                             drop(d);
-                            self.accept_notify.notify_one();
+                            if conn_reads {
+                                self.accept_notify.notify_one();
+                            }
                             self.set_fresh(true);
                             return;
                         }
@@ -1545,6 +1556,14 @@ impl<S: DgramSocket> Drop for Listener<S> {
             shared: &self.shared,
             role: ACCEPT_READER,
         });
+        if self.shared.accept_in_loop.load(Ordering::Relaxed) {
+            // Connections that left the reading to the looping `accept` wait on their own
+            // wake-up only (see `wait_readable`): all are woken to take over.
+            let peers: Vec<_> = lock(&self.shared.demux).peers.values().cloned().collect();
+            for p in peers {
+                p.notify.notify_waiters();
+            }
+        }
     }
 }
 
