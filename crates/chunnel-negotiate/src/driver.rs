@@ -440,9 +440,15 @@ impl Client {
                 .is_none_or(|o| o.iter().any(|o| o.pick == r.pick))
                 && apply_known(&mut first, &r.pick).is_ok()
         }) else {
-            let conn = self.connect_inner(server, stack, base).await?;
-            conn.send(early).await?;
-            return Ok(conn);
+            // Boxed, as the rejected case below: inline, this 1-RTT handshake doubled the
+            // size of every 0-RTT connect's future (which is moved as it is returned and
+            // awaited).
+            return Box::pin(async move {
+                let conn = self.connect_inner(server, stack, base).await?;
+                conn.send(early).await?;
+                Ok(conn)
+            })
+            .await;
         };
         let tagged = Tagged::client(base);
         tagged.start_capture();
@@ -492,8 +498,12 @@ impl Client {
                 let mut again = stack;
                 apply_known(&mut again, &out.accept.client_pick)?;
                 let control = control(&tagged);
-                let conn = again.connect_wrap(tagged).await?;
-                conn.send(early).await?;
+                let conn = Box::pin(async move {
+                    let conn = again.connect_wrap(tagged).await?;
+                    conn.send(early).await?;
+                    Ok::<_, Error>(conn)
+                })
+                .await?;
                 Ok(Negotiated {
                     conn,
                     info: info(out.accept, hellos),
