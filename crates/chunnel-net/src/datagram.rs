@@ -861,7 +861,7 @@ impl std::hash::Hasher for PeerHasher {
 /// Per-peer state on a listener.
 #[derive(Debug)]
 struct Peer {
-    queue: Mutex<VecDeque<Bytes>>,
+    queue: Mutex<PeerQueue>,
     notify: Notify,
     closed: AtomicBool,
     /// Closed by the idle sweep: the next `recv` reports [`Error::PeerClosed`] (once).
@@ -870,8 +870,48 @@ struct Peer {
     last_rx: AtomicU64,
 }
 
+/// A peer's received messages, oldest first: the first inline (a connection usually
+/// starts with one message, which then needs no allocation), the others behind it.
+#[derive(Debug, Default)]
+struct PeerQueue {
+    /// `None` only when the queue is empty.
+    first: Option<Bytes>,
+    rest: VecDeque<Bytes>,
+}
+
+impl PeerQueue {
+    fn one(m: Bytes) -> Self {
+        PeerQueue {
+            first: Some(m),
+            rest: VecDeque::new(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+
+    fn push_back(&mut self, m: Bytes) {
+        if self.first.is_none() {
+            self.first = Some(m);
+        } else {
+            self.rest.push_back(m);
+        }
+    }
+
+    fn pop_front(&mut self) -> Option<Bytes> {
+        let m = self.first.take()?;
+        self.first = self.rest.pop_front();
+        Some(m)
+    }
+}
+
 impl Peer {
-    fn new(queue: VecDeque<Bytes>) -> Self {
+    fn new(queue: PeerQueue) -> Self {
         Peer {
             queue: Mutex::new(queue),
             notify: Notify::new(),
@@ -1392,10 +1432,8 @@ impl<S: DgramSocket> Shared<S> {
                                     .fetch_add(1, Ordering::Relaxed);
                                 return;
                             }
-                            // Room for one: a connection usually starts with one message
-                            // (VecDeque's first growth is to four, 128 bytes kept for the
-                            // connection's life). Nobody waits on a new peer's queue yet.
-                            let mut q = VecDeque::with_capacity(1);
+                            // Nobody waits on a new peer's queue yet.
+                            let mut q = PeerQueue::default();
                             if self.cfg.peer_queue > 0 {
                                 q.push_back(m);
                                 self.stats.queued.fetch_add(1, Ordering::Relaxed);
@@ -1677,9 +1715,13 @@ impl<S: DgramSocket> ServerConnection<S> {
 
     fn drain(&self, slots: &mut [Option<Bytes>]) -> usize {
         let mut q = lock(&self.peer.queue);
-        let n = q.len().min(slots.len());
-        for (s, m) in slots.iter_mut().zip(q.drain(..n)) {
-            *s = Some(m);
+        let mut n = 0;
+        for s in slots.iter_mut() {
+            match q.pop_front() {
+                Some(m) => *s = Some(m),
+                None => break,
+            }
+            n += 1;
         }
         n
     }
@@ -1700,7 +1742,7 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
             && d.backlog.len() < sh.cfg.backlog
             && !d.peers.contains_key(&self.addr);
         if admitted {
-            let p = Arc::new(Peer::new(VecDeque::from([first])));
+            let p = Arc::new(Peer::new(PeerQueue::one(first)));
             d.peers.insert(self.addr.clone(), p.clone());
             d.backlog.push_back((self.addr.clone(), p));
             sh.accept_notify.notify_one();
@@ -1893,6 +1935,39 @@ mod tests {
     fn counter() -> (Arc<Count>, Waker) {
         let c = Arc::new(Count(AtomicUsize::new(0)));
         (Arc::clone(&c), Waker::from(c))
+    }
+
+    /// A peer's queue keeps arrival order across its inline first slot and the rest, however
+    /// pushes and pops interleave.
+    #[test]
+    fn peer_queue_is_first_in_first_out() {
+        let mut q = PeerQueue::default();
+        let mut model = std::collections::VecDeque::new();
+        let mut next = 0u32;
+        // A fixed pattern of pushes (true) and pops (false).
+        for (i, push) in [
+            true, false, true, true, false, true, true, true, false, false,
+        ]
+        .iter()
+        .cycle()
+        .take(200)
+        .enumerate()
+        {
+            if *push || i % 7 == 0 {
+                let m = Bytes::from(next.to_be_bytes().to_vec());
+                next += 1;
+                q.push_back(m.clone());
+                model.push_back(m);
+            } else {
+                assert_eq!(q.pop_front(), model.pop_front());
+            }
+            assert_eq!(q.len(), model.len());
+            assert_eq!(q.is_empty(), model.is_empty());
+        }
+        while let Some(m) = model.pop_front() {
+            assert_eq!(q.pop_front(), Some(m));
+        }
+        assert!(q.pop_front().is_none() && q.is_empty());
     }
 
     /// A task that still acts as the reader after the place changed hands does not
