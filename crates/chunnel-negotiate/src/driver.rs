@@ -453,7 +453,12 @@ impl Client {
         let tagged = Tagged::client(base);
         tagged.start_capture();
         let conn = first.connect_wrap(tagged.clone()).await?;
-        let sent = conn.send(early.clone()).await;
+        // Kept for a rejection (sent again on the stack the server picks): a lone message is
+        // copied without a vector of its own.
+        let sent = match &early[..] {
+            [one] => conn.send([one.clone()]).await,
+            _ => conn.send(early.clone()).await,
+        };
         let captured = tagged.take_capture();
         sent?;
         let (conn_id, now) = (new_conn_id(), Instant::now().into_std());
