@@ -1,4 +1,4 @@
-//! Feeds the input, as one received message (tag included), to `Server::handle_hello` of two
+//! Feeds the input, as one received message (tag included), to `Server::handle_hello` (and to `handle_hello_bytes`, which must decide the same) of two
 //! servers with exact and compositional capabilities (one with a plain option last, one whose
 //! every option needs a peer implementation), and checks each decision against
 //! `docs/wire.md`: the response is an accept or a reject that decodes to the decision's
@@ -76,6 +76,10 @@ fuzz_target!(|msg: &[u8]| {
 
 fn check(server: &Server, msg: &[u8]) {
     let decision = server.handle_hello(msg);
+    // A listener hands the hello over as `Bytes` (early data then sliced from it, not
+    // copied): the decision must be the same.
+    let from_bytes = server.handle_hello_bytes(&bytes::Bytes::copy_from_slice(msg));
+    assert_eq!(format!("{decision:?}"), format!("{from_bytes:?}"));
     let (response, expected) = match &decision {
         Decision::Accept {
             accept, response, ..
