@@ -431,10 +431,6 @@ impl Drop for Spill<'_> {
     }
 }
 
-/// Sends a burst in batches of `sendmmsg`, waiting for writability as needed.
-///
-/// The batch arrays live in [`send_step`]'s stack frame, not in this future: a future is
-/// copied when a task is spawned and when it finishes, and 64-entry arrays made it ~4.8 KB.
 /// One datagram (`header` then `msg`) sent if the socket takes it at once; `None` if it
 /// would block (the caller waits with [`send_burst`]).
 fn try_send_now<S: DgramSocket>(
@@ -461,6 +457,10 @@ fn try_send_now<S: DgramSocket>(
     }
 }
 
+/// Sends a burst in batches of `sendmmsg`, waiting for writability as needed.
+///
+/// The batch arrays live in [`send_step`]'s stack frame, not in this future: a future is
+/// copied when a task is spawned and when it finishes, and 64-entry arrays made it ~4.8 KB.
 async fn send_burst<S: DgramSocket, B>(
     sock: &S,
     cfg: &Config,
