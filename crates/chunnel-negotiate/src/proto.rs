@@ -200,10 +200,8 @@ impl Server {
         let (server_option, zero_rtt, client_pick, template, coalescable) = {
             let mut list = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
             let i = list.iter().position(|(k, _)| **k == *key)?;
-            if i > 0 {
-                // Most recently used first: a busy offer list is found at once.
-                list.swap(0, i);
-            }
+            // Most recently used first: a busy offer list is found at once.
+            list[..=i].rotate_right(1);
             let r = Some(&list[0].1).filter(|r| r.flags == flags)?;
             (
                 r.server_option,

@@ -28,10 +28,11 @@ pub(crate) struct Ticker {
 struct State {
     /// Slots of waiting handshakes (`None`: free). Unordered: the ticker looks at every
     /// registered deadline once per grain, and registering or leaving is a slot write.
-    slots: Vec<Option<(Instant, Waker)>>,
-    /// Per slot, bumped whenever it is freed: a handle names (slot, generation), so a
-    /// deadline whose slot the ticker freed and gave to another finds it is not its own.
-    gens: Vec<u64>,
+    slots: Vec<Option<(Instant, Waker, u64)>>,
+    /// Stamps registrations (never reset, also when the slots are): a handle names (slot,
+    /// stamp), so a deadline whose slot was freed and given to another finds it is not its
+    /// own.
+    next_stamp: u64,
     /// Free slots.
     free: Vec<usize>,
     /// Registered deadlines.
@@ -42,29 +43,29 @@ struct State {
 impl State {
     fn register(&mut self, deadline: Instant, waker: &Waker) -> (usize, u64) {
         self.waiting += 1;
+        let stamp = self.next_stamp;
+        self.next_stamp += 1;
         let i = match self.free.pop() {
             Some(i) => i,
             None => {
                 self.slots.push(None);
-                self.gens.push(0);
                 self.slots.len() - 1
             }
         };
-        self.slots[i] = Some((deadline, waker.clone()));
-        (i, self.gens[i])
+        self.slots[i] = Some((deadline, waker.clone(), stamp));
+        (i, stamp)
     }
 
-    /// The slot of handle `(i, gen)`, if still its own.
-    fn own(&mut self, (i, generation): (usize, u64)) -> Option<&mut (Instant, Waker)> {
-        if self.gens.get(i) != Some(&generation) {
-            return None;
+    /// The waker of handle `(i, stamp)`'s slot, if the slot is still its own.
+    fn own(&mut self, (i, stamp): (usize, u64)) -> Option<&mut Waker> {
+        match self.slots.get_mut(i)? {
+            Some((_, w, s)) if *s == stamp => Some(w),
+            _ => None,
         }
-        self.slots.get_mut(i)?.as_mut()
     }
 
     fn free_slot(&mut self, i: usize) {
         self.waiting -= 1;
-        self.gens[i] += 1;
         self.free.push(i);
     }
 
@@ -99,8 +100,8 @@ impl Ticker {
             let now = Instant::now();
             let mut st = lock(&self.st);
             for i in 0..st.slots.len() {
-                if st.slots[i].as_ref().is_some_and(|(d, _)| *d <= now)
-                    && let Some((_, waker)) = st.slots[i].take()
+                if st.slots[i].as_ref().is_some_and(|(d, _, _)| *d <= now)
+                    && let Some((_, waker, _)) = st.slots[i].take()
                 {
                     st.free_slot(i);
                     waker.wake();
@@ -109,11 +110,10 @@ impl Ticker {
             if st.waiting == 0 {
                 st.running = false;
                 // Nothing registered: the slots go too (a burst of handshakes leaves no
-                // memory behind). Handles still held name no slot (their generation is
-                // gone with it), which is what they would find anyway: freed.
+                // memory behind). Stamps go on: a handle still held never names a later
+                // registration.
                 st.slots = Vec::new();
                 st.free = Vec::new();
-                st.gens = Vec::new();
                 return;
             }
         }
@@ -144,7 +144,7 @@ impl Future for Deadline {
         let id = match this.id.take() {
             // Still registered: the waker is refreshed in place.
             Some(h) if st.own(h).is_some() => {
-                if let Some((_, w)) = st.own(h)
+                if let Some(w) = st.own(h)
                     && !w.will_wake(cx.waker())
                 {
                     w.clone_from(cx.waker());
@@ -217,6 +217,18 @@ mod tests {
         );
         st.leave(h2);
         assert_eq!(st.waiting, 0);
+        // The ticker drops its slots when nothing waits; a later registration in slot 0 is
+        // still not the old handles'.
+        st.slots = Vec::new();
+        st.free = Vec::new();
+        let h3 = st.register(now, Waker::noop());
+        assert_eq!(h3.0, h1.0);
+        assert!(st.own(h1).is_none() && st.own(h2).is_none());
+        st.leave(h1);
+        assert_eq!(
+            st.waiting, 1,
+            "a handle from before the reset freed a new slot"
+        );
     }
 
     fn futures_poll<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {

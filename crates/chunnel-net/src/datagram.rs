@@ -105,6 +105,8 @@ impl Config {
 pub(crate) trait DgramSocket: AsRawFd + Send + Sync + 'static {
     type Addr: DgramAddr;
     /// Waits until the socket is ready for any of `interest`; returns what it is ready for.
+    /// (Writability, and a client's read or error; a listener's reader uses
+    /// [`DgramSocket::poll_read_ready`].)
     fn ready(&self, interest: Interest) -> impl Future<Output = io::Result<Ready>> + Send;
     fn try_io_with<R>(
         &self,
@@ -1005,10 +1007,12 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// Which task, if any, waits for the socket to become readable ([`NO_READER`],
     /// [`ACCEPT_READER`], [`CONN_READER`]). Only that task waits on the socket; the others
     /// wait on their own queue's notification (or for the reader's place to fall vacant), so
-    /// a datagram wakes one task, not every connection. A connection takes the place from
-    /// `accept` (waking it through [`Shared::accept_waker`]): the datagrams a connection reads
+    /// a datagram wakes one task, not every connection. A connection about to wait takes the
+    /// place from `accept` (waking it through [`Shared::accept_waker`]) unless the datagrams
+    /// coming in start new connections ([`Shared::fresh`]): the datagrams a connection reads
     /// for itself go straight into its slots, where those `accept` reads go through a queue
-    /// and a wake-up of the connection's task.
+    /// and a wake-up of the connection's task. A looping `accept` keeps the place between
+    /// calls ([`Shared::looping`]).
     reader: AtomicU8,
     /// Whether the last datagram sorted started a new connection. While it did (a stream of
     /// new peers, each sending one request: short-lived clients), a connection about to wait
@@ -1099,17 +1103,33 @@ impl<S: DgramSocket> ReaderGuard<'_, S> {
                     Ordering::SeqCst,
                 )
                 .is_ok();
-        if handed {
-            std::mem::forget(self);
-            sh.wake_accept();
+        if !handed {
+            return; // dropped: released as usual
         }
-        // Otherwise dropped: released as usual.
+        std::mem::forget(self);
+        if sh.looping() {
+            sh.wake_accept();
+        } else {
+            // The listener was dropped meanwhile (it closes, then releases an `accept` place;
+            // this looks after taking one: one of the two sees the other). No `accept` will
+            // come for the place: it is released as any.
+            drop(ReaderGuard {
+                shared: sh,
+                role: ACCEPT_READER,
+            });
+        }
     }
 }
 
 impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
     fn drop(&mut self) {
         let sh = self.shared;
+        if self.role == ACCEPT_READER && sh.looping() {
+            // A looping `accept` keeps the place between calls, also when a call is
+            // cancelled: its next call takes it up again (the caller's promise), and the
+            // listener's drop gives it up.
+            return;
+        }
         // `accept` may have lost the place to a connection meanwhile: then it is not ours.
         if sh
             .reader
@@ -1203,6 +1223,12 @@ impl<S: DgramSocket> Shared<S> {
             peer.notify.notify_waiters();
         }
         Some(now)
+    }
+
+    /// Whether `accept` is called in a loop (the caller's promise) on a listener not yet
+    /// dropped: an `accept` place is then kept between calls and taken up again.
+    fn looping(&self) -> bool {
+        self.accept_in_loop.load(Ordering::SeqCst) && self.listener_open.load(Ordering::SeqCst)
     }
 
     /// Records whether the datagram just sorted started a new connection (see
@@ -1343,11 +1369,11 @@ impl<S: DgramSocket> Shared<S> {
                 }
             })
             .await
-        } else if taken == Err(ACCEPT_READER) && self.accept_in_loop.load(Ordering::Relaxed) {
+        } else if taken == Err(ACCEPT_READER) && self.looping() {
             // A looping `accept` reads for this connection (new peers are coming in): only
-            // this connection's own wake-up is waited for. `accept` keeps the place until the
-            // listener is dropped, which wakes every connection (a cancelled `accept` takes it
-            // up again at its next call, which its loop makes soon).
+            // this connection's own wake-up is waited for. `accept` keeps the place between
+            // calls (a cancelled call too) until the listener is dropped, which closes first,
+            // then wakes every connection (this one registered its wake-up before looking).
             Ok(Some(other.await))
         } else {
             // Counted, then registered, before the place is looked at again: a reader leaving
@@ -1580,7 +1606,8 @@ impl<S: DgramSocket> Drop for Listener<S> {
     fn drop(&mut self) {
         // Connections already accepted keep working; new peers are no longer admitted, and
         // peers nobody accepted are forgotten.
-        self.shared.listener_open.store(false, Ordering::Release);
+        // Closed before the place is given up (see `ReaderGuard::hand_to_accept`).
+        self.shared.listener_open.store(false, Ordering::SeqCst);
         {
             let mut d = lock(&self.shared.demux);
             let pending: Vec<_> = d.backlog.drain(..).collect();
@@ -1589,7 +1616,8 @@ impl<S: DgramSocket> Drop for Listener<S> {
             }
         }
         // A place `accept` kept between calls (or was handed) is given up as any reader
-        // gives it up: a waiting connection takes it. Nothing if `accept` does not hold it.
+        // gives it up (the listener is closed: `looping` is false now): a waiting connection
+        // takes it. Nothing if `accept` does not hold it.
         drop(ReaderGuard {
             shared: &self.shared,
             role: ACCEPT_READER,
@@ -1625,12 +1653,8 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                 if let Some(t) = sh.cfg.idle_timeout {
                     sh.watch_idle(&addr, &peer, t);
                 }
-                if sh.accept_in_loop.load(Ordering::Relaxed)
-                    && let Some(g) = held.take()
-                {
-                    // Not released: the next call takes it up again.
-                    std::mem::forget(g);
-                }
+                // A looping `accept` keeps the place (the guard's drop leaves it): the next call
+                // takes it up again.
                 return Ok(ServerConnection {
                     shared: sh.clone(),
                     addr,
@@ -1814,10 +1838,10 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             shared: sh,
             armed: false,
         };
-        // The reader's place, once taken, is kept until this call returns: woken for other
-        // connections' datagrams, this one sorts them out and waits again, without handing
-        // the place to another waiting connection (a wake-up of that one's task) and
-        // taking it back.
+        // The reader's place, once taken, is kept until this call returns (or handed to a
+        // looping `accept` while new peers come in): woken for other connections' datagrams,
+        // this one sorts them out and waits again, without handing the place to another
+        // waiting connection (a wake-up of that one's task) and taking it back.
         let mut held: Option<ReaderGuard<'_, S>> = None;
         loop {
             let n = self.drain(slots);
@@ -1843,7 +1867,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                         // it, so their next datagrams wake it directly, not this task first.
                         if held.is_some()
                             && !sh.conn_may_take_from_accept()
-                            && sh.accept_in_loop.load(Ordering::Relaxed)
+                            && sh.looping()
                             && let Some(g) = held.take()
                         {
                             g.hand_to_accept();

@@ -1775,7 +1775,9 @@ async fn new_peers_wake_a_looping_accept_not_waiting_connections() {
 
 /// A looping listener keeps the socket's reader place between `accept` calls (it waits on the
 /// socket before each new peer comes); dropped, it gives the place up, so connections still
-/// waiting keep receiving (one of them reads for all).
+/// waiting keep receiving (one of them reads for all), also after a datagram from an unknown
+/// peer (which a connection reading while new peers came in handed the place to the
+/// dropped `accept` for).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_keep_receiving_after_a_looping_listener_is_dropped() {
     const N: u32 = 4;
@@ -1809,6 +1811,11 @@ async fn connections_keep_receiving_after_a_looping_listener_is_dropped() {
     tokio::time::sleep(SETTLE).await;
     stop_tx.send(()).unwrap();
     within("server stop", server).await.unwrap();
+    // First a datagram from a peer the closed listener does not know (dropped): it must not
+    // leave the place with an `accept` that is gone.
+    let stranger = within("connect", k.clone().connect_wrap(())).await.unwrap();
+    send_id(&stranger, 99).await;
+    tokio::time::sleep(SETTLE).await;
     for (i, c) in clients.iter().enumerate() {
         send_id(c, 100 + i as u32).await;
     }
