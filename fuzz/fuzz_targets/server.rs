@@ -1,11 +1,11 @@
-//! Feeds the input, as one received message (tag included), to `Server::handle_hello` (and to `handle_hello_bytes`, which must decide the same) of two
-//! servers with exact and compositional capabilities (one with a plain option last, one whose
-//! every option needs a peer implementation), and checks each decision against
-//! `docs/wire.md`: the response is an accept or a reject that decodes to the decision's
-//! message; for a well-formed hello, an accept names one of the hello's offers and a
-//! compatible server option and treats the 0-RTT pick and early data as specified, and a
-//! reject means no pair was compatible; a DICTATED hello gets the first server option whose
-//! two-sided Chunnels the client can build (§7.2).
+//! Feeds the input, as one received message (tag included), to `Server::handle_hello` (and to
+//! `handle_hello_bytes`, which must decide the same) of two servers with exact and
+//! compositional capabilities (one with a plain option last, one whose every option needs a
+//! peer implementation), and checks each decision against `docs/wire.md`: the response is an
+//! accept or a reject that decodes to the decision's message; for a well-formed hello, an
+//! accept names one of the hello's offers and a compatible server option and treats the 0-RTT
+//! pick and early data as specified, and a reject means no pair was compatible; a DICTATED
+//! hello gets the first server option whose two-sided Chunnels the client can build (§7.2).
 #![no_main]
 
 use std::sync::LazyLock;
