@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use bytes::{Buf, Bytes};
-use chunnel::{ChunnelConnection, Error, PeerHandoff, SendHeader};
+use chunnel::{ChunnelConnection, EitherFuture, Error, PeerHandoff, SendHeader};
 
 use tokio::sync::mpsc;
 
@@ -364,164 +364,177 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
     type Data = Bytes;
 
     #[inline]
-    async fn send<B>(&self, burst: B) -> Result<(), Error>
+    // Not an `async fn`: it would keep its arguments twice in the future.
+    #[allow(clippy::manual_async_fn)]
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
     where
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        let sh = &*self.shared;
-        if sh.mode.load(Ordering::Acquire) != 0 {
-            // As in `send_with_header`.
-            return sh.send_slow(&[], burst).finish().await;
+        async move {
+            let sh = &*self.shared;
+            if sh.mode.load(Ordering::Acquire) != 0 {
+                // As in `send_with_header`.
+                return sh.send_slow(&[], burst).finish().await;
+            }
+            sh.inner.send_with_header(DATA, burst).await
         }
-        sh.inner.send_with_header(DATA, burst).await
     }
 
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
-        if slots.is_empty() {
-            return Ok(0);
-        }
-        let sh = &*self.shared;
-        loop {
-            if sh.superseded.load(Ordering::Acquire) {
-                return Err(Error::PeerClosed);
+    // Not an `async fn`: it would keep its arguments twice in the future.
+    #[allow(clippy::manual_async_fn)]
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Bytes>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        async move {
+            if slots.is_empty() {
+                return Ok(0);
             }
-            if self.view <= sh.ended_upto.load(Ordering::Acquire) {
-                return Err(Error::EndOfEpoch);
-            }
-            // Answer a retransmitted hello here, before taking any data, so cancelling this
-            // future never loses a received message. The sends of this function are rare and
-            // boxed: inline, each made every receive's future (which a serving task carries
-            // for its whole life) the size of a send's larger.
-            if sh.reply_due.swap(false, Ordering::AcqRel)
-                && let Some((_, r)) = &sh.answer
-            {
-                Box::pin(sh.inner.send_with_header(&[], [r.clone()])).await?;
-            }
-            let mut from_raw = 0;
-            if sh.has_pending.load(Ordering::Acquire) {
-                let mut q = lock(&sh.pending);
-                let mut raw = lock(&sh.raw);
-                let mut n = 0;
-                for s in slots.iter_mut() {
-                    match q.pop_front() {
-                        Some(m) => {
-                            *s = Some(m);
-                            n += 1;
-                        }
-                        None => break,
-                    }
+            loop {
+                if self.shared.superseded.load(Ordering::Acquire) {
+                    return Err(Error::PeerClosed);
                 }
-                if n == 0 {
-                    // Left over from a switch point: handled below like fresh arrivals.
+                if self.view <= self.shared.ended_upto.load(Ordering::Acquire) {
+                    return Err(Error::EndOfEpoch);
+                }
+                // Answer a retransmitted hello here, before taking any data, so cancelling this
+                // future never loses a received message. The sends of this function are rare and
+                // boxed: inline, each made every receive's future (which a serving task carries
+                // for its whole life) the size of a send's larger.
+                if self.shared.reply_due.swap(false, Ordering::AcqRel)
+                    && let Some((_, r)) = &self.shared.answer
+                {
+                    Box::pin(self.shared.inner.send_with_header(&[], [r.clone()])).await?;
+                }
+                let mut from_raw = 0;
+                if self.shared.has_pending.load(Ordering::Acquire) {
+                    let mut q = lock(&self.shared.pending);
+                    let mut raw = lock(&self.shared.raw);
+                    let mut n = 0;
                     for s in slots.iter_mut() {
-                        match raw.pop_front() {
+                        match q.pop_front() {
                             Some(m) => {
                                 *s = Some(m);
-                                from_raw += 1;
+                                n += 1;
                             }
                             None => break,
                         }
                     }
-                }
-                sh.has_pending
-                    .store(!q.is_empty() || !raw.is_empty(), Ordering::Release);
-                if n > 0 {
-                    return Ok(n);
-                }
-            }
-            let n = if from_raw > 0 {
-                from_raw
-            } else {
-                // The application waits for the peer instead of replying: the held accept
-                // goes out alone now.
-                if sh.mode.load(Ordering::Acquire) & ACCEPT_HELD != 0 {
-                    Box::pin(sh.release_accept()).await?;
-                }
-                sh.inner.recv(slots).await?
-            };
-            let mut kept = 0;
-            let mut cut = false;
-            for i in 0..n.min(slots.len()) {
-                if cut {
-                    // After the peer's switch point: for the next view, in order.
-                    if let Some(m) = slots[i].take() {
-                        lock(&sh.raw).push_back(m);
-                        sh.has_pending.store(true, Ordering::Release);
+                    if n == 0 {
+                        // Left over from a switch point: handled below like fresh arrivals.
+                        for s in slots.iter_mut() {
+                            match raw.pop_front() {
+                                Some(m) => {
+                                    *s = Some(m);
+                                    from_raw += 1;
+                                }
+                                None => break,
+                            }
+                        }
                     }
-                    continue;
+                    self.shared
+                        .has_pending
+                        .store(!q.is_empty() || !raw.is_empty(), Ordering::Release);
+                    if n > 0 {
+                        return Ok(n);
+                    }
                 }
-                let Some(mut m) = slots[i].take() else {
-                    continue;
+                let n = if from_raw > 0 {
+                    from_raw
+                } else {
+                    // The application waits for the peer instead of replying: the held accept
+                    // goes out alone now.
+                    if self.shared.mode.load(Ordering::Acquire) & ACCEPT_HELD != 0 {
+                        Box::pin(self.shared.release_accept()).await?;
+                    }
+                    self.shared.inner.recv(slots).await?
                 };
-                match m.first().copied() {
-                    Some(t) if t == Tag::Data as u8 => {
-                        m.advance(1);
-                        slots[kept] = Some(m);
-                        kept += 1;
-                    }
-                    // Client side: an accept with the server's first reply that arrives after
-                    // the handshake ended on another copy of the accept (a retransmission's
-                    // answer overtook it). The server sends it once, so the reply is new.
-                    Some(t) if t == Tag::AcceptData as u8 && sh.answer.is_none() => {
-                        match split_accept_data(&m) {
-                            Ok((body, at)) if Accept::decode(body).is_ok() => {
-                                m.advance(at);
-                                slots[kept] = Some(m);
-                                kept += 1;
-                            }
-                            _ => {
-                                sh.ignored.fetch_add(1, Ordering::Relaxed);
-                            }
+                let mut kept = 0;
+                let mut cut = false;
+                for i in 0..n.min(slots.len()) {
+                    if cut {
+                        // After the peer's switch point: for the next view, in order.
+                        if let Some(m) = slots[i].take() {
+                            lock(&self.shared.raw).push_back(m);
+                            self.shared.has_pending.store(true, Ordering::Release);
                         }
+                        continue;
                     }
-                    // Server side: a retransmission of the accepted hello is answered again;
-                    // a hello with another connection id means a new client reuses this
-                    // peer's address, so it is handed to the listener as a new connection and
-                    // this one ends (after the data already taken).
-                    Some(t) if t == Tag::Hello as u8 && sh.answer.is_some() => {
-                        match (&sh.answer, Hello::peek_conn_id(&m[1..])) {
-                            (Some((id, _)), Ok(c)) if c == *id => {
-                                sh.reply_due.store(true, Ordering::Release);
-                            }
-                            (_, Ok(_)) if sh.inner.hand_off(m) => {
-                                sh.superseded.store(true, Ordering::Release);
-                            }
-                            _ => {
-                                sh.ignored.fetch_add(1, Ordering::Relaxed);
-                            }
+                    let Some(mut m) = slots[i].take() else {
+                        continue;
+                    };
+                    match m.first().copied() {
+                        Some(t) if t == Tag::Data as u8 => {
+                            m.advance(1);
+                            slots[kept] = Some(m);
+                            kept += 1;
                         }
-                    }
-                    // Reconfiguration control: to the state machine, if enabled.
-                    Some(t) if (Tag::Prepare as u8..=Tag::Done as u8).contains(&t) => {
-                        match sh.ctl.get() {
-                            Some(ctl) => {
-                                if sh.control(ctl, &m) {
-                                    // The peer's switch point: this view ends after the
-                                    // messages before it.
-                                    cut = true;
+                        // Client side: an accept with the server's first reply that arrives after
+                        // the handshake ended on another copy of the accept (a retransmission's
+                        // answer overtook it). The server sends it once, so the reply is new.
+                        Some(t) if t == Tag::AcceptData as u8 && self.shared.answer.is_none() => {
+                            match split_accept_data(&m) {
+                                Ok((body, at)) if Accept::decode(body).is_ok() => {
+                                    m.advance(at);
+                                    slots[kept] = Some(m);
+                                    kept += 1;
+                                }
+                                _ => {
+                                    self.shared.ignored.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
-                            None => {
-                                sh.ignored.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // Server side: a retransmission of the accepted hello is answered again;
+                        // a hello with another connection id means a new client reuses this
+                        // peer's address, so it is handed to the listener as a new connection and
+                        // this one ends (after the data already taken).
+                        Some(t) if t == Tag::Hello as u8 && self.shared.answer.is_some() => {
+                            match (&self.shared.answer, Hello::peek_conn_id(&m[1..])) {
+                                (Some((id, _)), Ok(c)) if c == *id => {
+                                    self.shared.reply_due.store(true, Ordering::Release);
+                                }
+                                (_, Ok(_)) if self.shared.inner.hand_off(m) => {
+                                    self.shared.superseded.store(true, Ordering::Release);
+                                }
+                                _ => {
+                                    self.shared.ignored.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                         }
-                    }
-                    _ => {
-                        sh.ignored.fetch_add(1, Ordering::Relaxed);
+                        // Reconfiguration control: to the state machine, if enabled.
+                        Some(t) if (Tag::Prepare as u8..=Tag::Done as u8).contains(&t) => {
+                            match self.shared.ctl.get() {
+                                Some(ctl) => {
+                                    if self.shared.control(ctl, &m) {
+                                        // The peer's switch point: this view ends after the
+                                        // messages before it.
+                                        cut = true;
+                                    }
+                                }
+                                None => {
+                                    self.shared.ignored.fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                        }
+                        _ => {
+                            self.shared.ignored.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
-            }
-            // No await from here on: messages are taken, and a cancelled receive must not
-            // lose them.
-            if cut {
-                sh.ended_upto.fetch_max(self.view, Ordering::AcqRel);
-                if kept == 0 {
-                    return Err(Error::EndOfEpoch);
+                // No await from here on: messages are taken, and a cancelled receive must not
+                // lose them.
+                if cut {
+                    self.shared
+                        .ended_upto
+                        .fetch_max(self.view, Ordering::AcqRel);
+                    if kept == 0 {
+                        return Err(Error::EndOfEpoch);
+                    }
                 }
-            }
-            if kept > 0 {
-                return Ok(kept);
+                if kept > 0 {
+                    return Ok(kept);
+                }
             }
         }
     }
@@ -581,17 +594,23 @@ impl<C> Shared<C> {
 
 impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
     // Layers above may tag too; their header goes after ours.
-    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
+        // As in `send`: the way is chosen as the future is made.
         let sh = &*self.shared;
-        if sh.mode.load(Ordering::Acquire) != 0 {
+        if sh.mode.load(Ordering::Acquire) == 0 {
+            EitherFuture::Left(send_data(&sh.inner, header, burst))
+        } else {
             // A held accept (boxed, see `send_slow`), or capture (no future).
-            return sh.send_slow(header, burst).finish().await;
+            EitherFuture::Right(async move { sh.send_slow(header, burst).finish().await })
         }
-        send_data(&sh.inner, header, burst).await
     }
 }
 

@@ -21,6 +21,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
@@ -463,51 +464,65 @@ fn try_send_now<S: DgramSocket>(
 ///
 /// The batch arrays live in [`send_step`]'s stack frame, not in this future: a future is
 /// copied when a task is spawned and when it finishes, and 64-entry arrays made it ~4.8 KB.
-async fn send_burst<S: DgramSocket, B>(
-    sock: &S,
-    cfg: &Config,
-    dest: Option<&S::Addr>,
-    peer: &(dyn std::fmt::Debug + Sync),
-    header: &[u8],
+///
+/// `closed`, if given, is looked at first (a server connection's flag). Written as a function
+/// returning an `async move` block, not as an `async fn`, which would keep each argument
+/// twice in the future (as an upvar and as a local).
+#[allow(clippy::too_many_arguments)]
+// Not an `async fn`: it would keep its arguments twice in the future.
+#[allow(clippy::manual_async_fn)]
+fn send_burst<'a, S: DgramSocket, B>(
+    sock: &'a S,
+    cfg: &'a Config,
+    dest: Option<&'a S::Addr>,
+    peer: &'a (dyn std::fmt::Debug + Sync),
+    header: &'a [u8],
     burst: B,
-    pool: &SpillPool,
-) -> Result<(), Error>
+    pool: &'a SpillPool,
+    closed: Option<&'a AtomicBool>,
+) -> impl Future<Output = Result<(), Error>> + Send
 where
-    B: IntoIterator<Item = Bytes>,
+    B: IntoIterator<Item = Bytes> + Send,
+    B::IntoIter: Send,
 {
-    let max = cfg.max_payload.saturating_sub(header.len());
-    let mut it = burst.into_iter();
-    let mut spill = Spill {
-        pool,
-        v: None,
-        one: None,
-    };
-    let mut too_large = None;
-    loop {
-        match send_step(
-            sock,
-            cfg,
-            dest,
-            header,
-            max,
-            &mut it,
-            &mut spill,
-            &mut too_large,
-        ) {
-            Ok(true) => break,
-            // Boxed: waiting for room is the rare case, and tokio's readiness future inline
-            // made every send's future (which is copied when it is created, at each layer)
-            // a few hundred bytes larger.
-            Ok(false) => Box::pin(sock.ready(Interest::WRITABLE))
-                .await
-                .map(drop)
-                .map_err(|e| conn_err("send", peer, e))?,
-            Err(e) => return Err(conn_err("send", peer, e)),
+    async move {
+        if closed.is_some_and(|c| c.load(Ordering::Acquire)) {
+            return Err(Error::Closed);
         }
-    }
-    match too_large {
-        Some(len) => Err(Error::MessageTooLarge { len, max }),
-        None => Ok(()),
+        let max = cfg.max_payload.saturating_sub(header.len());
+        let mut it = burst.into_iter();
+        let mut spill = Spill {
+            pool,
+            v: None,
+            one: None,
+        };
+        let mut too_large = None;
+        loop {
+            match send_step(
+                sock,
+                cfg,
+                dest,
+                header,
+                max,
+                &mut it,
+                &mut spill,
+                &mut too_large,
+            ) {
+                Ok(true) => break,
+                // Boxed: waiting for room is the rare case, and tokio's readiness future inline
+                // made every send's future (which is copied when it is created, at each layer)
+                // a few hundred bytes larger.
+                Ok(false) => Box::pin(sock.ready(Interest::WRITABLE))
+                    .await
+                    .map(drop)
+                    .map_err(|e| conn_err("send", peer, e))?,
+                Err(e) => return Err(conn_err("send", peer, e)),
+            }
+        }
+        match too_large {
+            Some(len) => Err(Error::MessageTooLarge { len, max }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -679,12 +694,15 @@ impl<S: DgramSocket> chunnel::PeerHandoff for Connection<S> {
 }
 
 impl<S: DgramSocket> SendHeader for Connection<S> {
-    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
-        self.check_open()?;
         send_burst(
             &self.sock,
             &self.cfg,
@@ -693,8 +711,8 @@ impl<S: DgramSocket> SendHeader for Connection<S> {
             header,
             burst,
             &self.spill,
+            Some(&self.closed),
         )
-        .await
     }
 
     fn try_send_with_header(&self, header: &[u8], msg: &Bytes) -> Option<Result<(), Error>> {
@@ -708,66 +726,82 @@ impl<S: DgramSocket> SendHeader for Connection<S> {
 impl<S: DgramSocket> ChunnelConnection for Connection<S> {
     type Data = Bytes;
 
-    async fn send<B>(&self, burst: B) -> Result<(), Error>
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
     where
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        self.send_with_header(&[], burst).await
+        send_burst(
+            &self.sock,
+            &self.cfg,
+            None,
+            &self.peer,
+            &[],
+            burst,
+            &self.spill,
+            Some(&self.closed),
+        )
     }
 
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
-        if slots.is_empty() {
-            return Ok(0);
-        }
-        loop {
-            self.check_open()?;
-            let res = {
-                let mut rx = lock(&self.rx);
-                let fd = self.sock.as_raw_fd();
-                let mut filled = 0;
-                self.sock
-                    .try_io_with(Interest::READABLE, || {
-                        rx.read::<S::Addr>(
-                            fd,
-                            &self.cfg,
-                            slots.len(),
-                            false,
-                            &self.stats,
-                            |_, m| {
-                                slots[filled] = Some(m);
-                                filled += 1;
-                            },
-                        )
-                    })
-                    .map(|_| filled)
-            };
-            match res {
-                Ok(0) => continue, // only oversize datagrams: read again
-                Ok(n) => return Ok(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    // A connected socket learns that its peer is gone from an ICMP error,
-                    // which shows up as `EPOLLERR`, not as readability. One wait for both
-                    // (one waiter registered with the reactor, not two).
-                    let ready = self
-                        .sock
-                        .ready(Interest::READABLE | Interest::ERROR)
-                        .await
-                        .map_err(|e| conn_err("recv", &self.peer, e))?;
-                    if ready.is_error() {
-                        let pending = self.sock.try_io_with(Interest::ERROR, || {
-                            match self.sock.take_error() {
-                                Ok(Some(e)) => Ok(e),
-                                Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
-                                Err(e) => Ok(e),
+    // Not an `async fn`: it would keep its arguments twice in the future.
+    #[allow(clippy::manual_async_fn)]
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Bytes>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        async move {
+            if slots.is_empty() {
+                return Ok(0);
+            }
+            loop {
+                self.check_open()?;
+                let res = {
+                    let mut rx = lock(&self.rx);
+                    let fd = self.sock.as_raw_fd();
+                    let mut filled = 0;
+                    self.sock
+                        .try_io_with(Interest::READABLE, || {
+                            rx.read::<S::Addr>(
+                                fd,
+                                &self.cfg,
+                                slots.len(),
+                                false,
+                                &self.stats,
+                                |_, m| {
+                                    slots[filled] = Some(m);
+                                    filled += 1;
+                                },
+                            )
+                        })
+                        .map(|_| filled)
+                };
+                match res {
+                    Ok(0) => continue, // only oversize datagrams: read again
+                    Ok(n) => return Ok(n),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        // A connected socket learns that its peer is gone from an ICMP error,
+                        // which shows up as `EPOLLERR`, not as readability. One wait for both
+                        // (one waiter registered with the reactor, not two).
+                        let ready = self
+                            .sock
+                            .ready(Interest::READABLE | Interest::ERROR)
+                            .await
+                            .map_err(|e| conn_err("recv", &self.peer, e))?;
+                        if ready.is_error() {
+                            let pending = self.sock.try_io_with(Interest::ERROR, || {
+                                match self.sock.take_error() {
+                                    Ok(Some(e)) => Ok(e),
+                                    Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
+                                    Err(e) => Ok(e),
+                                }
+                            });
+                            if let Ok(e) = pending {
+                                return Err(conn_err("recv", &self.peer, e));
                             }
-                        });
-                        if let Ok(e) = pending {
-                            return Err(conn_err("recv", &self.peer, e));
                         }
                     }
+                    Err(e) => return Err(conn_err("recv", &self.peer, e)),
                 }
-                Err(e) => return Err(conn_err("recv", &self.peer, e)),
             }
         }
     }
@@ -1060,40 +1094,48 @@ const ACCEPT_READER: u8 = 1;
 /// A connection waits on the socket.
 const CONN_READER: u8 = 2;
 
-/// Kept by a connection's `recv` that came back from waiting without the reader's place: it
-/// may have taken the one wake-up a vacant place sends (see [`ReaderGuard`]). If it ends
-/// without taking the place (its message was queued, or it read one for itself), the place
-/// may still be vacant with connections waiting for it: one of them is woken in its stead.
-struct Baton<'a, S: DgramSocket> {
-    shared: &'a Shared<S>,
-    armed: bool,
-}
-
-impl<S: DgramSocket> Drop for Baton<'_, S> {
-    fn drop(&mut self) {
-        let sh = self.shared;
-        if self.armed
-            && sh.reader.load(Ordering::SeqCst) == NO_READER
-            && sh.vacancy_waiters.load(Ordering::SeqCst) > 0
-        {
-            sh.reader_vacant.notify_one();
-        }
-    }
-}
-
-/// Held by the task that waits on the socket; gives the place up on drop (also when the
-/// waiting future is cancelled) and wakes the tasks waiting to take it.
+/// A task's claim on the reader's place (see [`Shared::reader`]): `role` is the place it
+/// holds ([`NO_READER`]: none). Dropped (also when the waiting future is cancelled), it gives
+/// a held place up and wakes the tasks waiting to take it.
+///
+/// `armed` is set by a connection's `recv` that came back from waiting without the place: it
+/// may have taken the one wake-up a vacant place sends. If it ends without taking the place
+/// (its message was queued, or it read one for itself), the place may still be vacant with
+/// connections waiting for it: on drop, after giving up any place of its own, one of them is
+/// woken in its stead. (One struct for both, not two: every receive future holds it.)
 struct ReaderGuard<'a, S: DgramSocket> {
     shared: &'a Shared<S>,
     role: u8,
+    armed: bool,
 }
 
-impl<S: DgramSocket> ReaderGuard<'_, S> {
+impl<'a, S: DgramSocket> ReaderGuard<'a, S> {
+    /// No place held, not armed.
+    fn new(shared: &'a Shared<S>) -> Self {
+        ReaderGuard {
+            shared,
+            role: NO_READER,
+            armed: false,
+        }
+    }
+
+    /// Whether a place is held.
+    fn holds(&self) -> bool {
+        self.role != NO_READER
+    }
+
+    /// Gives up the place held, as a drop does (nothing if none).
+    fn release(&mut self) {
+        let role = std::mem::replace(&mut self.role, NO_READER);
+        self.shared.release_reader(role);
+    }
+
     /// A connection's place goes to `accept` (which then holds it without a guard until it
     /// next waits: see `wait_readable`), and `accept` is woken to notice.
-    fn hand_to_accept(self) {
+    fn hand_to_accept(&mut self) {
         let sh = self.shared;
-        let handed = self.role == CONN_READER
+        let role = std::mem::replace(&mut self.role, NO_READER);
+        let handed = role == CONN_READER
             && sh
                 .reader
                 .compare_exchange(
@@ -1104,51 +1146,62 @@ impl<S: DgramSocket> ReaderGuard<'_, S> {
                 )
                 .is_ok();
         if !handed {
-            return; // dropped: released as usual
-        }
-        std::mem::forget(self);
-        if sh.looping() {
+            sh.release_reader(role); // released as usual
+        } else if sh.looping() {
             sh.wake_accept();
         } else {
             // The listener was dropped meanwhile (it closes, then releases an `accept` place;
             // this looks after taking one: one of the two sees the other). No `accept` will
             // come for the place: it is released as any.
-            drop(ReaderGuard {
-                shared: sh,
-                role: ACCEPT_READER,
-            });
+            sh.release_reader(ACCEPT_READER);
         }
     }
 }
 
 impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
     fn drop(&mut self) {
+        // The place first, so the next waiter is woken by that before `armed` is looked at.
+        self.release();
         let sh = self.shared;
-        if self.role == ACCEPT_READER && sh.looping() {
+        if self.armed
+            && sh.reader.load(Ordering::SeqCst) == NO_READER
+            && sh.vacancy_waiters.load(Ordering::SeqCst) > 0
+        {
+            sh.reader_vacant.notify_one();
+        }
+    }
+}
+
+impl<S: DgramSocket> Shared<S> {
+    /// Gives up the reader's place held as `role` (nothing for [`NO_READER`]), waking the
+    /// tasks waiting to take it.
+    fn release_reader(&self, role: u8) {
+        if role == NO_READER {
+            return;
+        }
+        if role == ACCEPT_READER && self.looping() {
             // A looping `accept` keeps the place between calls, also when a call is
             // cancelled: its next call takes it up again (the caller's promise), and the
             // listener's drop gives it up.
             return;
         }
         // `accept` may have lost the place to a connection meanwhile: then it is not ours.
-        if sh
+        if self
             .reader
-            .compare_exchange(self.role, NO_READER, Ordering::SeqCst, Ordering::SeqCst)
+            .compare_exchange(role, NO_READER, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
         {
-            if self.role == CONN_READER {
-                sh.wake_accept();
+            if role == CONN_READER {
+                self.wake_accept();
             }
             // Pairs with the increment in `wait_readable`: a waiter this does not see sees
             // the place vacant.
-            if sh.vacancy_waiters.load(Ordering::SeqCst) > 0 {
-                sh.reader_vacant.notify_one();
+            if self.vacancy_waiters.load(Ordering::SeqCst) > 0 {
+                self.reader_vacant.notify_one();
             }
         }
     }
-}
 
-impl<S: DgramSocket> Shared<S> {
     /// Now, as nanoseconds since [`Shared::epoch`].
     fn nanos_now(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
@@ -1287,109 +1340,122 @@ impl<S: DgramSocket> Shared<S> {
     /// place from `accept`, which then stops waiting on the socket (`Ok(None)`) and waits
     /// for the place to fall vacant instead. A place taken is kept in `held`, across calls,
     /// until the caller drops it.
-    async fn wait_readable<'s, T>(
+    ///
+    /// A function returning an `async move` block (an `async fn` would keep its arguments
+    /// twice), with its waits as plain `poll_fn`s: every receive future holds this one.
+    // Not an `async fn`: it would keep its arguments twice in the future.
+    #[allow(clippy::manual_async_fn)]
+    fn wait_readable<'s, 'h, T, F>(
         &'s self,
         role: u8,
-        held: &mut Option<ReaderGuard<'s, S>>,
-        other: impl Future<Output = T>,
-    ) -> io::Result<Option<T>> {
-        tokio::pin!(other);
-        // A place kept from an earlier wait of the same caller is still ours unless a
-        // connection took it from `accept`; then the stale guard is let go (its release finds
-        // the place not ours and does nothing).
-        if held.is_some() && self.reader.load(Ordering::SeqCst) != role {
-            *held = None;
-        }
-        let taken = match held {
-            Some(_) => Ok(role),
-            None => match self.reader.load(Ordering::SeqCst) {
-                NO_READER => self.reader.compare_exchange(
-                    NO_READER,
-                    role,
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                ),
-                // Kept by an earlier `accept` of the loop, or handed to it by a connection.
-                ACCEPT_READER if role == ACCEPT_READER => Ok(ACCEPT_READER),
-                ACCEPT_READER if role == CONN_READER && self.conn_may_take_from_accept() => {
-                    let r = self.reader.compare_exchange(
-                        ACCEPT_READER,
-                        CONN_READER,
+        held: &'h mut ReaderGuard<'s, S>,
+        mut other: F,
+    ) -> impl Future<Output = io::Result<Option<T>>> + use<'s, 'h, T, F, S>
+    where
+        F: Future<Output = T> + Unpin,
+    {
+        async move {
+            // A place kept from an earlier wait of the same caller is still ours unless a
+            // connection took it from `accept`; then the stale guard is let go (its release finds
+            // the place not ours and does nothing).
+            if held.holds() && self.reader.load(Ordering::SeqCst) != role {
+                held.release();
+            }
+            let taken = if held.holds() {
+                Ok(role)
+            } else {
+                match self.reader.load(Ordering::SeqCst) {
+                    NO_READER => self.reader.compare_exchange(
+                        NO_READER,
+                        role,
                         Ordering::SeqCst,
                         Ordering::SeqCst,
-                    );
-                    if r.is_ok() {
-                        // `accept` stops waiting on the socket.
-                        self.wake_accept();
+                    ),
+                    // Kept by an earlier `accept` of the loop, or handed to it by a connection.
+                    ACCEPT_READER if role == ACCEPT_READER => Ok(ACCEPT_READER),
+                    ACCEPT_READER if role == CONN_READER && self.conn_may_take_from_accept() => {
+                        let r = self.reader.compare_exchange(
+                            ACCEPT_READER,
+                            CONN_READER,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        );
+                        if r.is_ok() {
+                            // `accept` stops waiting on the socket.
+                            self.wake_accept();
+                        }
+                        r
                     }
-                    r
+                    other_role => Err(other_role),
                 }
-                held => Err(held),
-            },
-        };
-        if taken.is_ok() {
-            // Kept by the caller until it stops reading (returns, or is cancelled): a reader
-            // that loops (it read datagrams for other connections, or nothing) keeps the place
-            // instead of handing it to a waiting connection and taking it back.
-            held.get_or_insert_with(|| ReaderGuard { shared: self, role });
-            if role == ACCEPT_READER {
+            };
+            if taken.is_ok() {
+                // Kept by the caller until it stops reading (returns, or is cancelled): a reader
+                // that loops (it read datagrams for other connections, or nothing) keeps the place
+                // instead of handing it to a waiting connection and taking it back.
+                held.role = role;
+                if role == ACCEPT_READER {
+                    std::future::poll_fn(|cx| {
+                        if let Poll::Ready(t) = Pin::new(&mut other).poll(cx) {
+                            return Poll::Ready(Ok(Some(t)));
+                        }
+                        if !self.accept_sees_held(ACCEPT_READER, cx) {
+                            return Poll::Ready(Ok(None)); // taken by a connection
+                        }
+                        self.poll_socket(ACCEPT_READER, cx).map(|r| r.map(|_| None))
+                    })
+                    .await
+                } else {
+                    std::future::poll_fn(|cx| {
+                        // Readiness first, as the reason to be here.
+                        if let Poll::Ready(r) = self.poll_socket(CONN_READER, cx) {
+                            return Poll::Ready(r.map(|_| None));
+                        }
+                        Pin::new(&mut other).poll(cx).map(|t| Ok(Some(t)))
+                    })
+                    .await
+                }
+            } else if role == ACCEPT_READER {
+                // A connection holds the place (and reads for everyone): `accept` waits for it to
+                // fall vacant. That happens once per request a connection serves, and the
+                // connection usually takes the place back before this task runs, so this path
+                // is kept to a look and a registration.
                 std::future::poll_fn(|cx| {
-                    if let Poll::Ready(t) = other.as_mut().poll(cx) {
+                    if let Poll::Ready(t) = Pin::new(&mut other).poll(cx) {
                         return Poll::Ready(Ok(Some(t)));
                     }
-                    if !self.accept_sees_held(ACCEPT_READER, cx) {
-                        return Poll::Ready(Ok(None)); // taken by a connection
+                    if self.accept_sees_held(CONN_READER, cx) {
+                        Poll::Pending
+                    } else {
+                        Poll::Ready(Ok(None))
                     }
-                    self.poll_socket(ACCEPT_READER, cx).map(|r| r.map(|_| None))
                 })
                 .await
+            } else if taken == Err(ACCEPT_READER) && self.looping() {
+                // A looping `accept` reads for this connection (new peers are coming in): only
+                // this connection's own wake-up is waited for. `accept` keeps the place between
+                // calls (a cancelled call too) until the listener is dropped, which closes first,
+                // then wakes every connection (this one registered its wake-up before looking).
+                Ok(Some(other.await))
             } else {
-                std::future::poll_fn(|cx| {
-                    // Readiness first, as the reason to be here.
-                    if let Poll::Ready(r) = self.poll_socket(CONN_READER, cx) {
-                        return Poll::Ready(r.map(|_| None));
+                // Counted, then registered, before the place is looked at again: a reader leaving
+                // after this wakes us; one that left before it is seen here.
+                self.vacancy_waiters.fetch_add(1, Ordering::SeqCst);
+                let _counted = Decrement(&self.vacancy_waiters);
+                let vacant = self.reader_vacant.notified();
+                tokio::pin!(vacant);
+                vacant.as_mut().enable();
+                if self.place_open_to_conn() {
+                    return Ok(None);
+                }
+                // Both moved in: the pinned reference is then not kept besides the closure.
+                std::future::poll_fn(move |cx| {
+                    if let Poll::Ready(t) = Pin::new(&mut other).poll(cx) {
+                        return Poll::Ready(Ok(Some(t)));
                     }
-                    other.as_mut().poll(cx).map(|t| Ok(Some(t)))
+                    vacant.as_mut().poll(cx).map(|()| Ok(None))
                 })
                 .await
-            }
-        } else if role == ACCEPT_READER {
-            // A connection holds the place (and reads for everyone): `accept` waits for it to
-            // fall vacant. That happens once per request a connection serves, and the
-            // connection usually takes the place back before this task runs, so this path
-            // is kept to a look and a registration.
-            std::future::poll_fn(|cx| {
-                if let Poll::Ready(t) = other.as_mut().poll(cx) {
-                    return Poll::Ready(Ok(Some(t)));
-                }
-                if self.accept_sees_held(CONN_READER, cx) {
-                    Poll::Pending
-                } else {
-                    Poll::Ready(Ok(None))
-                }
-            })
-            .await
-        } else if taken == Err(ACCEPT_READER) && self.looping() {
-            // A looping `accept` reads for this connection (new peers are coming in): only
-            // this connection's own wake-up is waited for. `accept` keeps the place between
-            // calls (a cancelled call too) until the listener is dropped, which closes first,
-            // then wakes every connection (this one registered its wake-up before looking).
-            Ok(Some(other.await))
-        } else {
-            // Counted, then registered, before the place is looked at again: a reader leaving
-            // after this wakes us; one that left before it is seen here.
-            self.vacancy_waiters.fetch_add(1, Ordering::SeqCst);
-            let _counted = Decrement(&self.vacancy_waiters);
-            let vacant = self.reader_vacant.notified();
-            tokio::pin!(vacant);
-            vacant.as_mut().enable();
-            if self.place_open_to_conn() {
-                return Ok(None);
-            }
-            tokio::select! {
-                biased;
-                t = &mut other => Ok(Some(t)),
-                () = &mut vacant => Ok(None),
             }
         }
     }
@@ -1618,10 +1684,7 @@ impl<S: DgramSocket> Drop for Listener<S> {
         // A place `accept` kept between calls (or was handed) is given up as any reader
         // gives it up (the listener is closed: `looping` is false now): a waiting connection
         // takes it. Nothing if `accept` does not hold it.
-        drop(ReaderGuard {
-            shared: &self.shared,
-            role: ACCEPT_READER,
-        });
+        self.shared.release_reader(ACCEPT_READER);
         if self.shared.accept_in_loop.load(Ordering::Relaxed) {
             // Connections that left the reading to the looping `accept` wait on their own
             // wake-up only (see `wait_readable`): all are woken to take over.
@@ -1646,7 +1709,7 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
         notified.as_mut().enable();
         // The reader's place, once taken, is kept until this call returns; in a loop, until
         // the next call (unless a connection took it meanwhile): see `wait_readable`.
-        let mut held = None;
+        let mut held = ReaderGuard::new(sh);
         loop {
             let next = lock(&sh.demux).backlog.pop_front();
             if let Some((addr, peer)) = next {
@@ -1667,10 +1730,10 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
             // the reader takes). Once the place is free, `wait_readable` takes it; tokio's
             // readiness is only cleared by a read that would block, so nothing is missed.
             // A connection may have taken the place from us (see `wait_readable`).
-            if held.is_some() && sh.reader.load(Ordering::SeqCst) != ACCEPT_READER {
-                held = None;
+            if held.holds() && sh.reader.load(Ordering::SeqCst) != ACCEPT_READER {
+                held.release();
             }
-            if held.is_some() || sh.reader.load(Ordering::Acquire) != CONN_READER {
+            if held.holds() || sh.reader.load(Ordering::Acquire) != CONN_READER {
                 match sh.pump() {
                     Ok(_) => continue,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -1786,14 +1849,15 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
 }
 
 impl<S: DgramSocket> SendHeader for ServerConnection<S> {
-    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
+    fn send_with_header<'a, B>(
+        &'a self,
+        header: &'a [u8],
+        burst: B,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
     where
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
-        if self.peer.closed.load(Ordering::Acquire) {
-            return Err(Error::Closed);
-        }
         let sh = &self.shared;
         send_burst(
             &sh.sock,
@@ -1803,8 +1867,8 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
             header,
             burst,
             &sh.spill,
+            Some(&self.peer.closed),
         )
-        .await
     }
 
     fn try_send_with_header(&self, header: &[u8], msg: &Bytes) -> Option<Result<(), Error>> {
@@ -1819,86 +1883,100 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
 impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
     type Data = Bytes;
 
-    async fn send<B>(&self, burst: B) -> Result<(), Error>
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
     where
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        self.send_with_header(&[], burst).await
+        let sh = &self.shared;
+        send_burst(
+            &sh.sock,
+            &sh.cfg,
+            Some(&self.addr),
+            &self.addr,
+            &[],
+            burst,
+            &sh.spill,
+            Some(&self.peer.closed),
+        )
     }
 
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
-        if slots.is_empty() {
-            return Ok(0);
-        }
-        let sh = &self.shared;
-        // Declared before `held`, so a place this call took is released (and the next waiter
-        // woken by that) before the baton is looked at.
-        let mut baton = Baton {
-            shared: sh,
-            armed: false,
-        };
-        // The reader's place, once taken, is kept until this call returns (or handed to a
-        // looping `accept` while new peers come in): woken for other connections' datagrams,
-        // this one sorts them out and waits again, without handing the place to another
-        // waiting connection (a wake-up of that one's task) and taking it back.
-        let mut held: Option<ReaderGuard<'_, S>> = None;
-        loop {
-            let n = self.drain(slots);
-            if n > 0 {
-                self.peer.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
-                return Ok(n);
+    // Not an `async fn`: it would keep its arguments twice in the future.
+    #[allow(clippy::manual_async_fn)]
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Bytes>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        async move {
+            if slots.is_empty() {
+                return Ok(0);
             }
-            if self.peer.closed.load(Ordering::Acquire) {
-                return Err(self.closed_error());
-            }
-            // As in `accept`: another connection waiting on the socket reads for this one
-            // too. One that finds `accept` there reads for itself (and then takes its place),
-            // unless new peers are what comes in: then `accept` keeps reading for everyone.
-            if held.is_some() || sh.place_open_to_conn() {
-                let me = Direct {
-                    addr: &self.addr,
-                    peer: &self.peer,
-                    slots: &mut *slots,
-                };
-                match sh.pump_for(Some(me)) {
-                    Ok((_, 0)) => {
-                        // New peers coming in, for an `accept` that loops: the place goes to
-                        // it, so their next datagrams wake it directly, not this task first.
-                        if held.is_some()
-                            && !sh.conn_may_take_from_accept()
-                            && sh.looping()
-                            && let Some(g) = held.take()
-                        {
-                            g.hand_to_accept();
-                        }
-                        continue;
-                    }
-                    Ok((_, direct)) => {
-                        self.peer.last_rx.store(sh.nanos_now(), Ordering::Relaxed);
-                        return Ok(direct);
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
-                    Err(e) => return Err(conn_err("recv", &self.addr, e)),
+            // The reader's place, once taken, is kept until this call returns (or handed to a
+            // looping `accept` while new peers come in): woken for other connections' datagrams,
+            // this one sorts them out and waits again, without handing the place to another
+            // waiting connection (a wake-up of that one's task) and taking it back.
+            let mut held = ReaderGuard::new(&self.shared);
+            loop {
+                let n = self.drain(slots);
+                if n > 0 {
+                    self.peer
+                        .last_rx
+                        .store(self.shared.nanos_now(), Ordering::Relaxed);
+                    return Ok(n);
                 }
+                if self.peer.closed.load(Ordering::Acquire) {
+                    return Err(self.closed_error());
+                }
+                // As in `accept`: another connection waiting on the socket reads for this one
+                // too. One that finds `accept` there reads for itself (and then takes its place),
+                // unless new peers are what comes in: then `accept` keeps reading for everyone.
+                if held.holds() || self.shared.place_open_to_conn() {
+                    let me = Direct {
+                        addr: &self.addr,
+                        peer: &self.peer,
+                        slots: &mut *slots,
+                    };
+                    match self.shared.pump_for(Some(me)) {
+                        Ok((_, 0)) => {
+                            // New peers coming in, for an `accept` that loops: the place goes to
+                            // it, so their next datagrams wake it directly, not this task first.
+                            if held.holds()
+                                && !self.shared.conn_may_take_from_accept()
+                                && self.shared.looping()
+                            {
+                                held.hand_to_accept();
+                            }
+                            continue;
+                        }
+                        Ok((_, direct)) => {
+                            self.peer
+                                .last_rx
+                                .store(self.shared.nanos_now(), Ordering::Relaxed);
+                            return Ok(direct);
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                        Err(e) => return Err(conn_err("recv", &self.addr, e)),
+                    }
+                }
+                // About to wait: register for this connection's wake-ups first, then look once
+                // more (a message queued, or a close, between the look above and now is seen
+                // here; one after it wakes the registration). The idle sweep closes the
+                // connection and wakes it the same way.
+                let notified = self.peer.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if !lock(&self.peer.queue).is_empty() || self.peer.closed.load(Ordering::Acquire) {
+                    continue;
+                }
+                self.shared
+                    .wait_readable(CONN_READER, &mut held, notified)
+                    .await
+                    .map_err(|e| conn_err("recv", &self.addr, e))?;
+                // Back without the place: this call may have taken the wake-up that a vacant place
+                // sends one waiting connection.
+                held.armed = !held.holds();
             }
-            // About to wait: register for this connection's wake-ups first, then look once
-            // more (a message queued, or a close, between the look above and now is seen
-            // here; one after it wakes the registration). The idle sweep closes the
-            // connection and wakes it the same way.
-            let notified = self.peer.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if !lock(&self.peer.queue).is_empty() || self.peer.closed.load(Ordering::Acquire) {
-                continue;
-            }
-            sh.wait_readable(CONN_READER, &mut held, notified)
-                .await
-                .map_err(|e| conn_err("recv", &self.addr, e))?;
-            // Back without the place: this call may have taken the wake-up that a vacant place
-            // sends one waiting connection.
-            baton.armed = held.is_none();
         }
     }
 }

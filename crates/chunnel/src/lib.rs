@@ -110,5 +110,5 @@ pub use crate::reconfig::{
     Handoff, Handover, Lock, LockFree, Mechanism, PreparedSwitch, ReconfigConnection,
     ReconfigHandle, Reconfigurable, Shared,
 };
-pub use crate::select::{Either, Select, Side, select};
+pub use crate::select::{Either, EitherFuture, Select, Side, select};
 pub use crate::stack::Stack;

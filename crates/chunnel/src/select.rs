@@ -156,21 +156,66 @@ where
 {
     type Data = L::Data;
 
-    async fn send<Bu>(&self, burst: Bu) -> Result<(), Error>
+    // The branch's own future, under a tag: nothing of the call is kept twice (an `async`
+    // body would keep its arguments besides the branch's future).
+    fn send<Bu>(&self, burst: Bu) -> impl Future<Output = Result<(), Error>> + Send
     where
         Bu: IntoIterator<Item = Self::Data> + Send,
         Bu::IntoIter: Send,
     {
         match self {
-            Either::Left(c) => c.send(burst).await,
-            Either::Right(c) => c.send(burst).await,
+            Either::Left(c) => EitherFuture::Left(c.send(burst)),
+            Either::Right(c) => EitherFuture::Right(c.send(burst)),
         }
     }
 
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Self::Data>]) -> Result<usize, Error> {
+    fn recv<'a>(
+        &'a self,
+        slots: &'a mut [Option<Self::Data>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
         match self {
-            Either::Left(c) => c.recv(slots).await,
-            Either::Right(c) => c.recv(slots).await,
+            Either::Left(c) => EitherFuture::Left(c.recv(slots)),
+            Either::Right(c) => EitherFuture::Right(c.recv(slots)),
+        }
+    }
+}
+
+/// One of two futures with the same output, chosen when it is made: the future of a call
+/// that goes one of two ways, as small as the larger of the two (plus a tag).
+///
+/// ```
+/// use chunnel::EitherFuture;
+/// let f: EitherFuture<_, std::future::Ready<u8>> = EitherFuture::Left(async { 7u8 });
+/// # let _ = f;
+/// ```
+#[derive(Debug)]
+pub enum EitherFuture<L, R> {
+    /// The first way.
+    Left(L),
+    /// The second way.
+    Right(R),
+}
+
+impl<L, R> Future for EitherFuture<L, R>
+where
+    L: Future,
+    R: Future<Output = L::Output>,
+{
+    type Output = L::Output;
+
+    #[inline]
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        // SAFETY: structural pinning of the variant's future: it is never moved out of a
+        // pinned `EitherFuture` (no method takes it out, and there is no `Drop` impl or
+        // unconditional `Unpin` impl that could), so pinning the whole pins the part.
+        unsafe {
+            match self.get_unchecked_mut() {
+                EitherFuture::Left(f) => std::pin::Pin::new_unchecked(f).poll(cx),
+                EitherFuture::Right(f) => std::pin::Pin::new_unchecked(f).poll(cx),
+            }
         }
     }
 }
