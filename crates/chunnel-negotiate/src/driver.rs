@@ -189,31 +189,38 @@ fn coarse_by(t: Instant, grain: Duration) -> Instant {
     epoch + Duration::from_nanos(u64::try_from(up).unwrap_or(u64::MAX))
 }
 
-/// Runs a client handshake over `base` to its outcome.
+/// Runs a client handshake over `base` to its outcome. `started` is the time the handshake
+/// was made with.
 async fn drive<C: SendHeader>(
     base: &C,
     hs: &mut ClientHandshake,
     ticker: &Arc<Ticker>,
+    started: Instant,
 ) -> Result<Outcome, Error> {
     // Two: the accept and, for 0-RTT, the first reply (more only means more receive memory).
     let mut slots: [Option<Bytes>; 2] = Default::default();
+    // The clock is read again only after a wait: until then no time worth a retransmission
+    // has passed (a clock read per step was most of a step's cost).
+    let mut now = Some(started);
     loop {
         if let Some(r) = hs.poll_outcome() {
             return r;
         }
-        let now = Instant::now();
-        if let Some(m) = hs.poll_transmit_ref(now.into_std()) {
+        let t = *now.get_or_insert_with(Instant::now);
+        if let Some(m) = hs.poll_transmit_ref(t.into_std()) {
             // At once if the socket takes it (no handle to share the hello, no future).
             match base.try_send_with_header(&[], m) {
                 Some(r) => r?,
                 None => {
                     let m = m.clone();
-                    base.send_with_header(&[], [m]).await?
+                    base.send_with_header(&[], [m]).await?;
+                    now = None;
                 }
             }
             continue;
         }
         let Some(deadline) = hs.poll_timeout() else {
+            now = None;
             continue;
         };
         tokio::select! {
@@ -231,6 +238,7 @@ async fn drive<C: SendHeader>(
                 hs.handle_timeout(Instant::now().into_std());
             }
         }
+        now = None;
     }
 }
 
@@ -362,17 +370,18 @@ impl Client {
                 },
             )));
         }
+        let started = Instant::now();
         let mut hs = ClientHandshake::new(
             offers,
             None,
             new_conn_id(),
             self.cfg.timing,
-            Instant::now().into_std(),
+            started.into_std(),
         )?;
         if let Some(r) = self.recall(server) {
             hs.expect(r.known);
         }
-        let out = drive(&base, &mut hs, &self.ticker).await?;
+        let out = drive(&base, &mut hs, &self.ticker, started).await?;
         apply_known(&mut stack, &out.accept.client_pick)?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
@@ -461,7 +470,8 @@ impl Client {
         };
         let captured = tagged.take_capture();
         sent?;
-        let (conn_id, now) = (new_conn_id(), Instant::now().into_std());
+        let (conn_id, started) = (new_conn_id(), Instant::now());
+        let now = started.into_std();
         let mut hs = match (&template, offers) {
             (Some(t), _) => {
                 ClientHandshake::from_template(t, &captured, conn_id, self.cfg.timing, now)?
@@ -475,7 +485,7 @@ impl Client {
             )?,
         };
         hs.expect(known);
-        let out = drive(tagged.get_ref(), &mut hs, &self.ticker).await?;
+        let out = drive(tagged.get_ref(), &mut hs, &self.ticker, started).await?;
         tagged.push_pending(out.early_replies);
         // Nothing to remember when the server answered as last time to the same hello.
         if !(template.is_some() && out.recognised && out.accept.client_pick == pick) {
@@ -634,6 +644,9 @@ where
         async move { held.run().await }
     });
     let task = tokio::spawn(async move {
+        // The box of a handshake that completed in its first poll, kept for the next one (a
+        // handshake's future is most of a kilobyte: not allocated and freed per connection).
+        let mut spare = None;
         loop {
             let base = match listener.accept().await {
                 Ok(b) => b,
@@ -658,20 +671,26 @@ where
                 }
             };
             let tx = tx.clone();
-            // Boxed straight from `serve_one` (not an `async move` around it, which would
-            // hold its arguments twice).
-            let mut handshake = Box::pin(serve_one(
+            // Written straight from `serve_one` (not an `async move` around it, which would
+            // hold its arguments twice) into the spare box, or a new one.
+            let one = serve_one(
                 base,
                 Arc::clone(&server),
                 stack.clone(),
                 cfg,
                 Arc::clone(&held),
-            ));
+            );
+            let mut handshake = boxed_in(&mut spare, one);
             // The hello usually arrived with the datagram that made this connection: then the
             // handshake completes in this first poll and needs no task of its own. Otherwise it
             // continues in its own task, so a slow client delays nobody.
-            match poll_once(handshake.as_mut()).await {
+            let Some(first) = handshake.as_mut().as_pin_mut() else {
+                continue; // just set
+            };
+            match poll_once(first).await {
                 Poll::Ready(r) => {
+                    handshake.as_mut().set(None);
+                    spare = Some(handshake);
                     if let Err(mpsc::error::TrySendError::Full(r)) = tx.try_send(r) {
                         tokio::spawn(async move {
                             let _ = tx.send(r).await;
@@ -680,14 +699,27 @@ where
                 }
                 Poll::Pending => {
                     tokio::spawn(async move {
-                        let r = handshake.await;
-                        let _ = tx.send(r).await;
+                        if let Some(rest) = handshake.as_mut().as_pin_mut() {
+                            let r = rest.await;
+                            let _ = tx.send(r).await;
+                        }
                     });
                 }
             }
         }
     });
     NegotiatedListener { rx, task, release }
+}
+
+/// `fut` in `spare`'s box (taken) if there is one, else in a new box.
+fn boxed_in<F>(spare: &mut Option<Pin<Box<Option<F>>>>, fut: F) -> Pin<Box<Option<F>>> {
+    match spare.take() {
+        Some(mut b) => {
+            b.as_mut().set(Some(fut));
+            b
+        }
+        None => Box::pin(Some(fut)),
+    }
 }
 
 async fn serve_one<C, S>(
@@ -878,13 +910,14 @@ impl Client {
     where
         C: SendHeader + PeerHandoff + 'static,
     {
+        let started = Instant::now();
         let mut hs = ClientHandshake::new_dictated(
             registry.offer(),
             new_conn_id(),
             self.cfg.timing,
-            Instant::now().into_std(),
+            started.into_std(),
         )?;
-        let out = drive(&base, &mut hs, &self.ticker).await?;
+        let out = drive(&base, &mut hs, &self.ticker, started).await?;
         let tagged = Tagged::client(base);
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);

@@ -107,6 +107,43 @@ struct Remembered {
     coalescable: bool,
 }
 
+/// A copy of `template` with `part` written at `at`; `None` if it does not fit. One
+/// allocation that its slices share: a short answer sits in the reference count's own block
+/// (a `BytesMut` frozen and then sliced allocated twice).
+fn patched(template: &[u8], at: usize, part: &[u8]) -> Option<Bytes> {
+    let end = at
+        .checked_add(part.len())
+        .filter(|&e| e <= template.len())?;
+    if template.len() <= ShortAnswer::MAX {
+        let mut a = ShortAnswer {
+            len: template.len() as u8,
+            b: [0; ShortAnswer::MAX],
+        };
+        a.b[..template.len()].copy_from_slice(template);
+        a.b[at..end].copy_from_slice(part);
+        return Some(Bytes::from_owner(a));
+    }
+    let mut b = BytesMut::from(template);
+    b[at..end].copy_from_slice(part);
+    Some(b.freeze())
+}
+
+/// An encoded answer short enough to be kept inline (see [`patched`]).
+struct ShortAnswer {
+    len: u8,
+    b: [u8; ShortAnswer::MAX],
+}
+
+impl ShortAnswer {
+    const MAX: usize = 64;
+}
+
+impl AsRef<[u8]> for ShortAnswer {
+    fn as_ref(&self) -> &[u8] {
+        &self.b[..usize::from(self.len)]
+    }
+}
+
 impl Clone for Server {
     /// Same options; nothing remembered yet.
     fn clone(&self) -> Self {
@@ -220,10 +257,11 @@ impl Server {
         // The template with this connection's id, in the accept's body: after its tag (and
         // the `ACCEPT_DATA` prefix).
         let body = if coalescable { ACCEPT_DATA_PREFIX } else { 0 } + 1;
-        let mut b = BytesMut::from(&template[..]);
-        b.get_mut(body + ACCEPT_CONN_ID.start..body + ACCEPT_CONN_ID.end)?
-            .copy_from_slice(&conn_id.to_be_bytes());
-        let all = b.freeze();
+        let all = patched(
+            &template,
+            body + ACCEPT_CONN_ID.start,
+            &conn_id.to_be_bytes(),
+        )?;
         let (response, coalesce) = if coalescable {
             (all.slice(ACCEPT_DATA_PREFIX..), Some(all))
         } else {
@@ -801,6 +839,24 @@ mod tests {
     use chunnel::{Capability, ChunnelInfo};
 
     use super::*;
+
+    #[test]
+    fn patched_answers_are_copies_with_the_part_written() {
+        for len in [12, ShortAnswer::MAX, ShortAnswer::MAX + 1, 300] {
+            let template: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let a = patched(&template, 3, &[0xAA, 0xBB]).expect("fits");
+            let mut want = template.clone();
+            want[3..5].copy_from_slice(&[0xAA, 0xBB]);
+            assert_eq!(&a[..], &want[..], "template of {len} bytes");
+            // Slices see the same bytes (and outlive the whole).
+            let tail = a.slice(2..);
+            drop(a);
+            assert_eq!(&tail[..], &want[2..]);
+            // A part that does not fit is refused, not cut.
+            assert_eq!(patched(&template, len - 1, &[1, 2]), None);
+            assert_eq!(patched(&template, usize::MAX, &[1]), None);
+        }
+    }
 
     fn option(id: &'static str, label: &'static str, branch: u8) -> StackOption {
         StackOption {

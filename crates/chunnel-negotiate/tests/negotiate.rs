@@ -730,6 +730,34 @@ async fn malformed_hello_gets_a_reject_and_the_server_keeps_serving() -> Result<
     echo(&c, "fine").await
 }
 
+/// The listener completes most handshakes in their first poll (the hello came with the
+/// datagram that made the connection) and reuses the box of each such handshake for the next
+/// one; a handshake that must wait for its hello moves to a task of its own, box and all.
+/// Mixed, all complete.
+#[tokio::test]
+async fn a_handshake_waiting_for_its_hello_and_quick_ones_around_it_all_complete() -> Result<()> {
+    let (addr, mut seen, _) = echo_server(Xor(1)).await?;
+    let client = Client::new(fast());
+    for m in ["quick-1", "quick-2", "quick-3"] {
+        let c = client.connect("s", Xor(1), base(addr).await?).await?;
+        echo(&c, m).await?;
+    }
+    // A first datagram that is not a hello: this connection's handshake waits for one.
+    let slow = base(addr).await?;
+    slow.send_one(Bytes::from_static(&[0xff, 1, 2])).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for m in ["quick-4", "quick-5", "quick-6"] {
+        let c = client.connect("s", Xor(1), base(addr).await?).await?;
+        echo(&c, m).await?;
+    }
+    let c = client.connect("s", Xor(1), slow).await?;
+    echo(&c, "slow").await?;
+    for _ in 0..7 {
+        next_seen(&mut seen).await?.map_err(anyhow::Error::msg)?;
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn silent_server_times_out_with_a_clear_error() -> Result<()> {
     // A socket that never answers.
