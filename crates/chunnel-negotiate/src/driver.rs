@@ -759,11 +759,15 @@ where
                 }
             };
             apply_known(&mut stack, &accept.server_pick)?;
-            let tagged = Tagged::server(base, accept.conn_id, response, cfg.timing.max_message);
-            if let Some(h) = hold {
-                tagged.hold_accept(h);
-                held.push(&tagged);
-            }
+            let max = cfg.timing.max_message;
+            let tagged = match hold {
+                Some(h) => {
+                    let t = Tagged::server_holding(base, accept.conn_id, h, max);
+                    held.push(&t);
+                    t
+                }
+                None => Tagged::server(base, accept.conn_id, response, max),
+            };
             tagged.push_pending(early);
             let control = control(&tagged);
             let conn = stack.connect_wrap(tagged).await?;

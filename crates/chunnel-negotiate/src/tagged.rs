@@ -52,23 +52,19 @@ impl<C> Clone for Tagged<C> {
 #[derive(Debug)]
 struct Shared<C> {
     inner: C,
-    /// Server side: the hello's conn_id and the encoded accept, re-sent to retransmissions.
-    answer: Option<(u64, Bytes)>,
+    /// Server side: the answer to the hello, re-sent to retransmissions.
+    answer: Option<Answer>,
     reply_due: AtomicBool,
     /// [`CAPTURING`] | [`ACCEPT_HELD`]: one load on the send path covers both.
     mode: AtomicU8,
-    captured: Mutex<Vec<Bytes>>,
-    /// The held accept, as an `ACCEPT_DATA` header.
-    held: Mutex<Option<Bytes>>,
     /// The largest message the base carries (an `ACCEPT_DATA` must fit).
     max_message: usize,
     /// `pending` or `raw` is not empty.
     has_pending: AtomicBool,
-    /// Data to deliver first (tag stripped).
+    /// Data to deliver first (tag stripped). While capturing (a client before its
+    /// handshake, which delivers nothing yet), the messages captured instead; `has_pending`
+    /// stays false meanwhile.
     pending: Mutex<VecDeque<Bytes>>,
-    /// Messages received after a peer's switch point, tag included, for the next view to
-    /// handle as if they had just arrived.
-    raw: Mutex<VecDeque<Bytes>>,
     ignored: AtomicU64,
     /// A new client took over this peer address (server side); the connection is over.
     superseded: AtomicBool,
@@ -86,6 +82,27 @@ struct Shared<C> {
 pub(crate) struct Ctl {
     pub(crate) machine: Mutex<Multilateral>,
     pub(crate) events: mpsc::Sender<Work>,
+    /// Messages received after a peer's switch point, tag included, for the next view to
+    /// handle as if they had just arrived (there is a switch point only with reconfiguration
+    /// enabled).
+    raw: Mutex<VecDeque<Bytes>>,
+}
+
+/// A server connection's answer to its hello: the encoded accept, or (`accept_at` > 0) an
+/// `ACCEPT_DATA` header that ends with it, held back to go out with the first reply (one
+/// buffer for both: the accept is its tail).
+#[derive(Debug)]
+struct Answer {
+    conn_id: u64,
+    bytes: Bytes,
+    accept_at: usize,
+}
+
+impl Answer {
+    /// The accept alone.
+    fn accept(&self) -> Bytes {
+        self.bytes.slice(self.accept_at..)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -93,19 +110,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<C> Tagged<C> {
-    fn with(inner: C, answer: Option<(u64, Bytes)>, max_message: usize) -> Self {
+    fn with(inner: C, answer: Option<Answer>, max_message: usize) -> Self {
+        let held = answer.as_ref().is_some_and(|a| a.accept_at > 0);
+        let mode = if held { ACCEPT_HELD } else { 0 };
         Tagged {
             shared: Arc::new(Shared {
                 inner,
                 answer,
                 reply_due: AtomicBool::new(false),
-                mode: AtomicU8::new(0),
-                captured: Mutex::new(Vec::new()),
-                held: Mutex::new(None),
+                mode: AtomicU8::new(mode),
                 max_message,
                 has_pending: AtomicBool::new(false),
                 pending: Mutex::new(VecDeque::new()),
-                raw: Mutex::new(VecDeque::new()),
                 ignored: AtomicU64::new(0),
                 superseded: AtomicBool::new(false),
                 views: AtomicU64::new(2),
@@ -124,14 +140,30 @@ impl<C> Tagged<C> {
     /// A server's tagged connection that answers hellos with `conn_id` by `response`;
     /// `max_message` bounds a coalesced accept and reply.
     pub(crate) fn server(inner: C, conn_id: u64, response: Bytes, max_message: usize) -> Self {
-        Self::with(inner, Some((conn_id, response)), max_message)
+        let answer = Answer {
+            conn_id,
+            bytes: response,
+            accept_at: 0,
+        };
+        Self::with(inner, Some(answer), max_message)
     }
 
-    /// Holds the accept back (server side) to send it with the first reply; `header` is
-    /// its `ACCEPT_DATA` form. See the module docs for when it goes out alone.
-    pub(crate) fn hold_accept(&self, header: Bytes) {
-        *lock(&self.shared.held) = Some(header);
-        self.shared.mode.fetch_or(ACCEPT_HELD, Ordering::AcqRel);
+    /// As [`Tagged::server`], holding the accept back to send it with the first reply:
+    /// `header` is its `ACCEPT_DATA` form, which ends with the accept (docs/wire.md §7.5).
+    /// See the module docs for when it goes out alone.
+    pub(crate) fn server_holding(
+        inner: C,
+        conn_id: u64,
+        header: Bytes,
+        max_message: usize,
+    ) -> Self {
+        debug_assert_eq!(header.first(), Some(&(Tag::AcceptData as u8)));
+        let answer = Answer {
+            conn_id,
+            bytes: header,
+            accept_at: crate::wire::ACCEPT_DATA_PREFIX,
+        };
+        Self::with(inner, Some(answer), max_message)
     }
 
     /// A handle that does not keep the connection alive.
@@ -161,7 +193,7 @@ impl<C> Tagged<C> {
         }
         let q = &*q;
         self.shared.has_pending.store(
-            !q.is_empty() || !lock(&self.shared.raw).is_empty(),
+            !q.is_empty() || self.shared.raw().is_some_and(|r| !r.is_empty()),
             Ordering::Release,
         );
     }
@@ -175,7 +207,8 @@ impl<C> Tagged<C> {
     /// Stops capturing and returns what was captured.
     pub(crate) fn take_capture(&self) -> Vec<Bytes> {
         self.shared.mode.fetch_and(!CAPTURING, Ordering::AcqRel);
-        std::mem::take(&mut *lock(&self.shared.captured))
+        // Pushed to the back of an empty queue: contiguous, taken without a copy.
+        Vec::from(std::mem::take(&mut *lock(&self.shared.pending)))
     }
 }
 
@@ -215,13 +248,19 @@ impl<C: SendHeader> WeakTagged<C> {
 }
 
 impl<C> Shared<C> {
+    /// The held accept's `ACCEPT_DATA` header, taken from its hold (once).
     fn take_held(&self) -> Option<Bytes> {
-        if self.mode.load(Ordering::Acquire) & ACCEPT_HELD == 0 {
+        if self.mode.load(Ordering::Acquire) & ACCEPT_HELD == 0
+            || self.mode.fetch_and(!ACCEPT_HELD, Ordering::AcqRel) & ACCEPT_HELD == 0
+        {
             return None;
         }
-        let h = lock(&self.held).take();
-        self.mode.fetch_and(!ACCEPT_HELD, Ordering::AcqRel);
-        h
+        self.answer.as_ref().map(|a| a.bytes.clone())
+    }
+
+    /// The messages after a peer's switch point, if reconfiguration is enabled.
+    fn raw(&self) -> Option<MutexGuard<'_, VecDeque<Bytes>>> {
+        self.ctl.get().map(|c| lock(&c.raw))
     }
 }
 
@@ -229,9 +268,7 @@ impl<C: SendHeader> Shared<C> {
     /// Sends the held accept alone (it is still `answer`), if there is one.
     async fn release_accept(&self) -> Result<(), Error> {
         match (self.take_held(), &self.answer) {
-            (Some(_), Some((_, accept))) => {
-                self.inner.send_with_header(&[], [accept.clone()]).await
-            }
+            (Some(_), Some(a)) => self.inner.send_with_header(&[], [a.accept()]).await,
             _ => Ok(()),
         }
     }
@@ -243,7 +280,7 @@ impl<C: SendHeader> Shared<C> {
         if self.mode.load(Ordering::Acquire) & CAPTURING == 0 {
             return Some(burst);
         }
-        let mut q = lock(&self.captured);
+        let mut q = lock(&self.pending);
         if header.is_empty() {
             q.extend(burst);
         } else {
@@ -329,8 +366,8 @@ impl<C: SendHeader> Shared<C> {
 
     /// Sends the accept alone, then `first` (if any) as DATA.
     async fn send_accept_then(&self, header: &[u8], first: Option<Bytes>) -> Result<(), Error> {
-        if let Some((_, accept)) = &self.answer {
-            self.inner.send_with_header(&[], [accept.clone()]).await?;
+        if let Some(a) = &self.answer {
+            self.inner.send_with_header(&[], [a.accept()]).await?;
         }
         if let Some(m) = first {
             send_data(&self.inner, header, [m]).await?;
@@ -403,14 +440,14 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                 // boxed: inline, each made every receive's future (which a serving task carries
                 // for its whole life) the size of a send's larger.
                 if self.shared.reply_due.swap(false, Ordering::AcqRel)
-                    && let Some((_, r)) = &self.shared.answer
+                    && let Some(a) = &self.shared.answer
                 {
-                    Box::pin(self.shared.inner.send_with_header(&[], [r.clone()])).await?;
+                    Box::pin(self.shared.inner.send_with_header(&[], [a.accept()])).await?;
                 }
                 let mut from_raw = 0;
                 if self.shared.has_pending.load(Ordering::Acquire) {
                     let mut q = lock(&self.shared.pending);
-                    let mut raw = lock(&self.shared.raw);
+                    let mut raw = self.shared.raw();
                     let mut n = 0;
                     for s in slots.iter_mut() {
                         match q.pop_front() {
@@ -421,7 +458,9 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                             None => break,
                         }
                     }
-                    if n == 0 {
+                    if n == 0
+                        && let Some(raw) = raw.as_mut()
+                    {
                         // Left over from a switch point: handled below like fresh arrivals.
                         for s in slots.iter_mut() {
                             match raw.pop_front() {
@@ -433,9 +472,10 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                             }
                         }
                     }
-                    self.shared
-                        .has_pending
-                        .store(!q.is_empty() || !raw.is_empty(), Ordering::Release);
+                    self.shared.has_pending.store(
+                        !q.is_empty() || raw.is_some_and(|r| !r.is_empty()),
+                        Ordering::Release,
+                    );
                     if n > 0 {
                         return Ok(n);
                     }
@@ -455,8 +495,11 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                 for i in 0..n.min(slots.len()) {
                     if cut {
                         // After the peer's switch point: for the next view, in order.
-                        if let Some(m) = slots[i].take() {
-                            lock(&self.shared.raw).push_back(m);
+                        // (`cut` is set only with reconfiguration enabled.)
+                        if let Some(m) = slots[i].take()
+                            && let Some(mut raw) = self.shared.raw()
+                        {
+                            raw.push_back(m);
                             self.shared.has_pending.store(true, Ordering::Release);
                         }
                         continue;
@@ -491,7 +534,7 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                         // this one ends (after the data already taken).
                         Some(t) if t == Tag::Hello as u8 && self.shared.answer.is_some() => {
                             match (&self.shared.answer, Hello::peek_conn_id(&m[1..])) {
-                                (Some((id, _)), Ok(c)) if c == *id => {
+                                (Some(a), Ok(c)) if c == a.conn_id => {
                                     self.shared.reply_due.store(true, Ordering::Release);
                                 }
                                 (_, Ok(_)) if self.shared.inner.hand_off(m) => {
@@ -557,6 +600,7 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
             .set(Box::new(Ctl {
                 machine: Mutex::new(machine),
                 events: tx,
+                raw: Mutex::new(VecDeque::new()),
             }))
             .ok()
             .map(|()| rx)
