@@ -59,7 +59,7 @@ struct Shared<C> {
     mode: AtomicU8,
     /// The largest message the base carries (an `ACCEPT_DATA` must fit).
     max_message: usize,
-    /// `pending` or `raw` is not empty.
+    /// There are messages to deliver in `pending` or `raw` (never set while capturing).
     has_pending: AtomicBool,
     /// Data to deliver first (tag stripped). While capturing (a client before its
     /// handshake, which delivers nothing yet), the messages captured instead; `has_pending`
@@ -206,9 +206,12 @@ impl<C> Tagged<C> {
 
     /// Stops capturing and returns what was captured.
     pub(crate) fn take_capture(&self) -> Vec<Bytes> {
+        // Under the queue's lock, as `capture` looks at the bit: a send racing with this either
+        // was captured before, or sees the capture over and goes out.
+        let mut q = lock(&self.shared.pending);
         self.shared.mode.fetch_and(!CAPTURING, Ordering::AcqRel);
         // Pushed to the back of an empty queue: contiguous, taken without a copy.
-        Vec::from(std::mem::take(&mut *lock(&self.shared.pending)))
+        Vec::from(std::mem::take(&mut *q))
     }
 }
 
@@ -281,6 +284,11 @@ impl<C: SendHeader> Shared<C> {
             return Some(burst);
         }
         let mut q = lock(&self.pending);
+        // Looked at again under the lock `take_capture` ends the capture under: a burst is
+        // never queued after the capture was taken (it would be delivered as received).
+        if self.mode.load(Ordering::Acquire) & CAPTURING == 0 {
+            return Some(burst);
+        }
         if header.is_empty() {
             q.extend(burst);
         } else {
@@ -647,7 +655,9 @@ impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
-        // As in `send`: the way is chosen as the future is made.
+        // The way is chosen as the future is made (unlike `send`, which chooses at its first
+        // poll): `mode` is set before any clone exists and only clears later, and the slow way
+        // looks at everything again when polled.
         let sh = &*self.shared;
         if sh.mode.load(Ordering::Acquire) == 0 {
             EitherFuture::Left(send_data(&sh.inner, header, burst))

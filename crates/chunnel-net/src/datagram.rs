@@ -465,7 +465,7 @@ fn try_send_now<S: DgramSocket>(
 /// The batch arrays live in [`send_step`]'s stack frame, not in this future: a future is
 /// copied when a task is spawned and when it finishes, and 64-entry arrays made it ~4.8 KB.
 ///
-/// `closed`, if given, is looked at first (a server connection's flag). Written as a function
+/// `closed`, if given, is looked at first (the connection's closed flag). Written as a function
 /// returning an `async move` block, not as an `async fn`, which would keep each argument
 /// twice in the future (as an upvar and as a local).
 #[allow(clippy::too_many_arguments)]
