@@ -57,8 +57,10 @@ cargo run --release --locked -q -p chunnel-bench -- overhead --reps 1 --pings 30
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="overhead" and len(d["results"])==20, d; print("bench JSON ok:", d["checks"])'
 
 log "chunnel-bench negotiate (short run: checks the tool works end to end)"
-cargo run --release --locked -q -p chunnel-bench -- negotiate --reps 1 --conns 200 \
-  | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==4, d; print("bench JSON ok:", d["checks"])'
+for server in "" "--accept-loop"; do
+  cargo run --release --locked -q -p chunnel-bench -- negotiate --reps 1 --conns 200 $server \
+    | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==4, d; print("bench JSON ok:", d["server_accept"], d["checks"])'
+done
 
 log "chunnel-bench kv (short run: the YCSB generator against both sharding modes and the inline baselines)"
 cargo run --release --locked -q -p chunnel-bench -- kv --reps 1 --records 500 --loads 2000,4000 \

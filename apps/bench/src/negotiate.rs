@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use bytes::Bytes;
-use chunnel::{Chunnel, ConnectionExt, Identity, Noop, select};
-use chunnel_negotiate::{Client, Config, ZeroRtt, listen};
+use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Identity, Noop, select};
+use chunnel_negotiate::{Client, Config, ZeroRtt, listen, listen_with};
 use chunnel_net::udp;
 use serde_json::json;
 
@@ -45,6 +45,11 @@ pub(crate) struct Args {
     /// start, and their teardown runs alongside. Default: a short warm-up only.
     #[arg(long, default_value_t = 0)]
     warmup_ms: u64,
+    /// The negotiating echo server takes its connections from `NegotiatedListener::accept` in
+    /// a loop of its own (`listen`), instead of from `listen_with`'s callback (the default:
+    /// no queue and no accept task between the handshake and the echo task it spawns).
+    #[arg(long)]
+    accept_loop: bool,
     /// Profiling aid: after the warm-up, run only `--profile-conns` connections of this
     /// variant (raw_udp, one_rtt, zero_rtt) and exit (no JSON). For `strace` / `perf` /
     /// callgrind on one path.
@@ -135,6 +140,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "server_cpu": a.server_cpu,
         "server_idle_ms": a.idle_ms,
         "warmup_ms": a.warmup_ms,
+        "server_accept": if a.accept_loop { "listen + accept loop" } else { "listen_with" },
         "reps": a.reps,
         "conns_per_rep": a.conns,
         "size": a.size,
@@ -163,9 +169,10 @@ type PerVariant = Vec<Vec<f64>>;
 async fn start_servers(
     server_cpu: Option<usize>,
     idle: Duration,
+    accept_loop: bool,
 ) -> Result<(SocketAddr, SocketAddr)> {
     let Some(cpu) = server_cpu else {
-        return servers(idle).await;
+        return servers(idle, accept_loop).await;
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
@@ -177,7 +184,7 @@ async fn start_servers(
                     .enable_all()
                     .build()?;
                 rt.block_on(async {
-                    let addrs = servers(idle).await;
+                    let addrs = servers(idle, accept_loop).await;
                     let _ = tx.send(addrs);
                     std::future::pending::<()>().await;
                 });
@@ -190,7 +197,7 @@ async fn start_servers(
     rx.await.context("server thread failed to start")?
 }
 
-async fn servers(idle: Duration) -> Result<(SocketAddr, SocketAddr)> {
+async fn servers(idle: Duration, accept_loop: bool) -> Result<(SocketAddr, SocketAddr)> {
     // Servers: a raw echo socket, and a negotiating echo server.
     let raw = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
     let raw_addr = raw.local_addr()?;
@@ -203,23 +210,41 @@ async fn servers(idle: Duration) -> Result<(SocketAddr, SocketAddr)> {
     let cfg = udp::Config::default().with_idle_timeout((!idle.is_zero()).then_some(idle));
     let l = udp::Listener::bind_with("127.0.0.1:0".parse()?, cfg).await?;
     let addr = l.local_addr()?;
-    let mut server = listen(stack(), l, Config::default());
-    tokio::spawn(async move {
-        while let Ok(conn) = server.accept().await {
-            tokio::spawn(async move {
-                while let Ok(m) = conn.recv_one().await {
-                    if conn.send_one(m).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
+    if accept_loop {
+        let mut server = listen(stack(), l, Config::default());
+        tokio::spawn(async move {
+            while let Ok(conn) = server.accept().await {
+                tokio::spawn(echo(conn));
+            }
+        });
+    } else {
+        let serving = listen_with(stack(), l, Config::default(), |r| {
+            if let Ok(conn) = r {
+                tokio::spawn(echo(conn));
+            }
+        });
+        // Served for the rest of the run.
+        std::mem::forget(serving);
+    }
     Ok((raw_addr, addr))
 }
 
+/// The negotiating server's per-connection task: echoes every message.
+async fn echo<C: ChunnelConnection<Data = Bytes>>(conn: C) {
+    while let Ok(m) = conn.recv_one().await {
+        if conn.send_one(m).await.is_err() {
+            break;
+        }
+    }
+}
+
 async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {
-    let (raw_addr, addr) = start_servers(a.server_cpu, Duration::from_millis(a.idle_ms)).await?;
+    let (raw_addr, addr) = start_servers(
+        a.server_cpu,
+        Duration::from_millis(a.idle_ms),
+        a.accept_loop,
+    )
+    .await?;
     let client = Client::new(Config::default());
     let key = addr.to_string();
     let msg = Bytes::from(vec![7u8; a.size]);

@@ -572,11 +572,18 @@ fn info(a: crate::wire::Accept, hellos_sent: u32) -> Info {
 #[derive(Debug)]
 pub struct NegotiatedListener<C> {
     rx: mpsc::Receiver<Result<Negotiated<C>, Error>>,
+    _serving: Serving,
+}
+
+/// The accept loop of [`listen_with`] (and of [`listen`]'s listener): it runs until this is
+/// dropped, or until the base listener ends.
+#[derive(Debug)]
+pub struct Serving {
     task: JoinHandle<()>,
     release: JoinHandle<()>,
 }
 
-impl<C> Drop for NegotiatedListener<C> {
+impl Drop for Serving {
     fn drop(&mut self) {
         self.task.abort();
         self.release.abort();
@@ -645,8 +652,10 @@ impl<C> NegotiatedListener<C> {
 /// Serves `stack` on `listener`: every accepted base connection negotiates its own copy of
 /// the stack. Must be called within a tokio runtime: it spawns the accept loop, which
 /// completes a handshake itself when the hello is already queued and gives any other
-/// handshake a task of its own.
-pub fn listen<S, L>(stack: S, mut listener: L, cfg: Config) -> NegotiatedListener<S::Connection>
+/// handshake a task of its own. Results wait for [`NegotiatedListener::accept`] in a queue
+/// of `cfg.backlog` (a result that finds it full waits in a task of its own: the loop never
+/// stops accepting).
+pub fn listen<S, L>(stack: S, listener: L, cfg: Config) -> NegotiatedListener<S::Connection>
 where
     L: Listener + 'static,
     L::Connection: SendHeader + PeerHandoff + 'static,
@@ -654,8 +663,57 @@ where
     S::Connection: 'static,
 {
     let (tx, rx) = mpsc::channel(cfg.backlog.max(1));
+    let serving = listen_with(stack, listener, cfg, move |r| {
+        if let Err(mpsc::error::TrySendError::Full(r)) = tx.try_send(r) {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _ = tx.send(r).await;
+            });
+        }
+    });
+    NegotiatedListener {
+        rx,
+        _serving: serving,
+    }
+}
+
+/// As [`listen`], but every result (a negotiated connection, or one client's error; last,
+/// `Error::Chunnel(Closed)` if the base listener ends) goes to `on`, called by the accept loop
+/// itself (or, for a handshake that had to wait for its hello, by that handshake's task): no
+/// queue, and no task of the application's to wake per connection. `on` must not wait; to
+/// serve a connection, it spawns.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use chunnel::{ConnectionExt, Identity, Noop, select};
+/// use chunnel_negotiate::{Config, listen_with};
+/// use chunnel_net::udp;
+///
+/// let l = udp::Listener::bind("127.0.0.1:0".parse()?).await?;
+/// let _serving = listen_with(select(Noop, Identity), l, Config::default(), |r| {
+///     if let Ok(conn) = r {
+///         tokio::spawn(async move {
+///             while let Ok(m) = conn.recv_one().await {
+///                 if conn.send_one(m).await.is_err() {
+///                     break;
+///                 }
+///             }
+///         });
+///     }
+/// });
+/// // ... served until `_serving` is dropped.
+/// # Ok(()) }
+/// ```
+pub fn listen_with<S, L, F>(stack: S, mut listener: L, cfg: Config, on: F) -> Serving
+where
+    L: Listener + 'static,
+    L::Connection: SendHeader + PeerHandoff + 'static,
+    S: Chunnel<Tagged<L::Connection>> + Offers + Clone + Send + Sync + 'static,
+    S::Connection: 'static,
+    F: Fn(Result<Negotiated<S::Connection>, Error>) + Send + Sync + 'static,
+{
     // The task below does nothing but accept and hand on (a handshake that must wait gets a
-    // task of its own; a full channel too).
+    // task of its own).
     listener.accepting_in_loop();
     let server = Arc::new(Server::new(stack.offers()));
     let held = Arc::new(Held {
@@ -667,6 +725,7 @@ where
         let held = Arc::clone(&held);
         async move { held.run().await }
     });
+    let on = Arc::new(on);
     let task = tokio::spawn(async move {
         // The box of a handshake that completed in its first poll, kept for the next one (a
         // handshake's future is most of a kilobyte: not allocated and freed per connection).
@@ -675,26 +734,15 @@ where
             let base = match listener.accept().await {
                 Ok(b) => b,
                 Err(e) if e.is_closed() => {
-                    let _ = tx.send(Err(Error::Chunnel(e))).await;
+                    on(Err(Error::Chunnel(e)));
                     return;
                 }
                 Err(e) => {
-                    // Handed on without waiting for room, as a connection is below (the loop
-                    // keeps accepting, as it promised the listener).
-                    match tx.try_send(Err(Error::Chunnel(e))) {
-                        Err(mpsc::error::TrySendError::Full(r)) => {
-                            let tx = tx.clone();
-                            tokio::spawn(async move {
-                                let _ = tx.send(r).await;
-                            });
-                        }
-                        Err(mpsc::error::TrySendError::Closed(_)) => return,
-                        Ok(()) => {}
-                    }
+                    // Handed on at once: the loop keeps accepting, as it promised the listener.
+                    on(Err(Error::Chunnel(e)));
                     continue;
                 }
             };
-            let tx = tx.clone();
             // Written straight from `serve_one` (not an `async move` around it, which would
             // hold its arguments twice) into the spare box, or a new one.
             let one = serve_one(
@@ -715,24 +763,20 @@ where
                 Poll::Ready(r) => {
                     handshake.as_mut().set(None);
                     spare = Some(handshake);
-                    if let Err(mpsc::error::TrySendError::Full(r)) = tx.try_send(r) {
-                        tokio::spawn(async move {
-                            let _ = tx.send(r).await;
-                        });
-                    }
+                    on(r);
                 }
                 Poll::Pending => {
+                    let on = Arc::clone(&on);
                     tokio::spawn(async move {
                         if let Some(rest) = handshake.as_mut().as_pin_mut() {
-                            let r = rest.await;
-                            let _ = tx.send(r).await;
+                            on(rest.await);
                         }
                     });
                 }
             }
         }
     });
-    NegotiatedListener { rx, task, release }
+    Serving { task, release }
 }
 
 /// `fut` in `spare`'s box (taken) if there is one, else in a new box.

@@ -758,6 +758,72 @@ async fn a_handshake_waiting_for_its_hello_and_quick_ones_around_it_all_complete
     Ok(())
 }
 
+/// `listen_with` hands every result to its callback, with no queue or accept loop of the
+/// application's: connections completed in the accept loop, one completed in its own task
+/// (its first datagram was not a hello), and one client's error; serving goes on after it,
+/// and stops when the handle is dropped.
+#[tokio::test]
+async fn listen_with_hands_every_result_to_its_callback() -> Result<()> {
+    let l = udp::Listener::bind("127.0.0.1:0".parse()?).await?;
+    let addr = l.local_addr()?;
+    let (tx, mut results) = mpsc::channel(64);
+    let serving = chunnel_negotiate::listen_with(Xor(1), l, fast(), move |r| {
+        let _ = tx.try_send(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        if let Ok(conn) = r {
+            tokio::spawn(async move {
+                while let Ok(m) = conn.recv_one().await {
+                    if conn.send_one(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let mut next = async || {
+        timeout(WAIT, results.recv())
+            .await
+            .context("no result handed on")?
+            .context("callback gone")
+    };
+    let client = Client::new(fast());
+    let c = client.connect("s", Xor(1), base(addr).await?).await?;
+    echo(&c, "quick").await?;
+    next().await?.map_err(anyhow::Error::msg)?;
+
+    let err = client
+        .connect("s", Xor(7), base(addr).await?)
+        .await
+        .expect_err("no common xor key");
+    assert!(matches!(err, Error::Incompatible { .. }), "{err}");
+    let server_side = next().await?.expect_err("the server's side of the failure");
+    assert!(server_side.contains("`xor` differs"), "{server_side}");
+
+    let slow = base(addr).await?;
+    slow.send_one(Bytes::from_static(&[0xff, 1, 2])).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let c = client.connect("s", Xor(1), slow).await?;
+    echo(&c, "slow").await?;
+    // A retransmitted hello of the refused client may be refused again first.
+    loop {
+        match next().await? {
+            Ok(()) => break,
+            Err(e) if e.contains("`xor` differs") => continue,
+            Err(e) => bail!("unexpected failure: {e}"),
+        }
+    }
+
+    drop(serving);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut cfg = fast();
+    cfg.timing.initial_rto = Duration::from_millis(10);
+    cfg.timing.attempts = 3;
+    let gone = Client::new(cfg)
+        .connect("t", Xor(1), base(addr).await?)
+        .await;
+    assert!(gone.is_err(), "nobody serves once the handle is dropped");
+    Ok(())
+}
+
 #[tokio::test]
 async fn silent_server_times_out_with_a_clear_error() -> Result<()> {
     // A socket that never answers.
