@@ -229,11 +229,14 @@ async fn servers(idle: Duration, accept_loop: bool) -> Result<(SocketAddr, Socke
     Ok((raw_addr, addr))
 }
 
-/// The negotiating server's per-connection task: echoes every message.
-async fn echo<C: ChunnelConnection<Data = Bytes>>(conn: C) {
-    while let Ok(m) = conn.recv_one().await {
-        if conn.send_one(m).await.is_err() {
-            break;
+/// The negotiating server's per-connection task: echoes every message. (A block, not an
+/// `async fn`, which would hold the connection twice in every task.)
+fn echo<C: ChunnelConnection<Data = Bytes>>(conn: C) -> impl Future<Output = ()> {
+    async move {
+        while let Ok(m) = conn.recv_one().await {
+            if conn.send_one(m).await.is_err() {
+                break;
+            }
         }
     }
 }
