@@ -231,6 +231,7 @@ async fn servers(idle: Duration, accept_loop: bool) -> Result<(SocketAddr, Socke
 
 /// The negotiating server's per-connection task: echoes every message. (A block, not an
 /// `async fn`, which would hold the connection twice in every task.)
+#[allow(clippy::manual_async_fn)]
 fn echo<C: ChunnelConnection<Data = Bytes>>(conn: C) -> impl Future<Output = ()> {
     async move {
         while let Ok(m) = conn.recv_one().await {
