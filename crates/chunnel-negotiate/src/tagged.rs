@@ -90,18 +90,55 @@ pub(crate) struct Ctl {
 
 /// A server connection's answer to its hello: the encoded accept, or (`accept_at` > 0) an
 /// `ACCEPT_DATA` header that ends with it, held back to go out with the first reply (one
-/// buffer for both: the accept is its tail).
+/// buffer for both: the accept is its tail). Kept in the connection itself when short (as it
+/// nearly always is): no allocation lives as long as the connection for it. It is sent as a
+/// header (before an empty message when alone).
 #[derive(Debug)]
 struct Answer {
     conn_id: u64,
-    bytes: Bytes,
     accept_at: usize,
+    stored: Stored,
+}
+
+/// The bytes of an [`Answer`].
+#[derive(Debug)]
+enum Stored {
+    Inline { len: u8, b: [u8; Stored::INLINE] },
+    Heap(Bytes),
+}
+
+impl Stored {
+    const INLINE: usize = 62;
 }
 
 impl Answer {
+    fn new(conn_id: u64, bytes: Bytes, accept_at: usize) -> Self {
+        let stored = match u8::try_from(bytes.len()) {
+            Ok(len) if bytes.len() <= Stored::INLINE => {
+                let mut b = [0; Stored::INLINE];
+                b[..bytes.len()].copy_from_slice(&bytes);
+                Stored::Inline { len, b }
+            }
+            _ => Stored::Heap(bytes),
+        };
+        Answer {
+            conn_id,
+            accept_at,
+            stored,
+        }
+    }
+
+    /// All of it (the `ACCEPT_DATA` header when held).
+    fn bytes(&self) -> &[u8] {
+        match &self.stored {
+            Stored::Inline { len, b } => &b[..usize::from(*len)],
+            Stored::Heap(b) => b,
+        }
+    }
+
     /// The accept alone.
-    fn accept(&self) -> Bytes {
-        self.bytes.slice(self.accept_at..)
+    fn accept(&self) -> &[u8] {
+        self.bytes().get(self.accept_at..).unwrap_or_default()
     }
 }
 
@@ -140,12 +177,7 @@ impl<C> Tagged<C> {
     /// A server's tagged connection that answers hellos with `conn_id` by `response`;
     /// `max_message` bounds a coalesced accept and reply.
     pub(crate) fn server(inner: C, conn_id: u64, response: Bytes, max_message: usize) -> Self {
-        let answer = Answer {
-            conn_id,
-            bytes: response,
-            accept_at: 0,
-        };
-        Self::with(inner, Some(answer), max_message)
+        Self::with(inner, Some(Answer::new(conn_id, response, 0)), max_message)
     }
 
     /// As [`Tagged::server`], holding the accept back to send it with the first reply:
@@ -158,11 +190,7 @@ impl<C> Tagged<C> {
         max_message: usize,
     ) -> Self {
         debug_assert_eq!(header.first(), Some(&(Tag::AcceptData as u8)));
-        let answer = Answer {
-            conn_id,
-            bytes: header,
-            accept_at: crate::wire::ACCEPT_DATA_PREFIX,
-        };
+        let answer = Answer::new(conn_id, header, crate::wire::ACCEPT_DATA_PREFIX);
         Self::with(inner, Some(answer), max_message)
     }
 
@@ -252,13 +280,13 @@ impl<C: SendHeader> WeakTagged<C> {
 
 impl<C> Shared<C> {
     /// The held accept's `ACCEPT_DATA` header, taken from its hold (once).
-    fn take_held(&self) -> Option<Bytes> {
+    fn take_held(&self) -> Option<&[u8]> {
         if self.mode.load(Ordering::Acquire) & ACCEPT_HELD == 0
             || self.mode.fetch_and(!ACCEPT_HELD, Ordering::AcqRel) & ACCEPT_HELD == 0
         {
             return None;
         }
-        self.answer.as_ref().map(|a| a.bytes.clone())
+        self.answer.as_ref().map(Answer::bytes)
     }
 
     /// The messages after a peer's switch point, if reconfiguration is enabled.
@@ -271,7 +299,11 @@ impl<C: SendHeader> Shared<C> {
     /// Sends the held accept alone (it is still `answer`), if there is one.
     async fn release_accept(&self) -> Result<(), Error> {
         match (self.take_held(), &self.answer) {
-            (Some(_), Some(a)) => self.inner.send_with_header(&[], [a.accept()]).await,
+            (Some(_), Some(a)) => {
+                self.inner
+                    .send_with_header(a.accept(), [Bytes::new()])
+                    .await
+            }
             _ => Ok(()),
         }
     }
@@ -344,7 +376,7 @@ impl<C: SendHeader> Shared<C> {
 
     /// Sends `held` (the accept taken from its hold, if it was) in front of the first
     /// message of `burst`, and the rest as DATA.
-    async fn send_held<I>(&self, header: &[u8], held: Option<Bytes>, burst: I) -> Result<(), Error>
+    async fn send_held<I>(&self, header: &[u8], held: Option<&[u8]>, burst: I) -> Result<(), Error>
     where
         I: Iterator<Item = Bytes> + Send,
     {
@@ -353,12 +385,12 @@ impl<C: SendHeader> Shared<C> {
             match it.next() {
                 Some(first) if held.len() + header.len() + first.len() <= self.max_message => {
                     // Once per connection: the accept, any layer header, the reply.
-                    let h = if header.is_empty() {
-                        held
+                    if header.is_empty() {
+                        self.inner.send_with_header(held, [first]).await?;
                     } else {
-                        Bytes::from([&held[..], header].concat())
-                    };
-                    self.inner.send_with_header(&h, [first]).await?;
+                        let h = [held, header].concat();
+                        self.inner.send_with_header(&h, [first]).await?;
+                    }
                 }
                 // Rare (a reply too long to carry the accept): boxed, to keep this future
                 // small.
@@ -375,7 +407,9 @@ impl<C: SendHeader> Shared<C> {
     /// Sends the accept alone, then `first` (if any) as DATA.
     async fn send_accept_then(&self, header: &[u8], first: Option<Bytes>) -> Result<(), Error> {
         if let Some(a) = &self.answer {
-            self.inner.send_with_header(&[], [a.accept()]).await?;
+            self.inner
+                .send_with_header(a.accept(), [Bytes::new()])
+                .await?;
         }
         if let Some(m) = first {
             send_data(&self.inner, header, [m]).await?;
@@ -450,7 +484,12 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                 if self.shared.reply_due.swap(false, Ordering::AcqRel)
                     && let Some(a) = &self.shared.answer
                 {
-                    Box::pin(self.shared.inner.send_with_header(&[], [a.accept()])).await?;
+                    Box::pin(
+                        self.shared
+                            .inner
+                            .send_with_header(a.accept(), [Bytes::new()]),
+                    )
+                    .await?;
                 }
                 let mut from_raw = 0;
                 if self.shared.has_pending.load(Ordering::Acquire) {
@@ -671,3 +710,25 @@ impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
 /// Nothing to hand over: every view shares the one base and its queues, which outlive a
 /// switch of the stack above them.
 impl<C: SendHeader + PeerHandoff> chunnel::Handover for Tagged<C> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_keep_their_bytes_inline_or_not() {
+        for len in [5, Stored::INLINE, Stored::INLINE + 1, 300] {
+            let all: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let a = Answer::new(9, Bytes::from(all.clone()), 3);
+            assert_eq!(a.bytes(), &all[..], "{len} bytes");
+            assert_eq!(a.accept(), &all[3..], "{len} bytes");
+            assert_eq!(
+                matches!(a.stored, Stored::Inline { .. }),
+                len <= Stored::INLINE,
+                "{len} bytes"
+            );
+        }
+        // An answer shorter than its prefix has no accept, rather than a panic.
+        assert_eq!(Answer::new(1, Bytes::from_static(b"ab"), 3).accept(), b"");
+    }
+}
