@@ -896,7 +896,10 @@ impl std::hash::Hasher for PeerHasher {
 
 /// Per-peer state on a listener.
 #[derive(Debug)]
-struct Peer {
+struct Peer<A> {
+    /// The peer's address (the key it has in the map, kept here too so that its connection
+    /// and its idle-sweep entry need no copy of their own).
+    addr: A,
     queue: Mutex<PeerQueue>,
     notify: Notify,
     closed: AtomicBool,
@@ -946,9 +949,10 @@ impl PeerQueue {
     }
 }
 
-impl Peer {
-    fn new(queue: PeerQueue) -> Self {
+impl<A> Peer<A> {
+    fn new(addr: A, queue: PeerQueue) -> Self {
         Peer {
+            addr,
             queue: Mutex::new(queue),
             notify: Notify::new(),
             closed: AtomicBool::new(false),
@@ -978,8 +982,7 @@ impl<A> std::fmt::Debug for IdleSweep<A> {
 struct IdleEntry<A> {
     /// When to look again, in [`Shared::nanos_now`] units.
     at: u64,
-    addr: A,
-    peer: std::sync::Weak<Peer>,
+    peer: std::sync::Weak<Peer<A>>,
 }
 
 impl<A> PartialEq for IdleEntry<A> {
@@ -1005,26 +1008,28 @@ impl<A> Ord for IdleEntry<A> {
 
 #[derive(Debug)]
 struct Demux<A> {
-    peers: HashMap<A, Arc<Peer>, PeerHash>,
-    backlog: VecDeque<(A, Arc<Peer>)>,
+    peers: HashMap<A, Arc<Peer<A>>, PeerHash>,
+    backlog: VecDeque<Arc<Peer<A>>>,
 }
 
 impl<A: DgramAddr> Demux<A> {
     /// Closes `peer` and removes it from the map if it is still `addr`'s peer (a new
     /// connection of the same address may have replaced it). Nothing if already closed.
-    fn leave(&mut self, addr: &A, peer: &Arc<Peer>) {
+    fn leave(&mut self, peer: &Arc<Peer<A>>) {
         if !peer.closed.swap(true, Ordering::AcqRel)
-            && self.peers.get(addr).is_some_and(|p| Arc::ptr_eq(p, peer))
+            && self
+                .peers
+                .get(&peer.addr)
+                .is_some_and(|p| Arc::ptr_eq(p, peer))
         {
-            self.peers.remove(addr);
+            self.peers.remove(&peer.addr);
         }
     }
 }
 
 /// A connection reading for itself in [`Shared::pump_for`].
 struct Direct<'a, A> {
-    addr: &'a A,
-    peer: &'a Peer,
+    peer: &'a Peer<A>,
     slots: &'a mut [Option<Bytes>],
 }
 
@@ -1214,13 +1219,12 @@ impl<S: DgramSocket> Shared<S> {
 
     /// Puts a newly accepted connection under the idle sweep (started on first use; it
     /// ends when nothing is left to watch, or with the listener and its connections).
-    fn watch_idle(self: &Arc<Self>, addr: &S::Addr, peer: &Arc<Peer>, timeout: Duration) {
+    fn watch_idle(self: &Arc<Self>, peer: &Arc<Peer<S::Addr>>, timeout: Duration) {
         let now = self.nanos_now();
         peer.last_rx.store(now, Ordering::Relaxed);
         let mut g = lock(&self.idle);
         g.due.push(IdleEntry {
             at: now.saturating_add(nanos(timeout)),
-            addr: addr.clone(),
             peer: Arc::downgrade(peer),
         });
         if g.task.as_ref().is_none_or(|t| t.is_finished()) {
@@ -1271,7 +1275,7 @@ impl<S: DgramSocket> Shared<S> {
                 continue;
             }
             peer.idled.store(true, Ordering::Release);
-            d.leave(&e.addr, &peer);
+            d.leave(&peer);
             drop(d);
             peer.notify.notify_waiters();
         }
@@ -1498,7 +1502,7 @@ impl<S: DgramSocket> Shared<S> {
                     };
                     if let Some(me) = me.as_mut()
                         && direct < me.slots.len()
-                        && addr == *me.addr
+                        && addr == me.peer.addr
                         && !me.peer.closed.load(Ordering::Acquire)
                     {
                         // Only while nothing older waits in the queue (order); the queue is
@@ -1534,9 +1538,9 @@ impl<S: DgramSocket> Shared<S> {
                                     .dropped_queue_full
                                     .fetch_add(1, Ordering::Relaxed);
                             }
-                            let p = Arc::new(Peer::new(q));
-                            d.peers.insert(addr.clone(), p.clone());
-                            d.backlog.push_back((addr, p));
+                            let p = Arc::new(Peer::new(addr.clone(), q));
+                            d.peers.insert(addr, p.clone());
+                            d.backlog.push_back(p);
                             drop(d);
                             if conn_reads {
                                 self.accept_notify.notify_one();
@@ -1677,8 +1681,8 @@ impl<S: DgramSocket> Drop for Listener<S> {
         {
             let mut d = lock(&self.shared.demux);
             let pending: Vec<_> = d.backlog.drain(..).collect();
-            for (addr, _) in pending {
-                d.peers.remove(&addr);
+            for p in pending {
+                d.peers.remove(&p.addr);
             }
         }
         // A place `accept` kept between calls (or was handed) is given up as any reader
@@ -1712,15 +1716,14 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
         let mut held = ReaderGuard::new(sh);
         loop {
             let next = lock(&sh.demux).backlog.pop_front();
-            if let Some((addr, peer)) = next {
+            if let Some(peer) = next {
                 if let Some(t) = sh.cfg.idle_timeout {
-                    sh.watch_idle(&addr, &peer, t);
+                    sh.watch_idle(&peer, t);
                 }
                 // A looping `accept` keeps the place (the guard's drop leaves it): the next call
                 // takes it up again.
                 return Ok(ServerConnection {
                     shared: sh.clone(),
-                    addr,
                     peer,
                 });
             }
@@ -1771,8 +1774,8 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
 #[derive(Debug)]
 pub struct ServerConnection<S: DgramSocket> {
     shared: Arc<Shared<S>>,
-    addr: S::Addr,
-    peer: Arc<Peer>,
+    /// The peer's state on the listener, its address included.
+    peer: Arc<Peer<S::Addr>>,
 }
 
 impl<S: DgramSocket> ServerConnection<S> {
@@ -1787,7 +1790,7 @@ impl<S: DgramSocket> ServerConnection<S> {
 
     /// Removes this peer from the listener (demux lock held).
     fn leave(&self, d: &mut Demux<S::Addr>) {
-        d.leave(&self.addr, &self.peer);
+        d.leave(&self.peer);
     }
 
     /// The error of a closed connection: [`Error::PeerClosed`] the first time after the
@@ -1827,11 +1830,12 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
         self.leave(&mut d);
         let admitted = sh.listener_open.load(Ordering::Acquire)
             && d.backlog.len() < sh.cfg.backlog
-            && !d.peers.contains_key(&self.addr);
+            && !d.peers.contains_key(&self.peer.addr);
         if admitted {
-            let p = Arc::new(Peer::new(PeerQueue::one(first)));
-            d.peers.insert(self.addr.clone(), p.clone());
-            d.backlog.push_back((self.addr.clone(), p));
+            let addr = self.peer.addr.clone();
+            let p = Arc::new(Peer::new(addr.clone(), PeerQueue::one(first)));
+            d.peers.insert(addr, p.clone());
+            d.backlog.push_back(p);
             sh.accept_notify.notify_one();
         }
         drop(d);
@@ -1862,8 +1866,8 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
         send_burst(
             &sh.sock,
             &sh.cfg,
-            Some(&self.addr),
-            &self.addr,
+            Some(&self.peer.addr),
+            &self.peer.addr,
             header,
             burst,
             &sh.spill,
@@ -1876,7 +1880,7 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
             return Some(Err(Error::Closed));
         }
         let sh = &self.shared;
-        try_send_now(&sh.sock, &sh.cfg, Some(&self.addr), &self.addr, header, msg)
+        try_send_now(&sh.sock, &sh.cfg, Some(&self.peer.addr), &self.peer.addr, header, msg)
     }
 }
 
@@ -1892,8 +1896,8 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         send_burst(
             &sh.sock,
             &sh.cfg,
-            Some(&self.addr),
-            &self.addr,
+            Some(&self.peer.addr),
+            &self.peer.addr,
             &[],
             burst,
             &sh.spill,
@@ -1932,7 +1936,6 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 // unless new peers are what comes in: then `accept` keeps reading for everyone.
                 if held.holds() || self.shared.place_open_to_conn() {
                     let me = Direct {
-                        addr: &self.addr,
                         peer: &self.peer,
                         slots: &mut *slots,
                     };
@@ -1956,7 +1959,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
-                        Err(e) => return Err(conn_err("recv", &self.addr, e)),
+                        Err(e) => return Err(conn_err("recv", &self.peer.addr, e)),
                     }
                 }
                 // About to wait: register for this connection's wake-ups first, then look once
@@ -1972,7 +1975,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 self.shared
                     .wait_readable(CONN_READER, &mut held, notified)
                     .await
-                    .map_err(|e| conn_err("recv", &self.addr, e))?;
+                    .map_err(|e| conn_err("recv", &self.peer.addr, e))?;
                 // Back without the place: this call may have taken the wake-up that a vacant place
                 // sends one waiting connection.
                 held.armed = !held.holds();
@@ -1995,11 +1998,11 @@ impl<S: DgramSocket> chunnel::Handover for Connection<S> {}
 impl<S: DgramSocket> chunnel::Handover for ServerConnection<S> {}
 
 macro_rules! peer_addr {
-    ($sock:ty, $addr:ty, $($conn:ident . $field:ident),+) => {$(
+    ($sock:ty, $addr:ty, $($conn:ident . $($field:ident).+),+) => {$(
         impl $conn<$sock> {
             /// The peer this connection talks to.
             pub fn peer_addr(&self) -> &$addr {
-                &self.$field
+                &self.$($field).+
             }
         }
     )+};
@@ -2009,13 +2012,13 @@ peer_addr!(
     tokio::net::UdpSocket,
     std::net::SocketAddr,
     Connection.peer,
-    ServerConnection.addr
+    ServerConnection.peer.addr
 );
 peer_addr!(
     tokio::net::UnixDatagram,
     sys::UnixAddr,
     Connection.peer,
-    ServerConnection.addr
+    ServerConnection.peer.addr
 );
 
 #[cfg(test)]
