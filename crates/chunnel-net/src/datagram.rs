@@ -17,7 +17,7 @@
 // (`udp::Connection`, `uds::DatagramListener`...), never the trait.
 #![allow(private_bounds, private_interfaces)]
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -1006,9 +1006,79 @@ impl<A> Ord for IdleEntry<A> {
     }
 }
 
+/// The listener's peers by address: a table of the peers themselves (each knows its
+/// address), hashed by [`PeerHash`]: 8 bytes a slot, with no copy of the address beside
+/// each (a map from address to peer kept 40).
+struct PeerMap<A> {
+    table: hashbrown::HashTable<Arc<Peer<A>>>,
+    hash: PeerHash,
+}
+
+impl<A> std::fmt::Debug for PeerMap<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerMap")
+            .field("peers", &self.table.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<A: DgramAddr> PeerMap<A> {
+    fn new() -> Self {
+        PeerMap {
+            table: hashbrown::HashTable::new(),
+            hash: PeerHash::new(),
+        }
+    }
+
+    fn hash_of(&self, addr: &A) -> u64 {
+        use std::hash::BuildHasher;
+        self.hash.hash_one(addr)
+    }
+
+    fn get(&self, addr: &A) -> Option<&Arc<Peer<A>>> {
+        self.table.find(self.hash_of(addr), |p| p.addr == *addr)
+    }
+
+    fn contains(&self, addr: &A) -> bool {
+        self.get(addr).is_some()
+    }
+
+    /// Adds `peer` under its address, in place of any peer there.
+    fn insert(&mut self, peer: Arc<Peer<A>>) {
+        use std::hash::BuildHasher;
+        let h = self.hash_of(&peer.addr);
+        let hash = &self.hash;
+        match self
+            .table
+            .entry(h, |p| p.addr == peer.addr, |p| hash.hash_one(&p.addr))
+        {
+            hashbrown::hash_table::Entry::Occupied(mut e) => *e.get_mut() = peer,
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                e.insert(peer);
+            }
+        }
+    }
+
+    fn remove(&mut self, addr: &A) -> Option<Arc<Peer<A>>> {
+        let h = self.hash_of(addr);
+        self.table
+            .find_entry(h, |p| p.addr == *addr)
+            .ok()
+            .map(|e| e.remove().0)
+    }
+
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Arc<Peer<A>>> {
+        self.table.iter()
+    }
+}
+
 #[derive(Debug)]
 struct Demux<A> {
-    peers: HashMap<A, Arc<Peer<A>>, PeerHash>,
+    peers: PeerMap<A>,
     backlog: VecDeque<Arc<Peer<A>>>,
 }
 
@@ -1538,8 +1608,8 @@ impl<S: DgramSocket> Shared<S> {
                                     .dropped_queue_full
                                     .fetch_add(1, Ordering::Relaxed);
                             }
-                            let p = Arc::new(Peer::new(addr.clone(), q));
-                            d.peers.insert(addr, p.clone());
+                            let p = Arc::new(Peer::new(addr, q));
+                            d.peers.insert(p.clone());
                             d.backlog.push_back(p);
                             drop(d);
                             if conn_reads {
@@ -1616,7 +1686,7 @@ impl<S: DgramSocket> Listener<S> {
                 sock,
                 cfg,
                 demux: Mutex::new(Demux {
-                    peers: HashMap::with_hasher(PeerHash::new()),
+                    peers: PeerMap::new(),
                     backlog: VecDeque::new(),
                 }),
                 rx: Mutex::new(RxScratch::new(MAX_BATCH)),
@@ -1830,11 +1900,10 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
         self.leave(&mut d);
         let admitted = sh.listener_open.load(Ordering::Acquire)
             && d.backlog.len() < sh.cfg.backlog
-            && !d.peers.contains_key(&self.peer.addr);
+            && !d.peers.contains(&self.peer.addr);
         if admitted {
-            let addr = self.peer.addr.clone();
-            let p = Arc::new(Peer::new(addr.clone(), PeerQueue::one(first)));
-            d.peers.insert(addr, p.clone());
+            let p = Arc::new(Peer::new(self.peer.addr.clone(), PeerQueue::one(first)));
+            d.peers.insert(p.clone());
             d.backlog.push_back(p);
             sh.accept_notify.notify_one();
         }
@@ -1880,7 +1949,14 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
             return Some(Err(Error::Closed));
         }
         let sh = &self.shared;
-        try_send_now(&sh.sock, &sh.cfg, Some(&self.peer.addr), &self.peer.addr, header, msg)
+        try_send_now(
+            &sh.sock,
+            &sh.cfg,
+            Some(&self.peer.addr),
+            &self.peer.addr,
+            header,
+            msg,
+        )
     }
 }
 
@@ -2040,6 +2116,32 @@ mod tests {
     fn counter() -> (Arc<Count>, Waker) {
         let c = Arc::new(Count(AtomicUsize::new(0)));
         (Arc::clone(&c), Waker::from(c))
+    }
+
+    /// The peer table finds each peer by its address through growth, replaces a peer of the
+    /// same address, and forgets what is removed.
+    #[test]
+    fn peer_map_finds_peers_by_their_own_address() {
+        let addr = |i: u16| std::net::SocketAddr::from(([127, 0, 0, 1], i));
+        let mut m = PeerMap::new();
+        for i in 1..=3000 {
+            m.insert(Arc::new(Peer::new(addr(i), PeerQueue::default())));
+        }
+        assert_eq!(m.len(), 3000);
+        for i in 1..=3000 {
+            assert_eq!(m.get(&addr(i)).map(|p| p.addr), Some(addr(i)));
+        }
+        assert!(!m.contains(&addr(3001)));
+        let again = Arc::new(Peer::new(addr(7), PeerQueue::one(Bytes::from_static(b"x"))));
+        m.insert(Arc::clone(&again));
+        assert_eq!(m.len(), 3000, "replaced, not added");
+        assert!(Arc::ptr_eq(m.get(&addr(7)).expect("there"), &again));
+        for i in (1..=3000).step_by(2) {
+            assert_eq!(m.remove(&addr(i)).map(|p| p.addr), Some(addr(i)));
+        }
+        assert_eq!(m.remove(&addr(1)).map(|p| p.addr), None);
+        assert_eq!(m.len(), 1500);
+        assert_eq!(m.values().filter(|p| p.addr.port() % 2 == 0).count(), 1500);
     }
 
     /// A peer's queue keeps arrival order across its inline first slot and the rest, however
