@@ -519,6 +519,11 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                             }
                         }
                     }
+                    if n > 0 && q.is_empty() {
+                        // Early data and replies are delivered once, at the start: their
+                        // buffer is not kept for the connection's whole life.
+                        *q = VecDeque::new();
+                    }
                     self.shared.has_pending.store(
                         !q.is_empty() || raw.is_some_and(|r| !r.is_empty()),
                         Ordering::Release,
