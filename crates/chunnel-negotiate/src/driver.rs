@@ -623,15 +623,25 @@ impl<C: SendHeader> Held<C> {
             tokio::time::sleep_until(wake).await;
             let now = Instant::now().max(wake);
             loop {
+                // The due entries whose accept already left with a reply (most of them) are
+                // dropped under one lock; the first still held is released outside it.
                 let entry = {
                     let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-                    match q.front() {
-                        Some((due, _)) if *due <= now => q.pop_front(),
-                        _ => None,
+                    loop {
+                        match q.front() {
+                            Some((due, _)) if *due <= now => {
+                                if let Some((_, t)) = q.pop_front()
+                                    && t.may_hold()
+                                {
+                                    break Some(t);
+                                }
+                            }
+                            _ => break None,
+                        }
                     }
                 };
                 match entry {
-                    Some((_, t)) => t.release_accept().await,
+                    Some(t) => t.release_accept().await,
                     None => break,
                 }
             }
