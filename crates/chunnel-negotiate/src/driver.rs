@@ -76,7 +76,8 @@ pub struct Info {
 #[derive(Debug)]
 pub struct Negotiated<C> {
     conn: C,
-    info: Info,
+    /// Shared with the other connections that got the same decision (see [`InfoCache`]).
+    info: Arc<Info>,
     control: Control,
 }
 
@@ -125,7 +126,7 @@ impl<C> Negotiated<C> {
 
     /// Splits into the stack's connection and the decision.
     pub fn into_parts(self) -> (C, Info) {
-        (self.conn, self.info)
+        (self.conn, Arc::unwrap_or_clone(self.info))
     }
 }
 
@@ -270,6 +271,7 @@ async fn drive<C: SendHeader>(
 #[derive(Debug, Default)]
 pub struct Client {
     cfg: Config,
+    infos: InfoCache,
     cache: Mutex<HashMap<String, Remembered, BuildHasherDefault<NameHasher>>>,
     ticker: Arc<Ticker>,
 }
@@ -297,6 +299,7 @@ impl Client {
     pub fn new(cfg: Config) -> Self {
         Client {
             cfg,
+            infos: InfoCache::default(),
             cache: Mutex::new(HashMap::default()),
             ticker: Arc::default(),
         }
@@ -414,7 +417,7 @@ impl Client {
         self.remember(server, &out.accept.client_pick, out.known, None);
         Ok(Negotiated {
             conn,
-            info: info(out.accept, out.hellos_sent),
+            info: self.infos.get(out.accept, out.hellos_sent),
             control,
         })
     }
@@ -527,7 +530,7 @@ impl Client {
             )),
             ZeroRtt::Accepted => Ok(Negotiated {
                 conn,
-                info: info(out.accept, hellos),
+                info: self.infos.get(out.accept, hellos),
                 control: control(&tagged),
             }),
             _ => {
@@ -545,11 +548,35 @@ impl Client {
                 .await?;
                 Ok(Negotiated {
                     conn,
-                    info: info(out.accept, hellos),
+                    info: self.infos.get(out.accept, hellos),
                     control,
                 })
             }
         }
+    }
+}
+
+/// The last decision's [`Info`], shared by the connections that get the same one (most of a
+/// server's connections, a client's reconnects): a negotiated connection, which an
+/// application's task holds for its whole life, keeps a pointer instead of the record.
+#[derive(Debug, Default)]
+struct InfoCache(Mutex<Option<Arc<Info>>>);
+
+impl InfoCache {
+    fn get(&self, a: crate::wire::Accept, hellos_sent: u32) -> Arc<Info> {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = last.as_ref()
+            && i.hellos_sent == hellos_sent
+            && i.zero_rtt == a.zero_rtt
+            && i.client_pick == a.client_pick
+            && i.server_pick == a.server_pick
+            && (Arc::ptr_eq(&i.server_stack, &a.server_stack) || i.server_stack == a.server_stack)
+        {
+            return Arc::clone(i);
+        }
+        let i = Arc::new(info(a, hellos_sent));
+        *last = Some(Arc::clone(&i));
+        i
     }
 }
 
@@ -736,6 +763,7 @@ where
         async move { held.run().await }
     });
     let on = Arc::new(on);
+    let infos = Arc::new(InfoCache::default());
     let task = tokio::spawn(async move {
         // The box of a handshake that completed in its first poll, kept for the next one (a
         // handshake's future is most of a kilobyte: not allocated and freed per connection).
@@ -761,6 +789,7 @@ where
                 stack.clone(),
                 cfg,
                 Arc::clone(&held),
+                Arc::clone(&infos),
             );
             let mut handshake = boxed_in(&mut spare, one);
             // The hello usually arrived with the datagram that made this connection: then the
@@ -806,6 +835,7 @@ async fn serve_one<C, S>(
     mut stack: S,
     cfg: Config,
     held: Arc<Held<C>>,
+    infos: Arc<InfoCache>,
 ) -> Result<Negotiated<S::Connection>, Error>
 where
     C: SendHeader + PeerHandoff + 'static,
@@ -851,7 +881,7 @@ where
             let conn = stack.connect_wrap(tagged).await?;
             Ok(Negotiated {
                 conn,
-                info: info(accept, 0),
+                info: infos.get(accept, 0),
                 control,
             })
         }
@@ -1015,8 +1045,43 @@ impl Client {
         }
         Ok(Negotiated {
             conn,
-            info: info(out.accept, out.hellos_sent),
+            info: self.infos.get(out.accept, out.hellos_sent),
             control,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Accept;
+
+    fn accept(client: &[u8], conn_id: u64, zero_rtt: ZeroRtt) -> Accept {
+        Accept {
+            version: crate::wire::VERSION,
+            conn_id,
+            zero_rtt,
+            client_pick: Pick::from_slice(client),
+            server_pick: Pick::from_slice(&[0]),
+            server_stack: Arc::from(Vec::new()),
+        }
+    }
+
+    #[test]
+    fn connections_with_the_same_decision_share_its_info() {
+        let c = InfoCache::default();
+        let a = c.get(accept(&[0], 1, ZeroRtt::Accepted), 0);
+        // Another connection id, the same decision: shared.
+        let b = c.get(accept(&[0], 2, ZeroRtt::Accepted), 0);
+        assert!(Arc::ptr_eq(&a, &b));
+        // Any field that differs makes a record of its own, with that field.
+        let other = c.get(accept(&[1], 3, ZeroRtt::Accepted), 0);
+        assert_eq!(other.client_pick, Pick::from_slice(&[1]));
+        let rejected = c.get(accept(&[1], 4, ZeroRtt::Rejected), 0);
+        assert_eq!(rejected.zero_rtt, ZeroRtt::Rejected);
+        let resent = c.get(accept(&[1], 5, ZeroRtt::Rejected), 2);
+        assert_eq!(resent.hellos_sent, 2);
+        assert!(!Arc::ptr_eq(&other, &rejected) && !Arc::ptr_eq(&rejected, &resent));
+        assert_eq!(*a, info(accept(&[0], 9, ZeroRtt::Accepted), 0));
     }
 }

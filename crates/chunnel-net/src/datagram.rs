@@ -907,6 +907,9 @@ struct Peer<A> {
     idled: AtomicBool,
     /// When a message was last handed to the connection, in [`Shared::nanos_now`] units.
     last_rx: AtomicU64,
+    /// The connection waits for the reader's place (listed in [`Shared::vacancy`]); cleared by
+    /// the reader that offers it the place, or by the connection when it stops waiting.
+    wants_place: AtomicBool,
 }
 
 /// A peer's received messages, oldest first: the first inline (a connection usually
@@ -962,6 +965,7 @@ impl<A> Peer<A> {
             closed: AtomicBool::new(false),
             idled: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
+            wants_place: AtomicBool::new(false),
         }
     }
 }
@@ -1143,8 +1147,11 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// readiness future per wait put a waiter in a locked list and took it out again: a
     /// few hundred instructions per wait, and its size in every receive future.)
     read_register: Mutex<()>,
-    /// Connections waiting for the reader's place (`vacancy_waiters` of them).
-    reader_vacant: Notify,
+    /// Connections waiting for the reader's place, oldest first (entries of connections that
+    /// stopped waiting are skipped when met); `vacancy_waiters` of them still wait. A reader
+    /// leaving the place wakes the first through the connection's own wake-up, so a waiting
+    /// receive holds one registration, not two.
+    vacancy: Mutex<VecDeque<std::sync::Weak<Peer<S::Addr>>>>,
     vacancy_waiters: AtomicUsize,
     /// `accept` waiting for the place to change hands: to fall vacant while a connection
     /// holds it, or to be taken from `accept` by a connection. One task, woken through a
@@ -1157,12 +1164,19 @@ pub(crate) struct Shared<S: DgramSocket> {
     idle: Mutex<IdleSweep<S::Addr>>,
 }
 
-/// Decrements a counter on drop.
-struct Decrement<'a>(&'a AtomicUsize);
+/// A connection's wait for the reader's place (see [`Shared::want_place`]); it stops
+/// waiting on drop (also when its receive is cancelled).
+struct Wanting<'a, S: DgramSocket> {
+    shared: &'a Shared<S>,
+    peer: &'a Peer<S::Addr>,
+}
 
-impl Drop for Decrement<'_> {
+impl<S: DgramSocket> Drop for Wanting<'_, S> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        // Not if the place was offered meanwhile: the offering reader counted it off.
+        if self.peer.wants_place.swap(false, Ordering::SeqCst) {
+            self.shared.vacancy_waiters.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -1246,7 +1260,7 @@ impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
             && sh.reader.load(Ordering::SeqCst) == NO_READER
             && sh.vacancy_waiters.load(Ordering::SeqCst) > 0
         {
-            sh.reader_vacant.notify_one();
+            sh.offer_place();
         }
     }
 }
@@ -1273,10 +1287,49 @@ impl<S: DgramSocket> Shared<S> {
             if role == CONN_READER {
                 self.wake_accept();
             }
-            // Pairs with the increment in `wait_readable`: a waiter this does not see sees
-            // the place vacant.
+            // Pairs with the increment in `want_place`: a waiter this does not see sees the
+            // place vacant.
             if self.vacancy_waiters.load(Ordering::SeqCst) > 0 {
-                self.reader_vacant.notify_one();
+                self.offer_place();
+            }
+        }
+    }
+
+    /// Lists `peer`'s connection as waiting for the reader's place, then counts it: a reader
+    /// that sees the count finds it listed.
+    fn want_place<'a>(&'a self, peer: &'a Arc<Peer<S::Addr>>) -> Wanting<'a, S> {
+        if !peer.wants_place.swap(true, Ordering::SeqCst) {
+            let mut q = lock(&self.vacancy);
+            // Entries of connections that stopped waiting are skipped when met; a list much
+            // longer than the waiters is swept here (of those entries and of this peer's
+            // older ones), so it stays bounded.
+            let waiting = self.vacancy_waiters.load(Ordering::SeqCst);
+            if q.len() > 2 * waiting + 16 {
+                q.retain(|w| {
+                    w.upgrade().is_some_and(|p| {
+                        !Arc::ptr_eq(&p, peer) && p.wants_place.load(Ordering::SeqCst)
+                    })
+                });
+            }
+            q.push_back(Arc::downgrade(peer));
+            drop(q);
+            self.vacancy_waiters.fetch_add(1, Ordering::SeqCst);
+        }
+        Wanting { shared: self, peer }
+    }
+
+    /// Wakes the connection that has waited longest for the reader's place, through its own
+    /// wake-up (it then looks at the place again).
+    fn offer_place(&self) {
+        let mut q = lock(&self.vacancy);
+        while let Some(w) = q.pop_front() {
+            if let Some(p) = w.upgrade()
+                && p.wants_place.swap(false, Ordering::SeqCst)
+            {
+                self.vacancy_waiters.fetch_sub(1, Ordering::SeqCst);
+                drop(q);
+                p.notify.notify_one();
+                return;
             }
         }
     }
@@ -1427,6 +1480,7 @@ impl<S: DgramSocket> Shared<S> {
         &'s self,
         role: u8,
         held: &'h mut ReaderGuard<'s, S>,
+        me: Option<&'h Arc<Peer<S::Addr>>>,
         mut other: F,
     ) -> impl Future<Output = io::Result<Option<T>>> + use<'s, 'h, T, F, S>
     where
@@ -1516,24 +1570,18 @@ impl<S: DgramSocket> Shared<S> {
                 // then wakes every connection (this one registered its wake-up before looking).
                 Ok(Some(other.await))
             } else {
-                // Counted, then registered, before the place is looked at again: a reader leaving
-                // after this wakes us; one that left before it is seen here.
-                self.vacancy_waiters.fetch_add(1, Ordering::SeqCst);
-                let _counted = Decrement(&self.vacancy_waiters);
-                let vacant = self.reader_vacant.notified();
-                tokio::pin!(vacant);
-                vacant.as_mut().enable();
+                // A connection waits for the place to fall vacant. Listed and counted before the
+                // place is looked at again: a reader leaving after this offers it the place
+                // through `other` (its own wake-up, registered by the caller); one that left
+                // before it is seen here. (`accept` never comes here: it has no `me`.)
+                let Some(me) = me else {
+                    return Ok(Some(other.await));
+                };
+                let _wanting = self.want_place(me);
                 if self.place_open_to_conn() {
                     return Ok(None);
                 }
-                // Both moved in: the pinned reference is then not kept besides the closure.
-                std::future::poll_fn(move |cx| {
-                    if let Poll::Ready(t) = Pin::new(&mut other).poll(cx) {
-                        return Poll::Ready(Ok(Some(t)));
-                    }
-                    vacant.as_mut().poll(cx).map(|()| Ok(None))
-                })
-                .await
+                Ok(Some(other.await))
             }
         }
     }
@@ -1701,7 +1749,7 @@ impl<S: DgramSocket> Listener<S> {
                 fresh: AtomicBool::new(false),
                 read_register: Mutex::new(()),
                 accept_in_loop: AtomicBool::new(false),
-                reader_vacant: Notify::new(),
+                vacancy: Mutex::new(VecDeque::new()),
                 vacancy_waiters: AtomicUsize::new(0),
                 accept_waker: Mutex::new(None),
                 epoch: Instant::now(),
@@ -1826,7 +1874,7 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                 }
             }
             let fired = sh
-                .wait_readable(ACCEPT_READER, &mut held, notified.as_mut())
+                .wait_readable(ACCEPT_READER, &mut held, None, notified.as_mut())
                 .await
                 .map_err(|e| Error::Io {
                     op: "accept",
@@ -2053,7 +2101,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                     continue;
                 }
                 self.shared
-                    .wait_readable(CONN_READER, &mut held, notified)
+                    .wait_readable(CONN_READER, &mut held, Some(&self.peer), notified)
                     .await
                     .map_err(|e| conn_err("recv", &self.peer.addr, e))?;
                 // Back without the place: this call may have taken the wake-up that a vacant place
@@ -2223,5 +2271,43 @@ mod tests {
         );
         assert_eq!(old.0.load(Ordering::SeqCst), 0);
         sh.reader.store(NO_READER, Ordering::SeqCst);
+    }
+
+    /// A connection waiting for the reader's place is offered it through its own wake-up,
+    /// once; one that stopped waiting is skipped; the list of waiters stays bounded however
+    /// often connections start and stop waiting.
+    #[tokio::test]
+    async fn the_place_is_offered_to_a_waiting_connection_through_its_own_wake_up() {
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let l = Listener::new(sock, crate::udp::Config::default());
+        let sh = &l.shared;
+        let addr = |i: u16| std::net::SocketAddr::from(([127, 0, 0, 1], i));
+        let (a, b) = (
+            Arc::new(Peer::new(addr(1), PeerQueue::default())),
+            Arc::new(Peer::new(addr(2), PeerQueue::default())),
+        );
+        for _ in 0..1000 {
+            drop(sh.want_place(&a));
+        }
+        assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
+        assert!(lock(&sh.vacancy).len() <= 17, "swept as it grows");
+        let gone = sh.want_place(&a);
+        let waiting = sh.want_place(&b);
+        drop(gone); // `a` stops waiting: skipped
+        assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 1);
+        let woken = b.notify.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        sh.offer_place();
+        assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
+        assert!(!b.wants_place.load(Ordering::SeqCst));
+        tokio::time::timeout(std::time::Duration::from_secs(5), woken)
+            .await
+            .expect("the waiting connection is woken");
+        // Offered already: stopping its wait does not count it off twice.
+        drop(waiting);
+        assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
+        sh.offer_place(); // nobody waits: nothing
+        assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
     }
 }
