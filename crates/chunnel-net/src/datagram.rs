@@ -22,7 +22,7 @@ use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
 use std::time::Duration;
@@ -907,9 +907,9 @@ struct Peer<A> {
     idled: AtomicBool,
     /// When a message was last handed to the connection, in [`Shared::nanos_now`] units.
     last_rx: AtomicU64,
-    /// The connection waits for the reader's place (listed in [`Shared::vacancy`]); cleared by
-    /// the reader that offers it the place, or by the connection when it stops waiting.
-    wants_place: AtomicBool,
+    /// How many receives of this connection wait for the reader's place (listed once in
+    /// [`Shared::vacancy`] while any do); reset by the reader that offers it the place.
+    wants_place: AtomicU32,
 }
 
 /// A peer's received messages, oldest first: the first inline (a connection usually
@@ -965,7 +965,7 @@ impl<A> Peer<A> {
             closed: AtomicBool::new(false),
             idled: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
-            wants_place: AtomicBool::new(false),
+            wants_place: AtomicU32::new(0),
         }
     }
 }
@@ -1148,9 +1148,9 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// few hundred instructions per wait, and its size in every receive future.)
     read_register: Mutex<()>,
     /// Connections waiting for the reader's place, oldest first (entries of connections that
-    /// stopped waiting are skipped when met); `vacancy_waiters` of them still wait. A reader
-    /// leaving the place wakes the first through the connection's own wake-up, so a waiting
-    /// receive holds one registration, not two.
+    /// stopped waiting are skipped when met); `vacancy_waiters` connections still wait. A
+    /// reader leaving the place wakes the first through the connection's own wake-up, so a
+    /// waiting receive holds one registration, not two.
     vacancy: Mutex<VecDeque<std::sync::Weak<Peer<S::Addr>>>>,
     vacancy_waiters: AtomicUsize,
     /// `accept` waiting for the place to change hands: to fall vacant while a connection
@@ -1164,8 +1164,9 @@ pub(crate) struct Shared<S: DgramSocket> {
     idle: Mutex<IdleSweep<S::Addr>>,
 }
 
-/// A connection's wait for the reader's place (see [`Shared::want_place`]); it stops
-/// waiting on drop (also when its receive is cancelled).
+/// A receive's wait for the reader's place (see [`Shared::want_place`]); it stops waiting on
+/// drop. (A receive cancelled after the place was offered to it passes the offer on through
+/// its [`ReaderGuard`], armed for that.)
 struct Wanting<'a, S: DgramSocket> {
     shared: &'a Shared<S>,
     peer: &'a Peer<S::Addr>,
@@ -1173,8 +1174,13 @@ struct Wanting<'a, S: DgramSocket> {
 
 impl<S: DgramSocket> Drop for Wanting<'_, S> {
     fn drop(&mut self) {
-        // Not if the place was offered meanwhile: the offering reader counted it off.
-        if self.peer.wants_place.swap(false, Ordering::SeqCst) {
+        // The connection's last waiting receive takes it off the count; not if the place was
+        // offered meanwhile (the offering reader reset the count and took it off).
+        let last = self
+            .peer
+            .wants_place
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if last == Ok(1) {
             self.shared.vacancy_waiters.fetch_sub(1, Ordering::SeqCst);
         }
     }
@@ -1298,37 +1304,40 @@ impl<S: DgramSocket> Shared<S> {
     /// Lists `peer`'s connection as waiting for the reader's place, then counts it: a reader
     /// that sees the count finds it listed.
     fn want_place<'a>(&'a self, peer: &'a Arc<Peer<S::Addr>>) -> Wanting<'a, S> {
-        if !peer.wants_place.swap(true, Ordering::SeqCst) {
-            let mut q = lock(&self.vacancy);
+        // Under the list's lock, which `offer_place` takes too: the count, the entry and the
+        // waiters change together.
+        let mut q = lock(&self.vacancy);
+        if peer.wants_place.fetch_add(1, Ordering::SeqCst) == 0 {
             // Entries of connections that stopped waiting are skipped when met; a list much
             // longer than the waiters is swept here (of those entries and of this peer's
             // older ones), so it stays bounded.
             let waiting = self.vacancy_waiters.load(Ordering::SeqCst);
-            if q.len() > 2 * waiting + 16 {
+            if q.len() > waiting.saturating_mul(2).saturating_add(16) {
                 q.retain(|w| {
                     w.upgrade().is_some_and(|p| {
-                        !Arc::ptr_eq(&p, peer) && p.wants_place.load(Ordering::SeqCst)
+                        !Arc::ptr_eq(&p, peer) && p.wants_place.load(Ordering::SeqCst) > 0
                     })
                 });
             }
             q.push_back(Arc::downgrade(peer));
-            drop(q);
             self.vacancy_waiters.fetch_add(1, Ordering::SeqCst);
         }
+        drop(q);
         Wanting { shared: self, peer }
     }
 
     /// Wakes the connection that has waited longest for the reader's place, through its own
-    /// wake-up (it then looks at the place again).
+    /// wake-up: every receive of it that waits (they look at the place again; one takes it,
+    /// the others wait again).
     fn offer_place(&self) {
         let mut q = lock(&self.vacancy);
         while let Some(w) = q.pop_front() {
             if let Some(p) = w.upgrade()
-                && p.wants_place.swap(false, Ordering::SeqCst)
+                && p.wants_place.swap(0, Ordering::SeqCst) > 0
             {
                 self.vacancy_waiters.fetch_sub(1, Ordering::SeqCst);
                 drop(q);
-                p.notify.notify_one();
+                p.notify.notify_waiters();
                 return;
             }
         }
@@ -1581,6 +1590,9 @@ impl<S: DgramSocket> Shared<S> {
                 if self.place_open_to_conn() {
                     return Ok(None);
                 }
+                // Armed while waiting: a receive cancelled after the place was offered to it
+                // passes the offer on (its guard's drop) instead of losing it.
+                held.armed = true;
                 Ok(Some(other.await))
             }
         }
@@ -2273,6 +2285,99 @@ mod tests {
         sh.reader.store(NO_READER, Ordering::SeqCst);
     }
 
+    /// A listener with `n` accepted connections, each having read its first datagram, and
+    /// their clients.
+    async fn accepted(
+        n: usize,
+    ) -> (
+        Listener<tokio::net::UdpSocket>,
+        Vec<tokio::net::UdpSocket>,
+        Vec<Arc<ServerConnection<tokio::net::UdpSocket>>>,
+    ) {
+        use chunnel::Listener as _;
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let to = sock.local_addr().unwrap();
+        let mut l = Listener::new(sock, crate::udp::Config::default());
+        let (mut cs, mut ss) = (Vec::new(), Vec::new());
+        for i in 0..n {
+            let c = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            c.connect(to).await.unwrap();
+            c.send(&[i as u8]).await.unwrap();
+            let s = Arc::new(l.accept().await.unwrap());
+            let mut sl = [None];
+            assert_eq!(s.recv(&mut sl).await.unwrap(), 1);
+            cs.push(c);
+            ss.push(s);
+        }
+        assert_eq!(l.shared.reader.load(Ordering::SeqCst), NO_READER);
+        (l, cs, ss)
+    }
+
+    /// A task receiving one datagram on `s`; its first byte.
+    fn receiving(s: Arc<ServerConnection<tokio::net::UdpSocket>>) -> tokio::task::JoinHandle<u8> {
+        tokio::spawn(async move {
+            let mut sl = [None];
+            s.recv(&mut sl).await.unwrap();
+            sl[0].take().unwrap()[0]
+        })
+    }
+
+    const SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+    /// Two receives on one connection both wait for the reader's place: both are served (a
+    /// per-connection flag, not a count, left the second unlisted and asleep).
+    #[tokio::test]
+    async fn two_receives_of_one_connection_both_get_the_place() {
+        let (l, cs, ss) = accepted(2).await;
+        let holder = receiving(ss[1].clone());
+        tokio::time::sleep(SETTLE).await;
+        assert_eq!(l.shared.reader.load(Ordering::SeqCst), CONN_READER);
+        let (t1, t2) = (receiving(ss[0].clone()), receiving(ss[0].clone()));
+        tokio::time::sleep(SETTLE).await;
+        cs[1].send(b"x").await.unwrap();
+        assert_eq!(holder.await.unwrap(), b'x');
+        tokio::time::sleep(SETTLE).await;
+        cs[0].send(b"1").await.unwrap();
+        tokio::time::sleep(SETTLE).await;
+        cs[0].send(b"2").await.unwrap();
+        let both = async { (t1.await.unwrap(), t2.await.unwrap()) };
+        let mut got = tokio::time::timeout(WAIT, both)
+            .await
+            .map(|(a, b)| [a, b])
+            .expect("both receives of the connection get a datagram");
+        got.sort_unstable();
+        assert_eq!(got, [b'1', b'2']);
+    }
+
+    /// A receive offered the reader's place and cancelled before it ran passes the offer on:
+    /// the next waiting connection gets the place (it was lost, and the socket unread).
+    #[tokio::test]
+    async fn an_offer_to_a_cancelled_receive_goes_to_the_next_waiter() {
+        let (l, cs, ss) = accepted(3).await;
+        let holder = receiving(ss[1].clone());
+        tokio::time::sleep(SETTLE).await;
+        assert_eq!(l.shared.reader.load(Ordering::SeqCst), CONN_READER);
+        let mut sl = [None];
+        let mut first = Box::pin(ss[0].recv(&mut sl));
+        // Polled once: listed first.
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(first.as_mut().poll(&mut cx).is_pending());
+        let second = receiving(ss[2].clone()); // listed second
+        tokio::time::sleep(SETTLE).await;
+        assert_eq!(l.shared.vacancy_waiters.load(Ordering::SeqCst), 2);
+        cs[1].send(b"x").await.unwrap();
+        assert_eq!(holder.await.unwrap(), b'x');
+        // The place was offered to the first, which is cancelled without running.
+        drop(first);
+        cs[2].send(b"y").await.unwrap();
+        let got = tokio::time::timeout(WAIT, second).await;
+        assert_eq!(
+            got.expect("the second waiter reads its datagram").unwrap(),
+            b'y'
+        );
+    }
+
     /// A connection waiting for the reader's place is offered it through its own wake-up,
     /// once; one that stopped waiting is skipped; the list of waiters stays bounded however
     /// often connections start and stop waiting.
@@ -2300,7 +2405,7 @@ mod tests {
         woken.as_mut().enable();
         sh.offer_place();
         assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
-        assert!(!b.wants_place.load(Ordering::SeqCst));
+        assert_eq!(b.wants_place.load(Ordering::SeqCst), 0);
         tokio::time::timeout(std::time::Duration::from_secs(5), woken)
             .await
             .expect("the waiting connection is woken");
