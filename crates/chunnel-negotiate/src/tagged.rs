@@ -268,14 +268,12 @@ impl<F: Future<Output = Result<(), Error>>> SlowSend<F> {
 pub(crate) struct WeakTagged<C>(Weak<Shared<C>>);
 
 impl<C: SendHeader> WeakTagged<C> {
-    /// Whether the connection may still hold its accept (looked at without taking a
-    /// reference: most accepts left with the first reply long before their time was up).
+    /// Whether the connection is alive and still holds its accept (most accepts left with
+    /// the first reply long before their time was up: those need no send future).
     pub(crate) fn may_hold(&self) -> bool {
-        self.0.strong_count() > 0
-            && self
-                .0
-                .upgrade()
-                .is_some_and(|sh| sh.mode.load(Ordering::Acquire) & ACCEPT_HELD != 0)
+        self.0
+            .upgrade()
+            .is_some_and(|sh| sh.mode.load(Ordering::Acquire) & ACCEPT_HELD != 0)
     }
 
     /// Sends the held accept alone, if the connection is alive and still holds it.
