@@ -46,6 +46,9 @@ cargo clippy --workspace --all-targets --locked --features "$FEATURES" -- -D war
 log "cargo test (workspace with every backend, including doctests and trybuild compile-fail tests)"
 cargo test --workspace --locked --features "$FEATURES"
 
+log "Ordered over Reliable with 8 concurrent senders: 5,000,000 messages in release (0 lost, 0 duplicated)"
+CHUNNEL_CONCURRENT_MESSAGES=5000000 cargo test --release --locked -p chunnel-std --test ordered_concurrent
+
 log "cargo doc with warnings denied"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet --features "$FEATURES"
 

@@ -53,6 +53,21 @@ pub enum Error {
         /// The shard's index.
         shard: usize,
     },
+    /// An ordered connection without a gap timeout had more than its capacity of messages
+    /// waiting behind a missing one: the base reorders more than the configuration allows
+    /// (e.g. `Reliable`'s window is larger than `Ordered`'s capacity). Nothing was dropped;
+    /// the connection delivers what was in order and takes nothing more.
+    #[error(
+        "reorder buffer overflow: more than {capacity} messages wait behind message \
+         {waiting_for}; raise ordered::Config::capacity to at least the base's reordering \
+         window (Reliable's window)"
+    )]
+    ReorderOverflow {
+        /// The configured capacity.
+        capacity: usize,
+        /// The sequence number delivery is waiting for.
+        waiting_for: u64,
+    },
 }
 
 impl From<Error> for chunnel::Error {
@@ -60,6 +75,7 @@ impl From<Error> for chunnel::Error {
         let layer = match &e {
             Error::Encode { .. } | Error::Decode { .. } => "chunnel-std/serialize",
             Error::Header { layer, .. } => layer,
+            Error::ReorderOverflow { .. } => "chunnel-std/ordered",
             Error::ShardSetUnknown
             | Error::BadShardSet { .. }
             | Error::ShardGone { .. }

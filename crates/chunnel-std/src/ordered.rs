@@ -10,19 +10,38 @@
 //! stack![Ordered::default(), Reliable::default(), udp::Connect::new(addr)]
 //! ```
 //!
+//! # Many senders on one connection
+//!
+//! Tasks may send on one connection at once. Senders take turns (a fair queue): a burst is
+//! numbered and handed to the inner connection before the next sender numbers its own, so
+//! frames enter the inner connection in sequence order and the receiver's reordering is
+//! bounded by the inner connection's own (over `Reliable`, its window of unacknowledged
+//! messages, 256 by default, well under the default [`Config::capacity`] of 1,024). A sender
+//! waiting for room in `Reliable`'s window holds the others back: that is the backpressure.
+//! `send` is cancel safe: a burst cancelled part-way is sent again, whole, by the next
+//! `send` before its own messages (the receiver discards the copies), so a cancelled send
+//! never leaves a gap the receiver would wait for forever.
+//!
+//! # Over a lossless base (the default)
+//!
+//! With no [`Config::gap_timeout`] (the default), `Ordered` never skips a message: over a
+//! base that loses nothing it delivers **exactly once, in order**. If more than
+//! [`Config::capacity`] messages ever wait behind a gap, the base reorders more than the
+//! configuration allows (e.g. `Reliable` with a window larger than the capacity): `recv`
+//! delivers what is in order and then fails with [`crate::Error::ReorderOverflow`] instead of
+//! dropping anything.
+//!
 //! # Over a lossy base
 //!
-//! A lost message would stall delivery forever, so a missing message (a *gap*) is skipped
-//! when either
+//! A lost message would stall delivery forever, so with a gap timeout ([`Ordered::lossy`]) a
+//! missing message (a *gap*) is skipped when either
 //!
 //! * the reorder buffer is full ([`Config::capacity`] messages waiting behind the gap), or
-//! * the gap is older than [`Config::gap_timeout`], if one is set ([`Ordered::lossy`]).
+//! * the gap is older than [`Config::gap_timeout`].
 //!
 //! Delivery then resumes at the lowest buffered message; the skipped message is dropped if it
-//! arrives later. So over a lossy base alone `Ordered` gives *in order, at most once, with
-//! gaps* (counted in [`Stats::skipped`]). The default has no gap timeout (made for a lossless
-//! base); over `Reliable` keep [`Config::capacity`] at least `Reliable`'s window so the
-//! buffer never fills.
+//! arrives later. So over a lossy base alone `Ordered::lossy` gives *in order, at most once,
+//! with gaps* (counted in [`Stats::skipped`]).
 //!
 //! # Wire format (version 1)
 //!
@@ -71,7 +90,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use chunnel::{Capability, Chunnel, ChunnelConnection, Negotiate};
+use chunnel::{Capability, Chunnel, ChunnelConnection, Handoff, Handover, Negotiate};
 
 use crate::Error;
 
@@ -114,9 +133,10 @@ pub fn decode_frame(mut frame: Bytes) -> Result<(u64, Bytes), Error> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Config {
-    /// Most messages held behind a gap; one more skips the gap.
+    /// Most messages held behind a gap. One more skips the gap when a gap timeout is set,
+    /// and fails the connection ([`crate::Error::ReorderOverflow`]) when none is.
     pub capacity: usize,
-    /// Skip a gap this old (`None`: wait for it, for a base that loses nothing).
+    /// Skip a gap this old (`None`: never skip, for a base that loses nothing).
     pub gap_timeout: Option<Duration>,
 }
 
@@ -167,6 +187,8 @@ pub struct Reorder {
     buf: BTreeMap<u64, Bytes>,
     ready: VecDeque<Bytes>,
     gap_since: Option<Instant>,
+    /// Set when a lossless machine's buffer overflowed: nothing more is accepted.
+    overflowed: bool,
     stats: Stats,
 }
 
@@ -180,6 +202,7 @@ impl Reorder {
             buf: BTreeMap::new(),
             ready: VecDeque::new(),
             gap_since: None,
+            overflowed: false,
             stats: Stats::default(),
         }
     }
@@ -192,8 +215,16 @@ impl Reorder {
     }
 
     /// Handles one frame from the peer.
+    ///
+    /// Returns [`Error::Header`] for a frame that does not decode (the machine is unchanged)
+    /// and [`Error::ReorderOverflow`] when a machine without a gap timeout would have to hold
+    /// more than [`Config::capacity`] messages behind a gap; from then on it takes no more
+    /// frames (every later one gives the same error) and delivers only what was in order.
     pub fn handle_frame(&mut self, frame: Bytes, now: Instant) -> Result<(), Error> {
         let (seq, payload) = decode_frame(frame)?;
+        if self.overflowed {
+            return Err(self.overflow_error());
+        }
         if seq < self.expected || self.buf.contains_key(&seq) {
             self.stats.discarded += 1;
             return Ok(());
@@ -211,9 +242,26 @@ impl Reorder {
             self.gap_since = Some(now);
         }
         if self.buf.len() > self.cfg.capacity {
+            if self.cfg.gap_timeout.is_none() {
+                self.overflowed = true;
+                return Err(self.overflow_error());
+            }
             self.skip(now);
         }
         Ok(())
+    }
+
+    fn overflow_error(&self) -> Error {
+        Error::ReorderOverflow {
+            capacity: self.cfg.capacity,
+            waiting_for: self.expected,
+        }
+    }
+
+    /// True once a lossless machine's reorder buffer overflowed (see
+    /// [`Reorder::handle_frame`]).
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
     }
 
     /// Moves the in-order prefix of the buffer to the ready queue.
@@ -310,6 +358,7 @@ impl<C: ChunnelConnection<Data = Bytes>> Chunnel<C> for Ordered {
         Ok(OrderedConnection {
             inner,
             m: Mutex::new(Reorder::new(self.cfg.clone())),
+            turn: tokio::sync::Mutex::new(Vec::new()),
         })
     }
 }
@@ -319,6 +368,9 @@ impl<C: ChunnelConnection<Data = Bytes>> Chunnel<C> for Ordered {
 pub struct OrderedConnection<C> {
     inner: C,
     m: Mutex<Reorder>,
+    /// The senders' turn (a fair queue) and, under it, the frames of the burst being handed
+    /// to the inner connection: empty between sends unless a send was cancelled part-way.
+    turn: tokio::sync::Mutex<Vec<Bytes>>,
 }
 
 impl<C> OrderedConnection<C> {
@@ -349,12 +401,26 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for OrderedConnection
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        // Numbered under the lock, in burst order.
-        let frames: Vec<Bytes> = {
-            let mut m = self.lock();
-            burst.into_iter().map(|p| m.send(&p)).collect()
-        };
-        self.inner.send(frames)
+        // The burst is turned into an iterator at once (not kept as `B` in the future).
+        let burst = burst.into_iter();
+        async move {
+            let mut frames = self.turn.lock().await;
+            if !frames.is_empty() {
+                // A send cancelled part-way: its frames may not all have reached the inner
+                // connection. Send them again, first (the receiver discards copies).
+                self.inner.send(frames.iter().cloned()).await?;
+                frames.clear();
+            }
+            {
+                // Numbered under the lock, in burst order, while holding the turn.
+                let mut m = self.lock();
+                frames.extend(burst.map(|p| m.send(&p)));
+            }
+            // On an error the frames stay, to be sent again before the next send's.
+            self.inner.send(frames.iter().cloned()).await?;
+            frames.clear();
+            Ok(())
+        }
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, chunnel::Error> {
@@ -374,6 +440,9 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for OrderedConnection
                 if n > 0 {
                     return Ok(n);
                 }
+                if m.overflowed() {
+                    return Err(m.overflow_error().into());
+                }
                 m.poll_timeout()
             };
             let got = match deadline {
@@ -389,11 +458,51 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for OrderedConnection
                 let mut m = self.lock();
                 for slot in &mut slots[..n] {
                     if let Some(f) = slot.take()
-                        && m.handle_frame(f, now).is_err()
+                        && let Err(Error::Header { .. }) = m.handle_frame(f, now)
                     {
                         m.count_malformed();
                     }
                 }
+            }
+        }
+    }
+}
+
+/// What an [`OrderedConnection`] hands to its successor at a switch: the whole ordering
+/// state (both sequence spaces, the messages waiting behind a gap, the counters) and the
+/// frames of a send that was cancelled part-way. Messages already in order go to
+/// [`Handoff::buffered`], so any successor delivers them; the rest only an `Ordered`
+/// successor can take.
+#[derive(Debug)]
+pub struct OrderedState {
+    machine: Reorder,
+    unsent: Vec<Bytes>,
+}
+
+impl<C: ChunnelConnection<Data = Bytes>> Handover for OrderedConnection<C> {
+    fn export(&self, state: &mut Handoff<Bytes>) {
+        let mut machine = std::mem::replace(&mut *self.lock(), Reorder::new(Config::default()));
+        state.buffered.extend(machine.ready.drain(..));
+        // No send runs at the switch point, so the turn is free.
+        let unsent = self
+            .turn
+            .try_lock()
+            .map(|mut f| std::mem::take(&mut *f))
+            .unwrap_or_default();
+        state.put(OrderedState { machine, unsent });
+    }
+
+    fn import(&self, state: &mut Handoff<Bytes>) {
+        if let Some(OrderedState {
+            mut machine,
+            unsent,
+        }) = state.take::<OrderedState>()
+        {
+            let mut m = self.lock();
+            machine.cfg = m.cfg.clone();
+            *m = machine;
+            if let Ok(mut f) = self.turn.try_lock() {
+                *f = unsent;
             }
         }
     }
