@@ -21,7 +21,10 @@ use tokio::time::timeout;
 use crate::negotiation::{Algo, Checksum, ChecksumConn};
 
 /// The checksum keeps no state a replacement would need.
-impl<C: ChunnelConnection<Data = Bytes>> Handover for ChecksumConn<C> {}
+impl<C: ChunnelConnection<Data = Bytes>> Handover for ChecksumConn<C> {
+    fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+    fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+}
 
 type Stack = Reconfigurable<Checksum, Checksum, LockFree>;
 

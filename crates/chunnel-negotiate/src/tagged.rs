@@ -722,7 +722,10 @@ impl<C: SendHeader + PeerHandoff> SendHeader for Tagged<C> {
 
 /// Nothing to hand over: every view shares the one base and its queues, which outlive a
 /// switch of the stack above them.
-impl<C: SendHeader + PeerHandoff> chunnel::Handover for Tagged<C> {}
+impl<C: SendHeader + PeerHandoff> chunnel::Handover for Tagged<C> {
+    fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+    fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+}
 
 #[cfg(test)]
 mod tests {

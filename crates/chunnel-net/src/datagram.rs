@@ -2128,14 +2128,20 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
 /// `recv` call (its scratch area is sized to the caller's slots), so nothing received waits in
 /// it between calls. Below [`chunnel::Shared`] it outlives a switch anyway; as a branch of a
 /// reconfigurable select, datagrams still in the old socket's kernel queue go with that socket.
-impl<S: DgramSocket> chunnel::Handover for Connection<S> {}
+impl<S: DgramSocket> chunnel::Handover for Connection<S> {
+    fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+    fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+}
 
 /// No state to hand over. Received datagrams do wait in this connection's per-peer queue on
 /// the listener, but a server connection is never itself a select branch (it comes from
 /// `accept`, not from a Chunnel); under a reconfigurable select it sits below
 /// [`chunnel::Shared`], so the queue outlives the switch and the new branch reads it. Exporting
 /// the queue would only move it, needlessly, into the switch's carry-over queue.
-impl<S: DgramSocket> chunnel::Handover for ServerConnection<S> {}
+impl<S: DgramSocket> chunnel::Handover for ServerConnection<S> {
+    fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+    fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+}
 
 macro_rules! peer_addr {
     ($sock:ty, $addr:ty, $($conn:ident . $($field:ident).+),+) => {$(

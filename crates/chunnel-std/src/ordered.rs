@@ -31,6 +31,13 @@
 //! delivers what is in order and then fails with [`crate::Error::ReorderOverflow`] instead of
 //! dropping anything.
 //!
+//! # Reconfiguration
+//!
+//! An `OrderedConnection` can be a branch of a reconfigurable select. At the switch point it
+//! hands its successor its messages already in order (delivered first by the select) and,
+//! as [`OrderedState`], both sequence spaces, the messages waiting behind a gap and a
+//! cancelled send's frames: an `Ordered` successor goes on where it stopped.
+//!
 //! # Over a lossy base
 //!
 //! A lost message would stall delivery forever, so with a gap timeout ([`Ordered::lossy`]) a
@@ -511,6 +518,31 @@ impl<C: ChunnelConnection<Data = Bytes>> Handover for OrderedConnection<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn without_a_gap_timeout_a_full_buffer_fails_and_skips_nothing() {
+        let mut tx = Reorder::new(Config::default());
+        let frames: Vec<Bytes> = (0..4u8).map(|i| tx.send(&[i])).collect();
+        let t0 = Instant::now();
+        let mut rx = Reorder::new(Config::default().with_capacity(2));
+        rx.handle_frame(frames[1].clone(), t0).unwrap();
+        rx.handle_frame(frames[2].clone(), t0).unwrap();
+        assert!(matches!(
+            rx.handle_frame(frames[3].clone(), t0),
+            Err(Error::ReorderOverflow {
+                capacity: 2,
+                waiting_for: 0
+            })
+        ));
+        assert!(rx.overflowed());
+        assert_eq!(rx.poll_deliver(), None, "nothing skipped");
+        assert_eq!(rx.stats().skipped, 0);
+        // Malformed frames are still told apart from the overflow.
+        assert!(matches!(
+            rx.handle_frame(Bytes::from_static(b"x"), t0),
+            Err(Error::Header { .. })
+        ));
+    }
 
     #[test]
     fn reorders_discards_and_skips() {

@@ -57,6 +57,17 @@
 //! `recv` takes from the machine's delivery queue (cancel safe: it never awaits after taking
 //! a message). Dropping the connection drops unacknowledged messages: call
 //! [`ReliableConnection::flush`] first to wait until the peer has them.
+//! The task starts reading at the connection's first `send`, `recv` or `flush`.
+//!
+//! # Reconfiguration
+//!
+//! A `ReliableConnection` can be a branch of a reconfigurable select (e.g. between two
+//! window sizes). At the switch point it hands its successor everything
+//! ([`ReliableState`]): messages received but not delivered yet, both sequence spaces, the
+//! unacknowledged messages and the RTT estimate. A `Reliable` successor goes on where it
+//! stopped, so each end can switch on its own without losing or duplicating a message. The
+//! successor's driver starts only when it takes over, so it never reads frames its
+//! predecessor should have.
 //!
 //! # Example
 //!
@@ -82,11 +93,12 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use chunnel::{Capability, Chunnel, ChunnelConnection, Negotiate};
+use chunnel::{Capability, Chunnel, ChunnelConnection, Handoff, Handover, Negotiate};
 use tokio::sync::Notify;
 
 use crate::Error;
@@ -823,6 +835,8 @@ impl Failure {
 struct State {
     m: Machine,
     failure: Option<Failure>,
+    /// The state went to a successor at a switch: the driver stops and takes nothing more.
+    handed_over: bool,
 }
 
 #[derive(Debug)]
@@ -835,11 +849,22 @@ struct Shared<C> {
     space: Notify,
     /// The timer may have moved earlier (the driver re-reads it).
     timer: Notify,
+    /// Set (and `start` notified) by the first send, receive, flush or import.
+    started: AtomicBool,
+    start: Notify,
 }
 
 impl<C> Shared<C> {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lets the driver run (it waits for this, so that a connection built ahead of a switch
+    /// reads nothing from the inner connection it shares with its predecessor).
+    fn start(&self) {
+        if !self.started.load(Ordering::Relaxed) && !self.started.swap(true, Ordering::AcqRel) {
+            self.start.notify_one();
+        }
     }
 
     fn fail(&self, f: Failure) {
@@ -882,6 +907,9 @@ impl<C> Drop for ReliableConnection<C> {
 
 impl<C: ChunnelConnection<Data = Bytes> + 'static> ReliableConnection<C> {
     /// Wraps `inner` and spawns the connection's driver task on the current tokio runtime.
+    /// The driver starts reading the inner connection at the first `send`, `recv` or
+    /// [`flush`](Self::flush) (or when the connection takes over a predecessor's state at a
+    /// switch), so a connection built ahead of a switch reads nothing its predecessor should.
     ///
     /// # Panics
     ///
@@ -892,10 +920,13 @@ impl<C: ChunnelConnection<Data = Bytes> + 'static> ReliableConnection<C> {
             state: Mutex::new(State {
                 m: Machine::new(cfg),
                 failure: None,
+                handed_over: false,
             }),
             delivered: Notify::new(),
             space: Notify::new(),
             timer: Notify::new(),
+            started: AtomicBool::new(false),
+            start: Notify::new(),
         });
         let driver = tokio::spawn(drive(shared.clone()));
         ReliableConnection { shared, driver }
@@ -905,6 +936,7 @@ impl<C: ChunnelConnection<Data = Bytes> + 'static> ReliableConnection<C> {
 impl<C> ReliableConnection<C> {
     /// Waits until the peer acknowledged every message sent so far.
     pub async fn flush(&self) -> Result<(), chunnel::Error> {
+        self.shared.start();
         wait_for(&self.shared.space, || {
             let st = self.shared.lock();
             if let Some(f) = &st.failure {
@@ -931,6 +963,9 @@ impl<C> ReliableConnection<C> {
 
 /// The per-connection task: reads frames, fires timers, sends acks and retransmissions.
 async fn drive<C: ChunnelConnection<Data = Bytes>>(s: Arc<Shared<C>>) {
+    if !s.started.load(Ordering::Acquire) {
+        s.start.notified().await;
+    }
     let mut slots: Vec<Option<Bytes>> = vec![None; 32];
     loop {
         let deadline = s.lock().m.poll_timeout();
@@ -949,6 +984,11 @@ async fn drive<C: ChunnelConnection<Data = Bytes>>(s: Arc<Shared<C>>) {
         let mut frames = Vec::new();
         let (deliverable, failed) = {
             let mut st = s.lock();
+            if st.handed_over {
+                // Frames taken after the switch point go unacknowledged: the peer sends
+                // them again, to the successor.
+                return;
+            }
             match got {
                 Some(Ok(n)) => {
                     for slot in &mut slots[..n] {
@@ -998,6 +1038,7 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for ReliableConnectio
         B::IntoIter: Send,
     {
         let s = &self.shared;
+        s.start();
         async move {
             let mut msgs = burst.into_iter();
             let mut pending: Option<Bytes> = None;
@@ -1053,6 +1094,7 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for ReliableConnectio
         slots: &'a mut [Option<Bytes>],
     ) -> impl Future<Output = Result<usize, chunnel::Error>> + Send + 'a {
         let s = &self.shared;
+        s.start();
         async move {
             if slots.is_empty() {
                 return Ok(0);
@@ -1073,6 +1115,45 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for ReliableConnectio
             })
             .await
         }
+    }
+}
+
+/// What a [`ReliableConnection`] hands to its successor at a switch: the whole protocol
+/// state (both sequence spaces, the unacknowledged messages, the RTT estimate, the counters).
+/// Messages received but not yet delivered go to [`Handoff::buffered`], so any successor
+/// delivers them; the rest only a `Reliable` successor can take, which then goes on where
+/// this one stopped (same sequence numbers, so the peer needs no switch of its own and
+/// nothing is lost or delivered twice). A successor of another kind gets no unacknowledged
+/// messages: [`flush`](ReliableConnection::flush) before such a switch.
+#[derive(Debug)]
+pub struct ReliableState {
+    machine: Machine,
+}
+
+impl<C: ChunnelConnection<Data = Bytes>> Handover for ReliableConnection<C> {
+    fn export(&self, state: &mut Handoff<Bytes>) {
+        let machine = {
+            let mut st = self.shared.lock();
+            st.handed_over = true;
+            st.failure.get_or_insert(Failure::Closed);
+            let cfg = st.m.cfg.clone();
+            std::mem::replace(&mut st.m, Machine::new(cfg))
+        };
+        self.driver.abort();
+        let mut machine = machine;
+        state.buffered.extend(machine.deliver.drain(..));
+        state.put(ReliableState { machine });
+    }
+
+    fn import(&self, state: &mut Handoff<Bytes>) {
+        if let Some(ReliableState { mut machine }) = state.take::<ReliableState>() {
+            let mut st = self.shared.lock();
+            machine.cfg = st.m.cfg.clone();
+            st.m = machine;
+        }
+        // Go on at once: retransmit, acknowledge, whether or not the application calls.
+        self.shared.start();
+        self.shared.timer.notify_one();
     }
 }
 

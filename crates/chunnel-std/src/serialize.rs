@@ -471,6 +471,8 @@ where
     T: serde::Serialize + DeserializeOwned + Send + Sync + 'static,
     F: Format,
 {
+    fn export(&self, _: &mut chunnel::Handoff<T>) {}
+    fn import(&self, _: &mut chunnel::Handoff<T>) {}
 }
 
 #[cfg(test)]

@@ -57,4 +57,7 @@ impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for XorConn<C> {
 }
 
 /// No state to hand over: the key is the implementation.
-impl<C: ChunnelConnection<Data = Bytes>> Handover for XorConn<C> {}
+impl<C: ChunnelConnection<Data = Bytes>> Handover for XorConn<C> {
+    fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+    fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+}

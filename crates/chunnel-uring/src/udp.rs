@@ -337,9 +337,16 @@ impl ChunnelConnection for Connection {
     }
 }
 
-/// No state to hand over beyond what a reconfigurable select keeps below
-/// [`chunnel::Shared`]; datagrams already reaped wait in this connection's queue.
-impl chunnel::Handover for Connection {}
+/// Datagrams the ring already reaped for this connection but no `recv` took yet are handed
+/// over (as buffered messages, delivered first by a reconfigurable select); those still in the
+/// kernel's socket queue go with the socket.
+impl chunnel::Handover for Connection {
+    fn export(&self, state: &mut chunnel::Handoff<Bytes>) {
+        state.buffered.extend(self.driver.lock().rx.queue.drain(..));
+    }
+
+    fn import(&self, _: &mut chunnel::Handoff<Bytes>) {}
+}
 
 // ------------------------------------------------------------------------------------------
 // Server.
@@ -681,7 +688,10 @@ impl ChunnelConnection for ServerConnection {
 /// No state to hand over (see `chunnel_net::datagram`'s server connection): a server
 /// connection is never itself a select branch, and its queue outlives a switch below
 /// [`chunnel::Shared`].
-impl chunnel::Handover for ServerConnection {}
+impl chunnel::Handover for ServerConnection {
+    fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+    fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
+}
 
 #[cfg(test)]
 mod tests {

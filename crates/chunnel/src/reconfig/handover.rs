@@ -84,24 +84,50 @@ impl<D> Handoff<D> {
 
 /// A connection that can hand its state to a replacement (paper §4.1, step ②).
 ///
-/// Required of both branches of a [`crate::Reconfigurable`] select. Both methods default to
-/// "no state", so a stateless connection implements it with an empty `impl`.
+/// Required of both branches of a [`crate::Reconfigurable`] select. Both methods are
+/// required: a connection states what it hands over, and a stateless one says so with empty
+/// bodies, so no branch loses buffered messages at a switch by default. A connection type
+/// without an implementation cannot be a branch (the select does not compile).
 ///
 /// `export` is called exactly once, at the switch point, when no task is inside any method of
-/// this connection and none ever will be again; it should move out everything a successor
+/// this connection and none ever will be again; it must move out everything a successor
 /// needs, in particular messages it already took from the layer below but did not deliver
-/// (into [`Handoff::buffered`]), or they are lost. `import` is called on the new connection
-/// before any task uses it. Neither may block; neither sees bytes from the network.
+/// (into [`Handoff::buffered`]), or they are lost. A connection with a background task stops
+/// it here. `import` is called on the new connection before any task uses it. Neither may
+/// block; neither sees bytes from the network.
+///
+/// ```
+/// use chunnel::{ChunnelConnection, Error, Handoff, Handover};
+///
+/// /// Delivers nothing, buffers nothing.
+/// struct Sink;
+///
+/// impl ChunnelConnection for Sink {
+///     type Data = u32;
+///     async fn send<B>(&self, _burst: B) -> Result<(), Error>
+///     where
+///         B: IntoIterator<Item = u32> + Send,
+///         B::IntoIter: Send,
+///     {
+///         Ok(())
+///     }
+///     async fn recv<'a>(&'a self, _slots: &'a mut [Option<u32>]) -> Result<usize, Error> {
+///         std::future::pending().await
+///     }
+/// }
+///
+/// /// Stateless: nothing is buffered between calls.
+/// impl Handover for Sink {
+///     fn export(&self, _: &mut Handoff<u32>) {}
+///     fn import(&self, _: &mut Handoff<u32>) {}
+/// }
+/// ```
 pub trait Handover: ChunnelConnection {
     /// Moves this connection's state into `state`.
-    fn export(&self, state: &mut Handoff<Self::Data>) {
-        let _ = state;
-    }
+    fn export(&self, state: &mut Handoff<Self::Data>);
 
     /// Takes over the state a predecessor exported. Unknown entries are to be ignored.
-    fn import(&self, state: &mut Handoff<Self::Data>) {
-        let _ = state;
-    }
+    fn import(&self, state: &mut Handoff<Self::Data>);
 }
 
 impl<C: Handover + ?Sized> Handover for Arc<C> {
@@ -125,7 +151,10 @@ impl<C: Handover> Handover for NoopConnection<C> {
 }
 
 /// A boxed connection carries no transferable state (its type is erased).
-impl<D: Send + 'static> Handover for BoxConnection<D> {}
+impl<D: Send + 'static> Handover for BoxConnection<D> {
+    fn export(&self, _: &mut Handoff<D>) {}
+    fn import(&self, _: &mut Handoff<D>) {}
+}
 
 impl<L, R> Handover for Either<L, R>
 where

@@ -84,7 +84,10 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// #         Ok(n)
 /// #     }
 /// # }
-/// # impl Handover for Echo {}
+/// # impl Handover for Echo {
+/// #     fn export(&self, _: &mut chunnel::Handoff<u32>) {}
+/// #     fn import(&self, _: &mut chunnel::Handoff<u32>) {}
+/// # }
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Error> {
 /// // Two wire-compatible implementations of one layer (here: two `Noop`s).
