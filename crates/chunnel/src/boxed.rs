@@ -81,6 +81,7 @@ impl<D: Send + 'static> ChunnelConnection for BoxConnection<D> {
 trait DynChunnel<I, D>: Send {
     fn connect_wrap_dyn(&mut self, inner: I) -> BoxFuture<'_, Result<BoxConnection<D>, Error>>;
     fn offers_dyn(&self) -> Vec<StackOption>;
+    fn offer_tree_dyn(&self) -> crate::OfferTree;
     fn available_dyn(&self) -> Result<(), Error>;
     fn apply_pick_dyn(&mut self, pick: &mut PickReader<'_>) -> Result<(), Error>;
 }
@@ -101,6 +102,10 @@ where
 
     fn offers_dyn(&self) -> Vec<StackOption> {
         self.offers()
+    }
+
+    fn offer_tree_dyn(&self) -> crate::OfferTree {
+        self.offer_tree()
     }
 
     fn available_dyn(&self) -> Result<(), Error> {
@@ -162,6 +167,10 @@ impl<I: Send + 'static, D: Send + 'static> Chunnel<I> for BoxChunnel<I, D> {
 impl<I, D> Offers for BoxChunnel<I, D> {
     fn offers(&self) -> Vec<StackOption> {
         self.inner.offers_dyn()
+    }
+
+    fn offer_tree(&self) -> crate::OfferTree {
+        self.inner.offer_tree_dyn()
     }
 
     fn available(&self) -> Result<(), Error> {

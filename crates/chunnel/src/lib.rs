@@ -92,6 +92,7 @@ mod connection;
 mod error;
 pub mod negotiate;
 mod noop;
+pub mod offer_tree;
 mod payload;
 mod reconfig;
 mod select;
@@ -105,6 +106,7 @@ pub use crate::negotiate::{
     Capability, ChunnelInfo, End, Match, Mismatch, Negotiate, Offers, Pick, StackOption,
 };
 pub use crate::noop::{Identity, Noop, NoopConnection};
+pub use crate::offer_tree::OfferTree;
 pub use crate::payload::{LendBuffer, Payload};
 pub use crate::reconfig::{
     Handoff, Handover, Lock, LockFree, Mechanism, PreparedSwitch, ReconfigConnection,

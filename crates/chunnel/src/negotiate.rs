@@ -15,6 +15,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::Error;
+pub use crate::offer_tree::OfferTree;
 
 /// How a capability must be matched between peers (paper §5.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -477,6 +478,17 @@ pub trait Offers {
     /// (select branches whose availability check fails are left out).
     fn offers(&self) -> Vec<StackOption>;
 
+    /// The structure of [`Offers::offers`], in space linear in the tree: what a negotiating
+    /// client sends and a server searches ([`crate::offer_tree::choose_tree`]) without
+    /// enumerating the options. Its options are exactly [`Offers::offers`].
+    ///
+    /// The default lists the offers themselves (correct for any tree, but as large as the
+    /// product of its selects); leaves, [`crate::Select`], [`crate::Stack`] and the
+    /// combinators of this crate describe their structure.
+    fn offer_tree(&self) -> OfferTree {
+        OfferTree::Options(self.offers())
+    }
+
     /// Whether at least one concrete stack of this tree can work on this host.
     fn available(&self) -> Result<(), Error>;
 
@@ -557,6 +569,16 @@ impl<T: Negotiate> Offers for T {
         h.write_u8(DIGEST_LEAF);
         self.id().hash(&mut &mut *h);
         self.capabilities().hash(&mut &mut *h);
+    }
+
+    fn offer_tree(&self) -> OfferTree {
+        if self.check_available().is_err() {
+            return OfferTree::Options(Vec::new());
+        }
+        OfferTree::Leaf(ChunnelInfo {
+            id: Cow::Borrowed(self.id()),
+            capabilities: self.capabilities(),
+        })
     }
 
     fn offers(&self) -> Vec<StackOption> {

@@ -26,6 +26,10 @@ impl Offers for Identity {
         h.write_u8(crate::negotiate::DIGEST_NO_LAYER);
     }
 
+    fn offer_tree(&self) -> crate::OfferTree {
+        crate::OfferTree::empty()
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         vec![StackOption {
             chunnels: Vec::new(),

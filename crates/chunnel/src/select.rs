@@ -103,6 +103,13 @@ impl<A: Offers, B: Offers> Offers for Select<A, B> {
         self.right.hash_offers(h);
     }
 
+    fn offer_tree(&self) -> crate::OfferTree {
+        crate::OfferTree::Select(
+            Box::new(self.left.offer_tree()),
+            Box::new(self.right.offer_tree()),
+        )
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         let tag = |side: u8, o: StackOption| StackOption {
             chunnels: o.chunnels,

@@ -46,6 +46,10 @@ impl<Outer: Offers, Inner: Offers> Offers for Stack<Outer, Inner> {
         self.inner.hash_offers(h);
     }
 
+    fn offer_tree(&self) -> crate::OfferTree {
+        crate::OfferTree::seq(self.outer.offer_tree(), self.inner.offer_tree())
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         let lower = self.inner.offers();
         let mut out = Vec::new();

@@ -202,6 +202,10 @@ impl<A: Offers, B: Offers, M> Offers for Reconfigurable<A, B, M> {
         self.select.hash_offers(h);
     }
 
+    fn offer_tree(&self) -> crate::OfferTree {
+        self.select.offer_tree()
+    }
+
     fn offers(&self) -> Vec<StackOption> {
         self.select.offers()
     }
@@ -232,6 +236,10 @@ impl<C: ChunnelConnection + Send> Chunnel<C> for Shared {
 impl Offers for Shared {
     fn hash_offers(&self, h: &mut dyn std::hash::Hasher) {
         crate::Identity.hash_offers(h);
+    }
+
+    fn offer_tree(&self) -> crate::OfferTree {
+        crate::OfferTree::empty()
     }
 
     fn offers(&self) -> Vec<StackOption> {

@@ -1,0 +1,560 @@
+//! The structure of a stack's options, and the search for the preferred compatible pair of
+//! options that never enumerates their product.
+//!
+//! A stack of `k` two-way selects allows `2^k` concrete stacks. [`Offers::offers`] lists them
+//! all; an [`OfferTree`] describes them in space linear in the stack: its layers
+//! ([`OfferTree::Seq`]), its selects ([`OfferTree::Select`]) and its Chunnels
+//! ([`OfferTree::Leaf`]). The options a tree allows, and their preference order, are exactly
+//! those of the flattened list ([`OfferTree::options`]): the order is lexicographic in the
+//! branch decisions met in pre-order (0, the preferred branch, first).
+//!
+//! [`choose_tree`] finds what [`crate::negotiate::choose`] finds on the flattened lists — the
+//! first server option (server preference) compatible with some client option, and the
+//! client's most preferred such option — by a depth-first search in preference order that
+//! prunes every partial choice no completion can make compatible. The pruning is sound (a
+//! pruned branch holds no compatible pair: checked against the flattened oracle by a property
+//! test), and it is exact once a choice is complete, so the first complete pair the search
+//! reaches is the answer. When capabilities of different selects are independent (the common
+//! case: each select chooses among implementations of one function), every wrong branch is
+//! pruned at once and the search visits a number of nodes linear in the trees. Adversarial
+//! trees can still need exponential work: the search stops after
+//! [`Limits::steps`] steps with [`NoChoice::TooComplex`].
+//!
+//! [`Offers::offers`]: crate::Offers::offers
+
+use crate::negotiate::{Capability, ChunnelInfo, Match, Mismatch, Pick, StackOption};
+
+/// The options of a tree of Chunnels, described in space linear in the tree.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum OfferTree {
+    /// One Chunnel: one option with just this Chunnel, no branch decision.
+    Leaf(ChunnelInfo),
+    /// Layers from the top (application) down: the product of the parts' options, the upper
+    /// part's decisions first. `Seq(vec![])` is no layer at all (one empty option).
+    Seq(Vec<OfferTree>),
+    /// A select: the left (preferred) tree's options, each after a decision `0`, then the
+    /// right tree's, each after a decision `1`.
+    Select(Box<OfferTree>, Box<OfferTree>),
+    /// An explicit list of options, each with the decisions that name it (what a tree that
+    /// cannot describe its structure offers; an unavailable Chunnel is `Options(vec![])`).
+    Options(Vec<StackOption>),
+}
+
+impl OfferTree {
+    /// No layer: one empty option.
+    pub fn empty() -> Self {
+        OfferTree::Seq(Vec::new())
+    }
+
+    /// `upper` on top of `lower`, flattening nested sequences.
+    pub fn seq(upper: OfferTree, lower: OfferTree) -> Self {
+        let mut parts = Vec::new();
+        for t in [upper, lower] {
+            match t {
+                OfferTree::Seq(p) => parts.extend(p),
+                t => parts.push(t),
+            }
+        }
+        if parts.len() == 1 {
+            parts.pop().unwrap_or_else(OfferTree::empty)
+        } else {
+            OfferTree::Seq(parts)
+        }
+    }
+
+    /// How many options the tree allows (saturating at `u128::MAX`).
+    pub fn count(&self) -> u128 {
+        match self {
+            OfferTree::Leaf(_) => 1,
+            OfferTree::Seq(p) => p.iter().fold(1u128, |n, t| n.saturating_mul(t.count())),
+            OfferTree::Select(a, b) => a.count().saturating_add(b.count()),
+            OfferTree::Options(o) => o.len() as u128,
+        }
+    }
+
+    /// Every option, most preferred first: what [`crate::Offers::offers`] gives. Exponential
+    /// in the number of selects; for small trees and tests.
+    pub fn options(&self) -> Vec<StackOption> {
+        self.first_options(usize::MAX)
+    }
+
+    /// The first `n` options, most preferred first, without making the others.
+    pub fn first_options(&self, n: usize) -> Vec<StackOption> {
+        let mut out = Vec::new();
+        if n > 0 {
+            let mut st = Walk::default();
+            let mut work = vec![self];
+            enumerate(&mut work, &mut st, &mut |st| {
+                out.push(StackOption {
+                    chunnels: st.chunnels.iter().map(|c| (*c).clone()).collect(),
+                    pick: Pick::from_slice(&st.pick),
+                });
+                out.len() >= n
+            });
+        }
+        out
+    }
+
+    /// The Chunnels of the option that `pick` names, top first; `None` if it names none.
+    pub fn option(&self, pick: &Pick) -> Option<Vec<ChunnelInfo>> {
+        let mut rest = pick.branches();
+        let mut out = Vec::new();
+        resolve(self, &mut rest, &mut out)?;
+        rest.is_empty().then_some(out)
+    }
+
+    /// The number of nodes (leaves, sequences, selects and listed options).
+    pub fn nodes(&self) -> usize {
+        match self {
+            OfferTree::Leaf(_) => 1,
+            OfferTree::Seq(p) => 1 + p.iter().map(OfferTree::nodes).sum::<usize>(),
+            OfferTree::Select(a, b) => 1 + a.nodes() + b.nodes(),
+            OfferTree::Options(o) => 1 + o.len(),
+        }
+    }
+}
+
+fn resolve(t: &OfferTree, rest: &mut &[u8], out: &mut Vec<ChunnelInfo>) -> Option<()> {
+    match t {
+        OfferTree::Leaf(c) => out.push(c.clone()),
+        OfferTree::Seq(p) => {
+            for t in p {
+                resolve(t, rest, out)?;
+            }
+        }
+        OfferTree::Select(a, b) => {
+            let (&d, r) = rest.split_first()?;
+            *rest = r;
+            match d {
+                0 => resolve(a, rest, out)?,
+                1 => resolve(b, rest, out)?,
+                _ => return None,
+            }
+        }
+        OfferTree::Options(list) => {
+            // The longest listed pick that prefixes the rest (picks of one list are
+            // prefix-free when the list comes from a tree: the first match is the one).
+            let o = list.iter().find(|o| rest.starts_with(o.pick.branches()))?;
+            *rest = &rest[o.pick.branches().len()..];
+            out.extend(o.chunnels.iter().cloned());
+        }
+    }
+    Some(())
+}
+
+/// One side's partial choice during a walk.
+#[derive(Default)]
+struct Walk<'t> {
+    chunnels: Vec<&'t ChunnelInfo>,
+    caps: Vec<&'t Capability>,
+    pick: Vec<u8>,
+}
+
+impl<'t> Walk<'t> {
+    fn mark(&self) -> (usize, usize, usize) {
+        (self.chunnels.len(), self.caps.len(), self.pick.len())
+    }
+
+    fn reset(&mut self, m: (usize, usize, usize)) {
+        self.chunnels.truncate(m.0);
+        self.caps.truncate(m.1);
+        self.pick.truncate(m.2);
+    }
+
+    fn add(&mut self, c: &'t ChunnelInfo) {
+        self.chunnels.push(c);
+        self.caps.extend(c.capabilities.iter());
+    }
+}
+
+/// Visits every option in preference order (no pruning) until `visit` returns true; returns
+/// whether it did.
+fn enumerate<'t>(
+    work: &mut Vec<&'t OfferTree>,
+    st: &mut Walk<'t>,
+    visit: &mut dyn FnMut(&Walk<'t>) -> bool,
+) -> bool {
+    let Some(node) = work.pop() else {
+        return visit(st);
+    };
+    let m = st.mark();
+    let w = work.len();
+    let stop = match node {
+        OfferTree::Leaf(c) => {
+            st.add(c);
+            enumerate(work, st, visit)
+        }
+        OfferTree::Seq(parts) => {
+            work.extend(parts.iter().rev());
+            enumerate(work, st, visit)
+        }
+        OfferTree::Select(a, b) => {
+            let mut stop = false;
+            for (d, t) in [(0u8, a), (1, b)] {
+                st.pick.push(d);
+                work.push(t);
+                stop = enumerate(work, st, visit);
+                work.truncate(w);
+                st.reset(m);
+                if stop {
+                    break;
+                }
+            }
+            stop
+        }
+        OfferTree::Options(list) => {
+            let mut stop = false;
+            for o in list {
+                st.pick.extend_from_slice(o.pick.branches());
+                for c in &o.chunnels {
+                    st.add(c);
+                }
+                stop = enumerate(work, st, visit);
+                st.reset(m);
+                if stop {
+                    break;
+                }
+            }
+            stop
+        }
+    };
+    work.truncate(w);
+    work.push(node);
+    st.reset(m);
+    stop
+}
+
+/// Every capability that some option of the trees in `work` carries (with repeats).
+fn possible<'t>(work: &[&'t OfferTree], out: &mut Vec<&'t Capability>) {
+    fn walk<'t>(t: &'t OfferTree, out: &mut Vec<&'t Capability>) {
+        match t {
+            OfferTree::Leaf(c) => out.extend(c.capabilities.iter()),
+            OfferTree::Seq(p) => p.iter().for_each(|t| walk(t, out)),
+            OfferTree::Select(a, b) => {
+                walk(a, out);
+                walk(b, out);
+            }
+            OfferTree::Options(list) => list
+                .iter()
+                .for_each(|o| o.chunnels.iter().for_each(|c| out.extend(&c.capabilities))),
+        }
+    }
+    for t in work {
+        walk(t, out);
+    }
+}
+
+/// The capabilities every option of `t` carries (by equality); `None` if `t` has no option.
+fn certain(t: &OfferTree) -> Option<Vec<&Capability>> {
+    match t {
+        OfferTree::Leaf(c) => Some(c.capabilities.iter().collect()),
+        OfferTree::Seq(p) => {
+            let mut out = Vec::new();
+            for t in p {
+                out.extend(certain(t)?);
+            }
+            Some(out)
+        }
+        OfferTree::Select(a, b) => match (certain(a), certain(b)) {
+            (Some(x), Some(y)) => Some(x.into_iter().filter(|c| y.contains(c)).collect()),
+            (x, None) => x,
+            (None, y) => y,
+        },
+        OfferTree::Options(list) => {
+            let mut it = list.iter().map(|o| {
+                o.chunnels
+                    .iter()
+                    .flat_map(|c| &c.capabilities)
+                    .collect::<Vec<_>>()
+            });
+            let first = it.next()?;
+            Some(it.fold(first, |acc, caps| {
+                acc.into_iter().filter(|c| caps.contains(c)).collect()
+            }))
+        }
+    }
+}
+
+/// Whether no completion can be compatible: `ours` are the server's capabilities (their
+/// rules apply), `theirs` the client's; `_def` are present in every completion, `_any` in
+/// some (a superset of `_def`). Exact (as [`crate::negotiate::check_compatible`]) when
+/// `_def == _any`.
+fn dead(
+    ours_def: &[&Capability],
+    ours_any: &[&Capability],
+    theirs_def: &[&Capability],
+    theirs_any: &[&Capability],
+) -> bool {
+    let has_kind = |list: &[&Capability], kind: &str| list.iter().any(|c| c.kind == kind);
+    for o in ours_def {
+        if (o.matching == Match::Exact || has_kind(theirs_def, &o.kind))
+            && !theirs_any.iter().any(|t| o.compatible(t))
+        {
+            return true;
+        }
+    }
+    for t in theirs_def {
+        if (t.matching == Match::Exact || has_kind(ours_def, &t.kind))
+            && !ours_any.iter().any(|o| o.compatible(t))
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// Bounds on a [`choose_tree`] search.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Most search steps (a step: one node of either tree taken into a partial choice).
+    pub steps: u64,
+    /// Most mismatches reported when nothing is compatible.
+    pub max_reported: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            steps: 200_000,
+            max_reported: 16,
+        }
+    }
+}
+
+impl Limits {
+    /// Sets [`Limits::steps`].
+    pub fn with_steps(mut self, steps: u64) -> Self {
+        self.steps = steps;
+        self
+    }
+
+    /// Sets [`Limits::max_reported`].
+    pub fn with_max_reported(mut self, n: usize) -> Self {
+        self.max_reported = n;
+        self
+    }
+}
+
+/// What [`choose_tree`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TreeChoice {
+    /// The server option's decisions.
+    pub server_pick: Pick,
+    /// The server option's Chunnels, top first.
+    pub server_stack: Vec<ChunnelInfo>,
+    /// The client option's decisions.
+    pub client_pick: Pick,
+    /// The client option's Chunnels, top first.
+    pub client_stack: Vec<ChunnelInfo>,
+    /// Search steps taken.
+    pub steps: u64,
+}
+
+/// Why [`choose_tree`] found nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NoChoice {
+    /// No pair of options is compatible. The mismatches are those of the first pairs in
+    /// preference order (server option major), at most [`Limits::max_reported`]: the same
+    /// list [`crate::negotiate::choose`] reports on the flattened options.
+    Incompatible(Vec<Mismatch>),
+    /// The search took [`Limits::steps`] steps without an answer.
+    TooComplex {
+        /// The steps taken.
+        steps: u64,
+    },
+}
+
+struct Search {
+    steps: u64,
+    limit: u64,
+}
+
+impl Search {
+    fn step(&mut self) -> Result<(), NoChoice> {
+        self.steps += 1;
+        if self.steps > self.limit {
+            Err(NoChoice::TooComplex { steps: self.limit })
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Which side a depth-first search is choosing for, and what it knows of the other.
+struct Ctx<'a, 't> {
+    /// Choosing the server's option (else the client's).
+    server: bool,
+    /// The other side's capabilities present in every completion / in some.
+    other_def: &'a [&'t Capability],
+    other_any: &'a [&'t Capability],
+}
+
+/// What a search calls on each complete option that survived the pruning.
+type Complete<'f, 't, R> = dyn FnMut(&Walk<'t>, &mut Search) -> Result<Option<R>, NoChoice> + 'f;
+
+/// Depth-first search of one side's options in preference order, pruning partial choices
+/// that cannot be compatible; `complete` is called on each surviving complete option and
+/// ends the search with `Some`.
+fn search<'t, R>(
+    work: &mut Vec<&'t OfferTree>,
+    st: &mut Walk<'t>,
+    ctx: &Ctx<'_, 't>,
+    s: &mut Search,
+    complete: &mut Complete<'_, 't, R>,
+) -> Result<Option<R>, NoChoice> {
+    s.step()?;
+    // Prune: this side's definite capabilities against what the other side may have, and
+    // the other's definite ones against what this side may still get.
+    let mut any = st.caps.clone();
+    possible(work, &mut any);
+    let is_dead = if ctx.server {
+        dead(&st.caps, &any, ctx.other_def, ctx.other_any)
+    } else {
+        dead(ctx.other_def, ctx.other_any, &st.caps, &any)
+    };
+    if is_dead {
+        return Ok(None);
+    }
+    let Some(node) = work.pop() else {
+        return complete(st, s);
+    };
+    let m = st.mark();
+    let w = work.len();
+    let r = (|| {
+        match node {
+            OfferTree::Leaf(c) => {
+                st.add(c);
+                return search(work, st, ctx, s, complete);
+            }
+            OfferTree::Seq(parts) => {
+                work.extend(parts.iter().rev());
+                return search(work, st, ctx, s, complete);
+            }
+            OfferTree::Select(a, b) => {
+                for (d, t) in [(0u8, a), (1, b)] {
+                    st.pick.push(d);
+                    work.push(t);
+                    let r = search(work, st, ctx, s, complete)?;
+                    work.truncate(w);
+                    st.reset(m);
+                    if r.is_some() {
+                        return Ok(r);
+                    }
+                }
+            }
+            OfferTree::Options(list) => {
+                for o in list {
+                    st.pick.extend_from_slice(o.pick.branches());
+                    for c in &o.chunnels {
+                        st.add(c);
+                    }
+                    let r = search(work, st, ctx, s, complete)?;
+                    st.reset(m);
+                    if r.is_some() {
+                        return Ok(r);
+                    }
+                }
+            }
+        }
+        Ok(None)
+    })();
+    work.truncate(w);
+    work.push(node);
+    st.reset(m);
+    r
+}
+
+/// The server's decision on two trees: the first server option (server preference order)
+/// compatible with some client option, with the client's most preferred such option; the
+/// same answer as [`crate::negotiate::choose`] on the flattened options, found without
+/// enumerating them (see the [module docs](self)).
+pub fn choose_tree(
+    server: &OfferTree,
+    client: &OfferTree,
+    limits: Limits,
+) -> Result<TreeChoice, NoChoice> {
+    let mut s = Search {
+        steps: 0,
+        limit: limits.steps,
+    };
+    let mut client_any = Vec::new();
+    possible(&[client], &mut client_any);
+    let client_def = certain(client).unwrap_or_default();
+    let found = if client.count() == 0 || server.count() == 0 {
+        None
+    } else {
+        let ctx = Ctx {
+            server: true,
+            other_def: &client_def,
+            other_any: &client_any,
+        };
+        search(
+            &mut vec![server],
+            &mut Walk::default(),
+            &ctx,
+            &mut s,
+            &mut |srv, s| {
+                // A complete server option: the client's options against it, exactly.
+                let ctx = Ctx {
+                    server: false,
+                    other_def: &srv.caps,
+                    other_any: &srv.caps,
+                };
+                let found = search(
+                    &mut vec![client],
+                    &mut Walk::default(),
+                    &ctx,
+                    s,
+                    &mut |cli, _| {
+                        Ok(Some((
+                            Pick::from_slice(&cli.pick),
+                            cli.chunnels
+                                .iter()
+                                .map(|c| (*c).clone())
+                                .collect::<Vec<_>>(),
+                        )))
+                    },
+                )?;
+                Ok(found.map(|(client_pick, client_stack)| TreeChoice {
+                    server_pick: Pick::from_slice(&srv.pick),
+                    server_stack: srv.chunnels.iter().map(|c| (*c).clone()).collect(),
+                    client_pick,
+                    client_stack,
+                    steps: 0,
+                }))
+            },
+        )?
+    };
+    match found {
+        Some(mut c) => {
+            c.steps = s.steps;
+            Ok(c)
+        }
+        None => Err(NoChoice::Incompatible(first_mismatches(
+            server,
+            client,
+            limits.max_reported,
+        ))),
+    }
+}
+
+/// The first mismatch of each of the first `max` pairs of options, server option major.
+fn first_mismatches(server: &OfferTree, client: &OfferTree, max: usize) -> Vec<Mismatch> {
+    let (srv, cli) = (server.first_options(max), client.first_options(max));
+    let mut out = Vec::new();
+    for (si, s) in srv.iter().enumerate() {
+        for (ci, c) in cli.iter().enumerate() {
+            if out.len() >= max {
+                return out;
+            }
+            let idx = |i: usize| u16::try_from(i).unwrap_or(u16::MAX);
+            if let Err(m) =
+                crate::negotiate::check_compatible(&s.chunnels, &c.chunnels, idx(si), idx(ci))
+            {
+                out.push(m);
+            }
+        }
+    }
+    out
+}
