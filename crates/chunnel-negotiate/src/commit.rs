@@ -26,6 +26,11 @@
 //!   sends on the old stack and marks where its messages change stack; `DONE` does the same
 //!   for the follower. The driver switches its receive side exactly at the marker, so no
 //!   message is decoded by the wrong stack, lost or delivered twice.
+//! * **`Switched` means both ends show it.** Each end records its new branch (the
+//!   connection's `side()`) at its switch point, before its marker leaves: the initiator
+//!   before `COMMIT`, the follower before `DONE`. So when [`Coordinator::switch`] returns
+//!   [`Outcome::Switched`] (on the follower's `DONE`), the peer's `side()` already shows the
+//!   new branch, and so does this end's.
 //! * **Refusal or silence leaves the old stack.** A no vote, or no vote before the deadline
 //!   (the initiator then sends `ABORT`), ends the transaction with nothing switched. A follower
 //!   that voted yes waits for the initiator's decision (it keeps the old stack meanwhile):
@@ -488,7 +493,10 @@ pub(crate) enum Work {
 /// How a switch proposed with [`Coordinator::switch`] ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Both ends switched.
+    /// Both ends switched. When [`Coordinator::switch`] returns this, the connection's
+    /// `side()` shows the new branch at both ends (each end records it before its switch
+    /// point's marker leaves, and this outcome waits for the peer's), this end sends on the
+    /// new stack, and the peer's messages arrive on it from its switch point on.
     Switched,
     /// The connection already ran on that branch; nothing was sent.
     Unchanged,
@@ -589,6 +597,10 @@ impl Coordinator {
     /// yes, and the peer's switch point has arrived), [`Outcome::Aborted`] if the peer
     /// refused or did not answer in time, [`Outcome::Unchanged`] if the connection already
     /// runs on `to`.
+    ///
+    /// On `Switched`, both ends agree: the peer recorded its new branch before it sent the
+    /// switch point this waited for, so its `side()` (`ReconfigConnection::side`) already
+    /// returns `to`, as this end's does. There is nothing further to wait for.
     pub async fn switch(&self, to: Side) -> Result<Outcome, Error> {
         let sh = &*self.shared;
         if (sh.side)() == to {
