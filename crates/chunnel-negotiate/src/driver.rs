@@ -102,6 +102,16 @@ pub(crate) trait ControlPlane: Send + Sync {
         machine: crate::commit::Multilateral,
     ) -> Option<mpsc::Receiver<crate::commit::Work>>;
     fn machine(&self) -> Option<&Mutex<crate::commit::Multilateral>>;
+    /// Proposes `pick` as transaction `txn` under the machine's lock; on success calls
+    /// `proposed` (still under the lock, before any answer can be handled) and queues the
+    /// prepare for the coordinator's task behind everything queued before. `None` if
+    /// reconfiguration is not enabled.
+    fn propose(
+        &self,
+        pick: &chunnel::Pick,
+        txn: u64,
+        proposed: &mut dyn FnMut(),
+    ) -> Option<Result<(), crate::commit::ProposeError>>;
     fn send(&self, m: Bytes) -> SendFuture<'_>;
 }
 

@@ -13,13 +13,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use chunnel::{
     Capability, Chunnel, ChunnelConnection, ConnectionExt, Error as ChunnelError, Handoff,
     Handover, LockFree, Negotiate, Reconfigurable, Side, select,
 };
-use chunnel_negotiate::commit::{Coordinator, Outcome, Policy};
+use chunnel_negotiate::commit::{Contention, Coordinator, Outcome, Policy};
 use chunnel_negotiate::{Client, Config, Negotiated, listen};
 use chunnel_net::udp;
 use chunnel_test::{Xor, XorConn};
@@ -265,6 +265,105 @@ async fn when_switched_returns_the_peer_already_shows_the_new_side() -> Result<(
          returned; the first (switch, proposer): {:?}",
         stale.len(),
         &stale[..stale.len().min(8)]
+    );
+    Ok(())
+}
+
+/// A pause of 0–2 ms, different each time.
+fn jitter() -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u8(0);
+    Duration::from_micros(h.finish() % 2_000)
+}
+
+/// How one end's attempts at a switch ended: contended attempts (by kind), then the last.
+#[derive(Debug, Default)]
+struct Attempts {
+    contended: Vec<Contention>,
+    last: Option<Outcome>,
+}
+
+/// Proposes `to` until the switch is done (`Switched`, or `Unchanged` when the peer's switch
+/// went there first), retrying on `Contended` and nothing else: any other outcome or error is
+/// a failure.
+async fn switch_retrying(coord: &Coordinator, to: Side) -> Result<Attempts> {
+    let mut a = Attempts::default();
+    for _ in 0..1_000 {
+        match timeout(WAIT, coord.switch(to))
+            .await
+            .context("a switch did not end")?
+        {
+            Ok(Outcome::Contended(c)) => {
+                a.contended.push(c);
+                tokio::time::sleep(jitter()).await;
+            }
+            Ok(out @ (Outcome::Switched | Outcome::Unchanged)) => {
+                a.last = Some(out);
+                return Ok(a);
+            }
+            Ok(other) => bail!("not contention, not done: {other:?} (after {a:?})"),
+            Err(e) => bail!("an error, not an outcome: {e} (after {a:?})"),
+        }
+    }
+    bail!("1,000 contended attempts: {a:?}")
+}
+
+/// Both ends propose the same switch at the same moment, 200 rounds. Each end retries on
+/// `Contended` only; every attempt that does not switch must be `Contended`, each round ends
+/// with exactly one end `Switched` at first or after retries, both ends on the new side, and
+/// an echo through both stacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_proposals_lose_with_one_outcome_and_retry() -> Result<()> {
+    const ROUNDS: usize = 200;
+    let mut p = Pair::new().await?;
+    let (mut contended_rounds, mut kinds) = (0, std::collections::BTreeMap::new());
+    for round in 0..ROUNDS {
+        let to = other(p.client.get_ref().side());
+        let barrier = tokio::sync::Barrier::new(2);
+        let end = |coord: Arc<Coordinator>| {
+            let barrier = &barrier;
+            async move {
+                barrier.wait().await;
+                switch_retrying(&coord, to).await
+            }
+        };
+        let (c, s) = tokio::join!(end(p.client_coord.clone()), end(p.server_coord.clone()));
+        let (c, s) = (
+            c.with_context(|| format!("round {round}, client"))?,
+            s.with_context(|| format!("round {round}, server"))?,
+        );
+        // Switched at least once (a late end finds it done: Unchanged); at most twice (a
+        // retry that starts before its end has recorded the switch it followed proposes
+        // the same branch again, which is harmless).
+        ensure!(
+            [&c, &s].iter().any(|a| a.last == Some(Outcome::Switched)),
+            "round {round}: nobody switched: {c:?} / {s:?}"
+        );
+        ensure!(
+            p.sides() == (to, to),
+            "round {round}: sides {:?}",
+            p.sides()
+        );
+        if !c.contended.is_empty() || !s.contended.is_empty() {
+            contended_rounds += 1;
+        }
+        for k in c.contended.iter().chain(&s.contended) {
+            let name = match k {
+                Contention::Local => "local",
+                Contention::Peer { .. } => "peer",
+                Contention::Superseded => "superseded",
+            };
+            *kinds.entry(name).or_insert(0usize) += 1;
+        }
+        p.echo(round).await?;
+    }
+    println!("{contended_rounds} of {ROUNDS} rounds contended; contended attempts: {kinds:?}");
+    // Both ends start together, so most rounds collide; require enough that the loser's
+    // side was exercised (the exact share depends on scheduling).
+    ensure!(
+        contended_rounds >= ROUNDS / 10,
+        "only {contended_rounds} of {ROUNDS} rounds had contention"
     );
     Ok(())
 }
