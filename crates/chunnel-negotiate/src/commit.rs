@@ -26,12 +26,29 @@
 //!   sends on the old stack and marks where its messages change stack; `DONE` does the same
 //!   for the follower. The driver switches its receive side exactly at the marker, so no
 //!   message is decoded by the wrong stack, lost or delivered twice.
+//! * **`Switched` means both ends show it.** Each end records its new branch (the
+//!   connection's `side()`) at its switch point, before its marker leaves: the initiator
+//!   before `COMMIT`, the follower before `DONE`. So when [`Coordinator::switch`] returns
+//!   [`Outcome::Switched`] (on the follower's `DONE`), the peer's `side()` already shows the
+//!   new branch, and so does this end's.
 //! * **Refusal or silence leaves the old stack.** A no vote, or no vote before the deadline
 //!   (the initiator then sends `ABORT`), ends the transaction with nothing switched. A follower
 //!   that voted yes waits for the initiator's decision (it keeps the old stack meanwhile):
 //!   deciding alone could switch one side only.
 //! * **Concurrent proposals.** If both ends propose at once, the larger `txn` wins; the other
-//!   proposer aborts its own (reported as [`AbortReason::Superseded`]) and votes on the winner's.
+//!   proposer aborts its own (reported as [`Contention::Superseded`]) and votes on the winner's.
+//!
+//! ## Contention: one outcome, retry
+//!
+//! A switch that could not run because another switch was in progress — this end was already
+//! in one (its own or its peer's), the peer was (its vote said busy), or both ends proposed at
+//! once and the peer's proposal won — ends in one shape: [`Outcome::Contended`] from
+//! [`Coordinator::switch`] ([`Event::Contended`] from the machine). Nothing was switched by
+//! that call; retry it. The [`Contention`] it carries says which case it was, for logs; the
+//! retry decision does not need it. A retry converges: once the other switch is over, it
+//! proposes again, or returns [`Outcome::Unchanged`] if the other switch already went where
+//! this one asked. When both ends may propose, pause a short random time before retrying, so
+//! that the two do not keep colliding.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -74,10 +91,13 @@ impl Default for Policy {
     }
 }
 
-/// Why a transaction ended without a switch.
+/// Why a transaction ended without a switch, other than contention (that is
+/// [`Contention`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AbortReason {
-    /// The peer voted no.
+    /// The peer voted no: policy ([`Refusal::NotAllowed`]) or no compatible option
+    /// ([`Refusal::Incompatible`]). A peer busy with another switch ([`Refusal::Busy`]) is
+    /// [`Contention::Peer`] instead.
     Refused {
         /// Its reason.
         reason: Refusal,
@@ -88,7 +108,23 @@ pub enum AbortReason {
     Timeout,
     /// The initiator aborted (follower side).
     PeerAborted,
-    /// The peer's concurrent proposal won.
+}
+
+/// Which switch was in the way of one that ended [contended](Outcome::Contended). Every case
+/// means the same to the caller: nothing was switched by this proposal; retry it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Contention {
+    /// This end was already in a switch (its own, or one of its peer's that it follows) when
+    /// the proposal was made: nothing was sent.
+    Local,
+    /// The peer was in another switch and refused the proposal (its vote:
+    /// [`Refusal::Busy`]).
+    Peer {
+        /// The peer's explanation.
+        message: String,
+    },
+    /// Both ends proposed at once and the peer's proposal won (the larger transaction id):
+    /// this end aborted its own and follows the peer's.
     Superseded,
 }
 
@@ -119,6 +155,14 @@ pub enum Event {
         /// Why.
         reason: AbortReason,
     },
+    /// This end's transaction ended with nothing switched because another switch was in
+    /// progress (see [`Contention`]): retry.
+    Contended {
+        /// The transaction.
+        txn: u64,
+        /// Which switch was in the way.
+        contention: Contention,
+    },
     /// This end refused the peer's proposal (for the operator's log).
     Refused {
         /// The peer's transaction.
@@ -136,7 +180,8 @@ pub enum ProposeError {
     /// The policy does not let this end start switches.
     #[error("this end is not allowed to start a switch")]
     NotAllowed,
-    /// Another transaction is in progress.
+    /// Another transaction is in progress. ([`Coordinator::switch`] reports this as
+    /// [`Outcome::Contended`] with [`Contention::Local`], never as an error.)
     #[error("another switch is in progress")]
     Busy,
     /// The option is not one of this end's own options.
@@ -297,9 +342,9 @@ impl Multilateral {
                 "a concurrent switch of this end takes precedence".into(),
             ),
             State::Preparing { txn, .. } => {
-                self.events.push_back(Event::Aborted {
+                self.events.push_back(Event::Contended {
                     txn: *txn,
-                    reason: AbortReason::Superseded,
+                    contention: Contention::Superseded,
                 });
                 self.transmit.push_back(txn_msg(Tag::Abort, *txn));
                 self.state = State::Idle;
@@ -395,6 +440,17 @@ impl Multilateral {
                 });
             }
             Verdict::No {
+                reason: Refusal::Busy,
+                message,
+                ..
+            } => {
+                self.state = State::Idle;
+                self.events.push_back(Event::Contended {
+                    txn,
+                    contention: Contention::Peer { message },
+                });
+            }
+            Verdict::No {
                 reason, message, ..
             } => {
                 self.state = State::Idle;
@@ -476,23 +532,42 @@ impl Multilateral {
 // ---------------------------------------------------------------------------------------
 // The async driver.
 
-/// What the receive path hands the coordinator's task.
+/// What the receive path and [`Coordinator::switch`] hand the coordinator's task, in the
+/// order the state machine produced it: the task sends every control message of this end, so
+/// the peer receives them in that order.
 #[derive(Debug)]
 pub(crate) enum Work {
     /// An event of the state machine.
     Event(Event),
-    /// A message to send (a vote).
+    /// A message to send (a vote, an abort).
     Send(Bytes),
+    /// This end's proposal of `txn` (its prepare): a failure to send it ends the switch.
+    Propose {
+        /// The transaction.
+        txn: u64,
+        /// The prepare.
+        msg: Bytes,
+    },
 }
 
 /// How a switch proposed with [`Coordinator::switch`] ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Both ends switched.
+    /// Both ends switched. When [`Coordinator::switch`] returns this, the connection's
+    /// `side()` shows the new branch at both ends (each end records it before its switch
+    /// point's marker leaves, and this outcome waits for the peer's), this end sends on the
+    /// new stack, and the peer's messages arrive on it from its switch point on.
     Switched,
     /// The connection already ran on that branch; nothing was sent.
     Unchanged,
-    /// Nothing switched; the connection goes on with the old stack.
+    /// Another switch was in progress — at this end, at the peer, or both ends proposed at
+    /// once and the peer's proposal won — so this one did not run: **retry** (see the
+    /// [module docs](self#contention-one-outcome-retry)). The [`Contention`] says which; the
+    /// decision to retry does not depend on it.
+    Contended(Contention),
+    /// Nothing switched, and retrying will not change that by itself (the peer refused by
+    /// policy or incompatibility, did not answer in time, or the initiator aborted); the
+    /// connection goes on with the old stack.
     Aborted(AbortReason),
 }
 
@@ -586,17 +661,20 @@ impl Coordinator {
 
     /// Proposes to switch both ends to branch `to` of the select and waits for the outcome:
     /// [`Outcome::Switched`] once both ends have switched (this end switched on the peer's
-    /// yes, and the peer's switch point has arrived), [`Outcome::Aborted`] if the peer
-    /// refused or did not answer in time, [`Outcome::Unchanged`] if the connection already
-    /// runs on `to`.
+    /// yes, and the peer's switch point has arrived), [`Outcome::Contended`] if another
+    /// switch was in progress (retry), [`Outcome::Aborted`] if the peer refused or did not
+    /// answer in time, [`Outcome::Unchanged`] if the connection already runs on `to`. Errors
+    /// are for what no retry fixes: this end may not propose, `to` is not an option, the
+    /// connection failed.
+    ///
+    /// On `Switched`, both ends agree: the peer recorded its new branch before it sent the
+    /// switch point this waited for, so its `side()` (`ReconfigConnection::side`) already
+    /// returns `to`, as this end's does. There is nothing further to wait for.
     pub async fn switch(&self, to: Side) -> Result<Outcome, Error> {
         let sh = &*self.shared;
         if (sh.side)() == to {
             return Ok(Outcome::Unchanged);
         }
-        let machine = sh.control.0.machine().ok_or(Error::Wire(WireError(
-            "multilateral reconfiguration is not enabled",
-        )))?;
         let bit = match to {
             Side::Left => 0,
             Side::Right => 1,
@@ -611,17 +689,27 @@ impl Coordinator {
             }))?;
         let txn = new_txn();
         let (tx, rx) = oneshot::channel();
-        let out: Vec<Bytes> = {
-            let mut m = lock(machine);
-            m.propose(&pick, txn, Instant::now())
-                .map_err(Error::Propose)?;
-            lock(&sh.waiters).insert(txn, tx);
-            std::iter::from_fn(|| m.poll_transmit()).collect()
-        };
-        sh.kick.notify_one();
-        for msg in out {
-            sh.control.0.send(msg).await?;
+        let mut tx = Some(tx);
+        // The prepare goes to the coordinator's task behind the control messages queued
+        // before it (sent from here, it could overtake an abort of an earlier proposal and
+        // reach the peer after that transaction ended: the peer would vote on a proposal
+        // nobody waits for, and wait for its decision forever).
+        let proposed = sh.control.0.propose(&pick, txn, &mut || {
+            if let Some(tx) = tx.take() {
+                lock(&sh.waiters).insert(txn, tx);
+            }
+        });
+        match proposed {
+            None => {
+                return Err(Error::Wire(WireError(
+                    "multilateral reconfiguration is not enabled",
+                )));
+            }
+            Some(Ok(())) => {}
+            Some(Err(ProposeError::Busy)) => return Ok(Outcome::Contended(Contention::Local)),
+            Some(Err(e)) => return Err(Error::Propose(e)),
         }
+        sh.kick.notify_one();
         rx.await
             .map_err(|_| Error::Chunnel(chunnel::Error::Closed))?
     }
@@ -667,6 +755,11 @@ async fn drive<L, R, M>(
                 Some(Work::Event(e)) => on_event(&sh, &conn, e).await,
                 Some(Work::Send(m)) => {
                     let _ = sh.control.0.send(m).await;
+                }
+                Some(Work::Propose { txn, msg }) => {
+                    if let Err(e) = sh.control.0.send(msg).await {
+                        finish(&sh, txn, Err(Error::Chunnel(e)));
+                    }
                 }
                 None => return,
             },
@@ -729,6 +822,7 @@ where
             }
         }
         Event::Aborted { txn, reason } => finish(sh, txn, Ok(Outcome::Aborted(reason))),
+        Event::Contended { txn, contention } => finish(sh, txn, Ok(Outcome::Contended(contention))),
         Event::Refused {
             reason, message, ..
         } => lock(&sh.refusals).push((reason, message)),
@@ -945,9 +1039,9 @@ mod tests {
         b.handle_message(&pa, now); // b wins: votes no (busy) on 100
         assert!(matches!(
             &events(&mut a)[..],
-            [Event::Aborted {
+            [Event::Contended {
                 txn: 100,
-                reason: AbortReason::Superseded
+                contention: Contention::Superseded
             }]
         ));
         deliver(&mut a, &mut b, now); // ABORT(100) and VOTE(200, yes)
@@ -959,6 +1053,39 @@ mod tests {
             "{ev:?}"
         );
         assert!(events(&mut a).is_empty());
+    }
+
+    #[test]
+    fn a_busy_peer_or_end_is_contention() {
+        let now = Instant::now();
+        let (mut a, mut b) = (
+            Multilateral::new(both(), Policy::default()),
+            Multilateral::new(both(), Policy::default()),
+        );
+        // b follows another transaction (voted yes on 6) when a's proposal arrives.
+        let prepare = Prepare {
+            version: VERSION,
+            txn: 6,
+            option: option(1, "bincode"),
+        }
+        .encode();
+        b.handle_message(&prepare, now);
+        assert_eq!(b.poll_transmit().map(|m| m[0]), Some(Tag::Vote as u8));
+        assert_eq!(
+            b.propose(&Pick::from_branches(vec![0]), 8, now),
+            Err(ProposeError::Busy),
+            "an end in a switch cannot start another"
+        );
+        a.propose(&Pick::from_branches(vec![1]), 7, now).unwrap();
+        deliver(&mut a, &mut b, now);
+        deliver(&mut b, &mut a, now);
+        let ev = events(&mut a);
+        assert!(
+            matches!(&ev[..], [Event::Contended { txn: 7, contention: Contention::Peer { message } }]
+            if message.contains("in progress")),
+            "{ev:?}"
+        );
+        assert!(a.is_idle());
     }
 
     #[test]

@@ -102,6 +102,16 @@ pub(crate) trait ControlPlane: Send + Sync {
         machine: crate::commit::Multilateral,
     ) -> Option<mpsc::Receiver<crate::commit::Work>>;
     fn machine(&self) -> Option<&Mutex<crate::commit::Multilateral>>;
+    /// Proposes `pick` as transaction `txn` under the machine's lock; on success calls
+    /// `proposed` (still under the lock, before any answer can be handled) and queues the
+    /// prepare for the coordinator's task behind everything queued before. `None` if
+    /// reconfiguration is not enabled.
+    fn propose(
+        &self,
+        pick: &chunnel::Pick,
+        txn: u64,
+        proposed: &mut dyn FnMut(),
+    ) -> Option<Result<(), crate::commit::ProposeError>>;
     fn send(&self, m: Bytes) -> SendFuture<'_>;
 }
 
@@ -720,13 +730,15 @@ where
 /// queue, and no task of the application's to wake per connection. `on` must not wait; to
 /// serve a connection, it spawns.
 ///
-/// ```no_run
-/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use chunnel::{ConnectionExt, Identity, Noop, select};
 /// use chunnel_negotiate::{Config, listen_with};
 /// use chunnel_net::udp;
 ///
 /// let l = udp::Listener::bind("127.0.0.1:0".parse()?).await?;
+/// # let addr = l.local_addr()?;
 /// let _serving = listen_with(select(Noop, Identity), l, Config::default(), |r| {
 ///     if let Ok(conn) = r {
 ///         tokio::spawn(async move {
@@ -739,6 +751,13 @@ where
 ///     }
 /// });
 /// // ... served until `_serving` is dropped.
+/// # use chunnel::Chunnel;
+/// # let base = udp::Connect::new(addr).connect_wrap(()).await?;
+/// # let conn = chunnel_negotiate::Client::new(Config::default())
+/// #     .connect(&addr.to_string(), select(Noop, Identity), base)
+/// #     .await?;
+/// # conn.send_one("hi".into()).await?;
+/// # assert_eq!(conn.recv_one().await?, "hi");
 /// # Ok(()) }
 /// ```
 pub fn listen_with<S, L, F>(stack: S, mut listener: L, cfg: Config, on: F) -> Serving

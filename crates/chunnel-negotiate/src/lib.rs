@@ -72,3 +72,9 @@ pub use crate::driver::{
 pub use crate::error::Error;
 pub use crate::tagged::Tagged;
 pub use crate::wire::ZeroRtt;
+
+/// The repository README's examples, compiled and run as doctests of this crate (its
+/// dev-dependencies cover every crate they use; `tests/readme.rs` checks none is skipped).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;

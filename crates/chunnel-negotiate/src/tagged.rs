@@ -670,6 +670,26 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
         self.ctl.get().map(|c| &c.machine)
     }
 
+    fn propose(
+        &self,
+        pick: &chunnel::Pick,
+        txn: u64,
+        proposed: &mut dyn FnMut(),
+    ) -> Option<Result<(), crate::commit::ProposeError>> {
+        let ctl = self.ctl.get()?;
+        let mut machine = lock(&ctl.machine);
+        let r = machine.propose(pick, txn, std::time::Instant::now());
+        if r.is_ok() {
+            proposed();
+            // Full only under a peer's flood of control messages; the machine resends the
+            // prepare on its timer.
+            while let Some(msg) = machine.poll_transmit() {
+                let _ = ctl.events.try_send(Work::Propose { txn, msg });
+            }
+        }
+        Some(r)
+    }
+
     fn send(&self, m: Bytes) -> SendFuture<'_> {
         Box::pin(self.inner.send_with_header(&[], [m]))
     }

@@ -1,9 +1,10 @@
 //! Kernel TCP: length-framed messages over a stream (see [`crate::framed`]).
 //!
-//! ```no_run
+//! ```
 //! use chunnel::{Chunnel, ConnectionExt, Listener as _};
 //! use chunnel_net::tcp;
-//! # async fn demo() -> Result<(), chunnel::Error> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel::Error> {
 //! let mut listener = tcp::Listener::bind("127.0.0.1:0".parse().unwrap()).await?;
 //! let client = tcp::Connect::new(listener.local_addr()?).connect_wrap(()).await?;
 //! let server = listener.accept().await?;

@@ -5,10 +5,11 @@
 //! * Server: [`Listener::bind`] gives a [`chunnel::Listener`] handing out one
 //!   [`ServerConnection`] per peer address.
 //!
-//! ```no_run
+//! ```
 //! use chunnel::{Chunnel, ConnectionExt, Listener as _};
 //! use chunnel_net::udp;
-//! # async fn demo() -> Result<(), chunnel::Error> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel::Error> {
 //! let mut listener = udp::Listener::bind("127.0.0.1:0".parse().unwrap()).await?;
 //! let addr = listener.local_addr()?;
 //! let client = udp::Connect::new(addr).connect_wrap(()).await?;

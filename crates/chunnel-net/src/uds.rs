@@ -5,10 +5,11 @@
 //! a path removes its socket file when dropped. Datagram clients bind a unique abstract name
 //! so the server can answer them.
 //!
-//! ```no_run
+//! ```
 //! use chunnel::{Chunnel, ConnectionExt, Listener as _};
 //! use chunnel_net::uds::{self, UnixAddr};
-//! # async fn demo() -> Result<(), chunnel::Error> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel::Error> {
 //! let addr = UnixAddr::Abstract(b"my-service".to_vec());
 //! let mut listener = uds::DatagramListener::bind(addr.clone()).await?;
 //! let client = uds::DatagramConnect::new(addr).connect_wrap(()).await?;

@@ -6,7 +6,7 @@
 //! application code runs over shared memory when the peers share memory and over the socket
 //! otherwise (the HotNets `local_or_remote` example):
 //!
-//! ```no_run
+//! ```
 //! use chunnel::{select, Chunnel, ConnectionExt, Identity, Side};
 //! use chunnel_negotiate::{listen, Client, Config};
 //! use chunnel_net::udp;

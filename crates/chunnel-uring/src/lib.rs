@@ -16,10 +16,13 @@
 //!   kernel UDP socket
 //! ```
 //!
-//! ```no_run
+//! ```
 //! use chunnel::{Chunnel, ConnectionExt, Listener as _};
 //! use chunnel_uring::udp;
-//! # async fn demo() -> Result<(), chunnel::Error> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel::Error> {
+//! # // Where io_uring cannot run (see below), this example has nothing to show.
+//! # if chunnel_uring::check_available().is_err() { return Ok(()); }
 //! let mut listener = udp::Listener::bind("127.0.0.1:0".parse().unwrap()).await?;
 //! let addr = listener.local_addr()?;
 //! let client = udp::Connect::new(addr).connect_wrap(()).await?;
@@ -32,11 +35,16 @@
 //! Preferring io_uring and falling back to kernel sockets where it cannot be set up (old
 //! kernels, `kernel.io_uring_disabled`, seccomp filters in containers):
 //!
-//! ```no_run
-//! use chunnel::{Chunnel, select};
-//! # async fn demo(addr: std::net::SocketAddr) -> Result<(), chunnel::Error> {
+//! ```
+//! use chunnel::{Chunnel, ConnectionExt, Listener as _, select};
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel::Error> {
+//! # let mut server = chunnel_net::udp::Listener::bind("127.0.0.1:0".parse().unwrap()).await?;
+//! # let addr = server.local_addr()?;
 //! let mut c = select(chunnel_uring::udp::Connect::new(addr), chunnel_net::udp::Connect::new(addr));
 //! let conn = c.connect_wrap(()).await?; // Either::Left (io_uring) or Either::Right (kernel)
+//! conn.send_one("hello".into()).await?; // the same wire either way
+//! # assert_eq!(server.accept().await?.recv_one().await?, "hello");
 //! # Ok(()) }
 //! ```
 //!

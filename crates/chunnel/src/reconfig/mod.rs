@@ -333,7 +333,10 @@ where
     L::Data: 'static,
     M: Mechanism,
 {
-    /// The branch this connection currently runs on.
+    /// The branch this connection currently runs on: the one its sends go to. It changes at
+    /// this end's switch point; in a multilateral switch that is before the marker leaves
+    /// ([`switch_with_marker`](Self::switch_with_marker)), so once the peer has read the
+    /// marker this end shows the new branch.
     pub fn side(&self) -> Side {
         self.core.side()
     }
@@ -357,10 +360,14 @@ where
     /// comes out of it as [`Error::EndOfEpoch`] (or already did), then move to the new one,
     /// so each direction changes stack exactly at its marker.
     ///
+    /// [`side`](Self::side) shows `to` from the switch point on, already while `marker`
+    /// runs: a peer that has read the marker (or anything sent after it) never finds this end
+    /// on the old branch.
+    ///
     /// Switching to the branch the connection already runs on still builds a fresh
     /// implementation of it and moves to it at the markers (the peer's marker ends what the
     /// old one receives). On an error building the new branch or sending the marker, nothing
-    /// changes.
+    /// changes (`side` shows the old branch again).
     pub async fn switch_with_marker<F, Fut>(&self, to: Side, marker: F) -> Result<(), Error>
     where
         F: FnOnce() -> Fut,
@@ -798,8 +805,19 @@ where
         }
         guard.tx_closed = true;
         self.close_one(&self.tx).await;
-        // The switch point. If the marker cannot be sent, nothing changes.
+        // The switch point: this end's side changes here, before the marker tells the peer
+        // (so a peer that has read the marker, and any answer it sends after, never finds
+        // this end on the old side). If the marker cannot be sent (or the switch is
+        // cancelled while sending it), the side goes back and nothing changes.
+        let old_side = self.side.swap(side_u8(new.side()), Ordering::AcqRel);
+        let marked = AtomicBool::new(false);
+        let _restore = Undo(|| {
+            if !marked.load(Ordering::Relaxed) {
+                self.side.store(old_side, Ordering::Release);
+            }
+        });
         marker().await?;
+        marked.store(true, Ordering::Relaxed);
         let old_at = self.send_at.load(Ordering::Acquire) & 1;
         let new_at = old_at ^ 1;
         {
@@ -813,7 +831,6 @@ where
                 old.export(&mut handoff);
             }
             new.import(&mut handoff);
-            self.side.store(side_u8(new.side()), Ordering::Release);
             *free = Some(new);
             let carry = self.add_carry(handoff.buffered.drain(..));
             if carry {
