@@ -44,25 +44,94 @@
 //!
 //! # Example
 //!
-//! ```no_run
+//! Two members of one group, in one process for the example (normally each is its own process
+//! or host), agree through an SQLite file. The stack is a `select` between two variants of a
+//! small byte layer defined here, whose capability (`xor = {key}`) only matches the same key,
+//! so the group must agree on one; the first member's preference becomes the group's stack and
+//! a proposal switches every member to the other.
+//!
+//! ```
 //! use std::sync::Arc;
 //! use bytes::Bytes;
-//! use chunnel::select;
+//! use chunnel::{select, Capability, Chunnel, ChunnelConnection, Handover, Negotiate};
 //! use chunnel_rendezvous::{Config, Group, SqliteStore};
-//! use chunnel_test::Xor; // a byte layer with an exact capability `xor = {key}`
 //!
-//! # async fn run() -> Result<(), chunnel_rendezvous::Error> {
-//! let store = Arc::new(SqliteStore::open("/tmp/groups.sqlite")?);
-//! // Prefer xor=1, accept xor=2: the first member's preference becomes the group's stack.
-//! let g = Group::join(store, "orders", "rx-1", "127.0.0.1:0".parse().unwrap(),
-//!                     select(Xor(1), Xor(2)), None, Config::default()).await?;
-//! g.send([Bytes::from_static(b"to every other member")]).await?;
-//! let _from_anyone = g.recv().await?;
-//! // Switch the whole group to our second option; every live member must vote yes.
-//! g.propose(1).await?;
-//! println!("{} members at epoch {}", g.participant().view().members.len(),
-//!          g.participant().view().epoch);
-//! # Ok(()) }
+//! /// XORs every byte with its key (capability `xor = {key}`, exact match).
+//! #[derive(Clone, Copy, Debug)]
+//! struct Xor(u8);
+//!
+//! impl Negotiate for Xor {
+//!     fn id(&self) -> &'static str {
+//!         "example/xor/1"
+//!     }
+//!     fn capabilities(&self) -> Vec<Capability> {
+//!         vec![Capability::exact("xor", [self.0.to_string()])]
+//!     }
+//! }
+//!
+//! impl<C: ChunnelConnection<Data = Bytes> + Send> Chunnel<C> for Xor {
+//!     type Connection = XorConn<C>;
+//!     async fn connect_wrap(&mut self, inner: C) -> Result<XorConn<C>, chunnel::Error> {
+//!         Ok(XorConn(inner, self.0))
+//!     }
+//! }
+//!
+//! struct XorConn<C>(C, u8);
+//!
+//! impl<C: ChunnelConnection<Data = Bytes>> ChunnelConnection for XorConn<C> {
+//!     type Data = Bytes;
+//!     async fn send<B>(&self, burst: B) -> Result<(), chunnel::Error>
+//!     where
+//!         B: IntoIterator<Item = Bytes> + Send,
+//!         B::IntoIter: Send,
+//!     {
+//!         let key = self.1;
+//!         let burst: Vec<Bytes> =
+//!             burst.into_iter().map(|m| m.iter().map(|b| b ^ key).collect()).collect();
+//!         self.0.send(burst).await
+//!     }
+//!     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, chunnel::Error> {
+//!         let n = self.0.recv(slots).await?;
+//!         for m in slots[..n].iter_mut().flatten() {
+//!             *m = m.iter().map(|b| b ^ self.1).collect();
+//!         }
+//!         Ok(n)
+//!     }
+//! }
+//!
+//! /// Nothing to hand over on a switch: the key is the whole state.
+//! impl<C: ChunnelConnection<Data = Bytes>> Handover for XorConn<C> {}
+//!
+//! # fn main() -> Result<(), chunnel_rendezvous::Error> {
+//! # let dir = std::env::temp_dir().join(format!("chunnel-rdv-doc-{}", std::process::id()));
+//! # std::fs::create_dir_all(&dir)?;
+//! # let path = dir.join("groups.sqlite");
+//! tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//!     let store = Arc::new(SqliteStore::open(&path)?); // or RedisStore, EtcdStore
+//!     let any_port = "127.0.0.1:0".parse().unwrap();
+//!     // The first member prefers xor=1 and accepts xor=2: its preference becomes the stack.
+//!     let a = Group::join(store.clone(), "orders", "a", any_port,
+//!                         select(Xor(1), Xor(2)), None, Config::default()).await?;
+//!     // The second prefers xor=2 but takes xor=1, the committed stack, which it can build.
+//!     let b = Group::join(store, "orders", "b", any_port,
+//!                         select(Xor(2), Xor(1)), None, Config::default()).await?;
+//!     assert_eq!(b.participant().view().option, 1);
+//!     // Wait until `a` has read that `b` joined (it reads the group every `Config::poll`).
+//!     let mut view = a.participant().watch();
+//!     while view.borrow_and_update().members.len() < 2 {
+//!         view.changed().await.map_err(|_| chunnel_rendezvous::Error::Closed)?;
+//!     }
+//!     a.send([Bytes::from_static(b"to every other member")]).await?;
+//!     assert_eq!(&b.recv().await?[..], b"to every other member");
+//!     // Switch the whole group to a's second option (xor=2); every live member must vote yes.
+//!     a.propose(1).await?;
+//!     println!("{} members at epoch {}", a.participant().view().members.len(),
+//!              a.participant().view().epoch);
+//!     a.leave().await?;
+//!     b.leave().await
+//! })
+//! # .and_then(|()| Ok(std::fs::remove_dir_all(&dir)?))
+//! # }
 //! ```
 #![warn(missing_docs)]
 
