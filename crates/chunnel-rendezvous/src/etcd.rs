@@ -73,9 +73,10 @@
 //! * `finish`: R `meta`, `transition`; W `meta`, deletes `transition` and `ballots/*`; C both;
 //! * `renew`, when moving a member to a new lease: C `members/<id>`.
 //!
-//! Leases are not part of `Txn`s: `join` grants one before its writing `Txn` (and revokes it
-//! if the member key was not written with it), and `renew` re-checks that the key is still
-//! attached to the lease it kept alive.
+//! Leases are not part of `Txn`s: `join` grants the member's lease (and, when it creates the
+//! group, the group lease) before its writing `Txn` (and revokes them if the keys were not
+//! written with them), and `renew` re-checks that the key is still attached to the lease it
+//! kept alive.
 //!
 //! # Failures
 //!
