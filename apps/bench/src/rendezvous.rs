@@ -15,9 +15,11 @@
 //! the poll interval bounds how fast members notice a proposal, so commit latency is a few
 //! poll intervals plus the store's own latency under the load of N pollers.
 //!
-//! The servers are started here, on free loopback ports, and stopped at the end: redis-server
-//! (append-only file fsynced on every write, in a temporary directory) and etcd (one member,
-//! and a three-member cluster, `etcd3`). Redis and etcd need the `stores` feature
+//! The servers are started here, on free loopback ports, and stopped after their backend's
+//! measurements: redis-server (append-only file fsynced on every write) and etcd (one member,
+//! and a three-member cluster, `etcd3`), each backend in a fresh temporary directory of its own
+//! (an etcd member started on the data directory of an earlier cluster would rejoin that
+//! cluster instead of the new one). Redis and etcd need the `stores` feature
 //! (`cargo build --release -p chunnel-bench --features stores`; etcd's client needs `protoc`).
 
 use std::sync::Arc;
@@ -170,9 +172,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
 }
 
 async fn run_async(a: Args) -> Result<()> {
-    let scratch = Scratch::new("bench-rendezvous");
     let mut backends = serde_json::Map::new();
     for b in &a.backends {
+        // A directory per backend, removed after it: no server state is ever reused.
+        let scratch = Scratch::new(&format!("bench-rendezvous-{b}"));
         let v = match b.as_str() {
             "sqlite" => {
                 let path = scratch.0.join("groups.sqlite");

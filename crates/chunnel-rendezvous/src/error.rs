@@ -66,6 +66,20 @@ pub enum Error {
         /// Who refused and why, or "timeout".
         reason: String,
     },
+    /// An etcd endpoint answered for another cluster than the one the store connected to
+    /// (e.g. a stale cluster left on a reused address or data directory): nothing it says can
+    /// be trusted for this group, so the store refuses to use its answer.
+    #[error(
+        "etcd endpoint {endpoint} answered for cluster {found:#018x}, not {expected:#018x} (the cluster this store connected to)"
+    )]
+    WrongCluster {
+        /// The endpoint that answered.
+        endpoint: String,
+        /// The cluster id seen when the store connected.
+        expected: u64,
+        /// The cluster id in this answer's header.
+        found: u64,
+    },
     /// This participant is no longer in the group (it left, or was closed).
     #[error("participant has left the group")]
     Closed,

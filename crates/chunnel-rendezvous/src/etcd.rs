@@ -7,10 +7,10 @@
 //!
 //! | key                        | value                                                   |
 //! |----------------------------|---------------------------------------------------------|
-//! | `chunnel/<g>/meta`         | committed epoch, stack and last outcome (binary, below) |
-//! | `chunnel/<g>/transition`   | the pending transition (binary, below)                  |
-//! | `chunnel/<g>/members/<id>` | the member's address (UTF-8), attached to its **lease** |
-//! | `chunnel/<g>/ballots/<id>` | `<transition id, 16 hex digits>:<Ballot::encode>`       |
+//! | `chunnel/<g>/meta`         | committed epoch, stack and last outcome (binary, below); on the **group lease** |
+//! | `chunnel/<g>/transition`   | the pending transition (binary, below); on the group lease |
+//! | `chunnel/<g>/members/<id>` | the member's address (UTF-8), attached to its **member lease** |
+//! | `chunnel/<g>/ballots/<id>` | `<transition id, 16 hex digits>:<Ballot::encode>`; on the voter's member lease |
 //!
 //! `meta` is `[1] ++ epoch (u64 BE) ++ outcome tag (0 none, 1 aborted, 2 committed) ++
 //! outcome id (u64 BE) ++ stack`; `transition` is `[1] ++ id ++ from_epoch ++ deadline_ms
@@ -27,6 +27,26 @@
 //! key itself, so it works from any process, not only the one that joined); if the caller asks
 //! for a different duration than the lease was granted with, the key is moved to a fresh lease
 //! instead. [`Store::leave`] deletes the key and revokes its lease.
+//!
+//! The group's record (`meta`, and `transition` while one is pending) is attached to a **group
+//! lease** granted for the member lease plus the grace period ([`EtcdStore::with_grace`],
+//! default [`EtcdStore::DEFAULT_GRACE`]), each rounded up to whole seconds. Every `renew`
+//! also sends a keep-alive on it, and `join` makes sure it is at least that long (moving the
+//! record to a longer lease, by compare-and-swap, when a member asks for a longer lease than
+//! the group's creator did). So the record outlives every member by at least the grace
+//! period, and when nobody has joined or renewed for lease + grace etcd deletes it with its
+//! lease. A ballot is attached to its voter's member lease, so it goes with the voter.
+//!
+//! # Growth
+//!
+//! Nothing in the store outlives its use: a group none of whose members joined or renewed for
+//! lease + grace (each rounded up to whole seconds) holds no key and no lease; etcd deletes
+//! them itself, no client needs to be alive. A live group holds `meta`, one key per live
+//! member (and, for a member that crashed, until its lease runs out), and, while a
+//! transition is pending, `transition` and one ballot per voter; leases: one per member key
+//! and one for the group. (etcd revokes expired leases at a bounded rate, 1,000 a second in
+//! 3.4, so a mass expiry takes that long to show; and its history of old revisions is
+//! compacted by its own settings, not by this store.)
 //!
 //! # Atomicity
 //!
@@ -53,9 +73,10 @@
 //! * `finish`: R `meta`, `transition`; W `meta`, deletes `transition` and `ballots/*`; C both;
 //! * `renew`, when moving a member to a new lease: C `members/<id>`.
 //!
-//! Leases are not part of `Txn`s: `join` grants one before its writing `Txn` (and revokes it
-//! if the member key was not written with it), and `renew` re-checks that the key is still
-//! attached to the lease it kept alive.
+//! Leases are not part of `Txn`s: `join` grants the member's lease (and, when it creates the
+//! group, the group lease) before its writing `Txn` (and revokes them if the keys were not
+//! written with them), and `renew` re-checks that the key is still attached to the lease it
+//! kept alive.
 //!
 //! # Failures
 //!
@@ -75,13 +96,14 @@
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, GetResponse, KeyValue,
-    LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
+    LeaseGrantResponse, LeaseRevokeResponse, LeaseTimeToLiveOptions, LeaseTimeToLiveResponse,
+    PutOptions, ResponseHeader, StatusResponse, Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
 
 use crate::Error;
@@ -104,10 +126,15 @@ const MAX_TTL_SECS: i64 = 9_000_000_000;
 ///
 /// Cheap to clone (clones share the connections).
 ///
+/// `no_run`: the store talks to an etcd cluster (`tests/etcd.rs` starts one and runs the
+/// same).
+///
 /// ```no_run
 /// # async fn f() -> Result<(), chunnel_rendezvous::Error> {
 /// let endpoints = vec!["http://10.0.0.1:2379".to_owned(), "http://10.0.0.2:2379".to_owned()];
-/// let store = chunnel_rendezvous::EtcdStore::connect(&endpoints).await?;
+/// let store = chunnel_rendezvous::EtcdStore::connect(&endpoints)
+///     .await?
+///     .with_grace(std::time::Duration::from_secs(10));
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -120,6 +147,11 @@ pub struct EtcdStore {
     /// The smallest TTL etcd has granted so far when asked for less (its minimum lease TTL),
     /// 0 until seen: `renew` compares a lease's TTL with what a fresh grant would give.
     min_ttl: Arc<AtomicI64>,
+    /// The id of the cluster the endpoints belong to, from the first answer (0 until one);
+    /// every later answer must carry the same one.
+    cluster: Arc<AtomicU64>,
+    /// How long a group outlives its members, in whole seconds (see [`EtcdStore::with_grace`]).
+    grace_secs: i64,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -127,6 +159,8 @@ impl std::fmt::Debug for EtcdStore {
         f.debug_struct("EtcdStore")
             .field("endpoints", &self.endpoints)
             .field("pinned", &self.pinned.load(Ordering::Relaxed))
+            .field("cluster", &self.cluster_id())
+            .field("grace_secs", &self.grace_secs)
             .finish()
     }
 }
@@ -144,11 +178,20 @@ impl EtcdStore {
     /// library does (it may wait for a connection, then for the answer).
     const DEADLINE: Duration = Duration::from_secs(5);
 
+    /// How long a group record outlives its last member by default (see
+    /// [`EtcdStore::with_grace`]).
+    pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
+
     /// Creates a client for the cluster at `endpoints` (`http://host:port`; several members
-    /// for fault tolerance).
+    /// for fault tolerance), and asks every endpoint which cluster it belongs to (all at once,
+    /// within [`Self::CONNECT_TIMEOUT`]).
     ///
-    /// Connections are made lazily: this fails only on malformed endpoints; an unreachable
-    /// cluster shows as [`Error::Unavailable`] from the first operation.
+    /// Fails with [`Error::WrongCluster`] if two endpoints answer for different clusters. An
+    /// endpoint that does not answer is skipped (the cluster id is then learnt from the first
+    /// answer of any later request); an unreachable cluster shows as [`Error::Unavailable`]
+    /// from the first operation. From then on, an answer from another cluster (an endpoint
+    /// now served by a different etcd, e.g. a stale one on a reused address) fails its request
+    /// with [`Error::WrongCluster`] instead of being believed.
     pub async fn connect(endpoints: &[String]) -> Result<EtcdStore, Error> {
         if endpoints.is_empty() {
             return Err(Error::unavailable(BACKEND, "no endpoints given"));
@@ -170,11 +213,83 @@ impl EtcdStore {
         }
         // Spread the stores of many processes over the members.
         let first = random() as usize % endpoints.len();
-        Ok(EtcdStore {
+        let store = EtcdStore {
             clients: clients.into(),
             endpoints: endpoints.into(),
             pinned: Arc::new(AtomicUsize::new(first)),
             min_ttl: Arc::new(AtomicI64::new(0)),
+            cluster: Arc::new(AtomicU64::new(0)),
+            grace_secs: ttl_secs(Self::DEFAULT_GRACE),
+        };
+        store.learn_cluster().await?;
+        Ok(store)
+    }
+
+    /// Keeps a group record (its committed stack, epoch and pending transition) for `grace`
+    /// after its last member is gone (rounded up to whole seconds), instead of
+    /// [`Self::DEFAULT_GRACE`]: see "Growth" in the module docs.
+    pub fn with_grace(mut self, grace: Duration) -> EtcdStore {
+        self.grace_secs = ttl_secs(grace);
+        self
+    }
+
+    /// The id of the cluster this store talks to, once an endpoint has answered.
+    pub fn cluster_id(&self) -> Option<u64> {
+        Some(self.cluster.load(Ordering::Relaxed)).filter(|&id| id != 0)
+    }
+
+    /// Asks every endpoint for its status at once (bounded by [`Self::CONNECT_TIMEOUT`]) and
+    /// records the cluster id they answer with; two different ids are an error.
+    async fn learn_cluster(&self) -> Result<(), Error> {
+        let mut probes = tokio::task::JoinSet::new();
+        for (i, c) in self.clients.iter().enumerate() {
+            let mut c = c.clone();
+            probes.spawn(async move {
+                let answer = tokio::time::timeout(Self::CONNECT_TIMEOUT, c.status()).await;
+                (
+                    i,
+                    answer
+                        .ok()
+                        .and_then(Result::ok)
+                        .and_then(|s| s.cluster_id()),
+                )
+            });
+        }
+        let mut seen: Vec<(usize, u64)> = Vec::new();
+        while let Some(probe) = probes.join_next().await {
+            if let Ok((i, Some(id))) = probe {
+                seen.push((i, id));
+            }
+        }
+        seen.sort_unstable();
+        for (i, id) in seen {
+            self.check_cluster(i, Some(id))?;
+        }
+        Ok(())
+    }
+
+    /// Checks the cluster id of an answer from endpoint `i` against the one known (learning it
+    /// from the first answer).
+    fn check_cluster(&self, i: usize, found: Option<u64>) -> Result<(), Error> {
+        let Some(found) = found.filter(|&id| id != 0) else {
+            return Ok(());
+        };
+        let expected =
+            match self
+                .cluster
+                .compare_exchange(0, found, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return Ok(()),
+                Err(known) => known,
+            };
+        if expected == found {
+            return Ok(());
+        }
+        self.unpin(i);
+        Err(Error::WrongCluster {
+            endpoint: self.endpoints[i].clone(),
+            expected,
+            found,
         })
     }
 
@@ -194,6 +309,7 @@ impl EtcdStore {
     where
         F: Fn(Client) -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
+        T: Headed,
     {
         let deadline = tokio::time::Instant::now() + Self::DEADLINE;
         let n = self.clients.len();
@@ -202,7 +318,10 @@ impl EtcdStore {
             tries += 1;
             let i = self.pinned.load(Ordering::Relaxed) % n;
             let err = match tokio::time::timeout_at(deadline, make(self.clients[i].clone())).await {
-                Ok(Ok(v)) => return Ok(v),
+                Ok(Ok(v)) => {
+                    self.check_cluster(i, v.cluster_id())?;
+                    return Ok(v);
+                }
                 Ok(Err(e)) => e,
                 Err(_) => {
                     self.unpin(i);
@@ -306,21 +425,7 @@ impl EtcdStore {
     /// Sends one keep-alive for lease `id`, then reads the lease back: `None` if etcd does not
     /// know it (expired or revoked), else its granted TTL and the keys attached to it.
     async fn keep_alive(&self, id: i64) -> Result<Option<(i64, Vec<Vec<u8>>)>, Error> {
-        // Renewing twice is harmless: repeated after any failure.
-        let known = self
-            .call(Retry::Always, |c| async move {
-                let mut lease = c.lease_client();
-                // The library sends the first keep-alive and reads its answer itself; it fails
-                // with `LeaseKeepAliveError` (and nothing else) when etcd answers with TTL 0,
-                // i.e. does not know the lease. The stream closes when dropped.
-                match lease.keep_alive(id).await {
-                    Ok(_) => Ok(true),
-                    Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(false),
-                    Err(e) => Err(e),
-                }
-            })
-            .await?;
-        if !known {
+        if !self.keep_alive_once(id).await? {
             return Ok(None);
         }
         // The keep-alive answer (with the TTL) is consumed by the library: ask again.
@@ -333,6 +438,75 @@ impl EtcdStore {
         Ok((resp.ttl() > 0).then(|| (resp.granted_ttl(), resp.keys().to_vec())))
     }
 
+    /// Sends one keep-alive for lease `id`: `false` if etcd does not know it (expired or
+    /// revoked).
+    async fn keep_alive_once(&self, id: i64) -> Result<bool, Error> {
+        // Renewing twice is harmless: repeated after any failure.
+        self.call(Retry::Always, |c| async move {
+            let mut lease = c.lease_client();
+            // The library sends the first keep-alive and reads its answer itself; it fails
+            // with `LeaseKeepAliveError` (and nothing else) when etcd answers with TTL 0,
+            // i.e. does not know the lease. The stream closes when dropped.
+            match lease.keep_alive(id).await {
+                Ok(_) => Ok(true),
+                Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(false),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+    }
+
+    /// Makes sure the group's record (`meta` and `transition`) lives on a lease of at least
+    /// `need` seconds, `lease` being the one `meta` was read with (0: none): keeps it alive
+    /// if it is long enough, else moves both keys to a fresh lease of `need` seconds (a
+    /// compare-and-swap on both) and revokes the old one, which then holds no key.
+    ///
+    /// `Ok(true)`: kept alive, nothing written. `Ok(false)`: the record moved (by us or by a
+    /// concurrent operation) or is gone: a caller comparing `meta`'s revision must read again.
+    async fn ensure_group_lease(&self, k: &Keys, lease: i64, need: i64) -> Result<bool, Error> {
+        if lease != 0
+            && let Some((granted, _)) = self.keep_alive(lease).await?
+            && granted >= self.effective_ttl(need)
+        {
+            return Ok(true);
+        }
+        let fresh = self.grant(need).await?;
+        let [meta, transition] = self.get_keys([&k.meta, &k.transition]).await?;
+        let Some(meta) = meta.filter(|m| m.lease() == lease) else {
+            // Gone, or moved by someone else meanwhile.
+            self.revoke_quietly(fresh).await;
+            return Ok(false);
+        };
+        let on_fresh = || Some(PutOptions::new().with_lease(fresh));
+        let mut ops = vec![TxnOp::put(k.meta.as_str(), meta.value(), on_fresh())];
+        if let Some(t) = &transition {
+            ops.push(TxnOp::put(k.transition.as_str(), t.value(), on_fresh()));
+        }
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(k.meta.as_str(), CompareOp::Equal, meta.mod_revision()),
+                Compare::mod_revision(
+                    k.transition.as_str(),
+                    CompareOp::Equal,
+                    mod_rev(&transition),
+                ),
+            ])
+            .and_then(ops);
+        match self.txn(&txn, Retry::IfNotApplied).await {
+            Ok(r) if r.succeeded() => {
+                if lease != 0 {
+                    self.revoke_quietly(lease).await;
+                }
+            }
+            Ok(_) => self.revoke_quietly(fresh).await,
+            Err(e) => {
+                self.revoke_quietly(fresh).await;
+                return Err(e);
+            }
+        }
+        Ok(false)
+    }
+
     /// The compare-and-swap loop of [`Store::join`]; `granted` is the lease granted for the
     /// member (at most once, reused by every attempt).
     async fn join_attempts(
@@ -342,9 +516,11 @@ impl EtcdStore {
         propose: Option<&Bytes>,
         expect_epoch: Option<u64>,
         ttl: i64,
-        granted: &mut Option<i64>,
+        granted: &mut Granted,
     ) -> Result<JoinReply, Error> {
         let member_key = k.member(&member.id);
+        // The group's record outlives every member by the grace period.
+        let need = self.effective_ttl(ttl).saturating_add(self.grace_secs);
         for attempt in 0..Self::MAX_ATTEMPTS {
             backoff(attempt).await;
             let rec = self.read(k).await?;
@@ -353,19 +529,30 @@ impl EtcdStore {
                 (Some(c), _) if Some(c.epoch) == expect_epoch => None,
                 _ => return Ok(JoinReply::Current(rec.snap)),
             };
-            let lease = match *granted {
+            if create.is_none() && !self.ensure_group_lease(k, rec.meta_lease, need).await? {
+                continue;
+            }
+            let lease = match granted.member {
                 Some(id) => id,
-                None => *granted.insert(self.grant(ttl).await?),
+                None => *granted.member.insert(self.grant(ttl).await?),
             };
             let (member_rev, old_lease) = rec.member_key(&member.id);
             let mut ops = Vec::with_capacity(2 + READ_OPS);
             if let Some(stack) = create {
+                let group_lease = match granted.group {
+                    Some(id) => id,
+                    None => *granted.group.insert(self.grant(need).await?),
+                };
                 let meta = Meta {
                     epoch: 1,
                     stack: stack.clone(),
                     outcome: None,
                 };
-                ops.push(TxnOp::put(k.meta.as_str(), meta.encode(), None));
+                ops.push(TxnOp::put(
+                    k.meta.as_str(),
+                    meta.encode(),
+                    Some(PutOptions::new().with_lease(group_lease)),
+                ));
             }
             ops.push(TxnOp::put(
                 member_key.as_str(),
@@ -398,11 +585,15 @@ impl EtcdStore {
         Err(contended(k))
     }
 
-    /// The loop of [`Store::renew`] on member key `key`.
-    async fn renew_attempts(&self, k: &Keys, key: &str, ttl: i64) -> Result<bool, Error> {
+    /// The loop of [`Store::renew`] for member `id`: keeps its lease alive (moving its key,
+    /// and its ballot, to a fresh lease if it asks for another duration), then the group's.
+    async fn renew_attempts(&self, k: &Keys, id: &str, ttl: i64) -> Result<bool, Error> {
+        let (key, ballot_key) = (k.member(id), k.ballot(id));
+        let key = key.as_str();
+        let need = self.effective_ttl(ttl).saturating_add(self.grace_secs);
         for attempt in 0..Self::MAX_ATTEMPTS {
             backoff(attempt).await;
-            let [Some(kv)] = self.get_keys([key]).await? else {
+            let [Some(kv), meta, ballot] = self.get_keys([key, &k.meta, &ballot_key]).await? else {
                 return Ok(false);
             };
             let lease = kv.lease();
@@ -412,26 +603,36 @@ impl EtcdStore {
             match self.keep_alive(lease).await? {
                 Some((granted, keys)) if keys.iter().any(|k| k == key.as_bytes()) => {
                     if granted == self.effective_ttl(ttl) {
-                        // Renewed, and the key is still on that lease.
+                        // Renewed, and the key is still on that lease: now the group's.
+                        self.renew_group(k, meta.as_ref(), need).await?;
                         return Ok(true);
                     }
-                    // Another duration than the lease has: move the key to a fresh lease,
-                    // provided it did not change since we read it.
+                    // Another duration than the lease has: move the key (and the member's
+                    // ballot) to a fresh lease, provided they did not change since we read
+                    // them.
                     let fresh = self.grant(ttl).await?;
+                    let on_fresh = || Some(PutOptions::new().with_lease(fresh));
+                    let mut ops = vec![TxnOp::put(key, kv.value(), on_fresh())];
+                    if let Some(b) = &ballot {
+                        ops.push(TxnOp::put(ballot_key.as_str(), b.value(), on_fresh()));
+                    }
                     let txn = Txn::new()
-                        .when([Compare::mod_revision(
-                            key,
-                            CompareOp::Equal,
-                            kv.mod_revision(),
-                        )])
-                        .and_then([TxnOp::put(
-                            key,
-                            kv.value(),
-                            Some(PutOptions::new().with_lease(fresh)),
-                        )]);
+                        .when([
+                            Compare::mod_revision(key, CompareOp::Equal, kv.mod_revision()),
+                            Compare::mod_revision(
+                                ballot_key.as_str(),
+                                CompareOp::Equal,
+                                mod_rev(&ballot),
+                            ),
+                        ])
+                        .and_then(ops);
                     match self.txn(&txn, Retry::IfNotApplied).await {
                         Ok(r) if r.succeeded() => {
                             self.revoke_quietly(lease).await;
+                            if let Some(m) = &meta {
+                                // The group must outlive the new lease too.
+                                self.ensure_group_lease(k, m.lease(), need).await?;
+                            }
                             return Ok(true);
                         }
                         Ok(_) => self.revoke_quietly(fresh).await,
@@ -453,6 +654,20 @@ impl EtcdStore {
         }
         Err(contended(k))
     }
+
+    /// Keeps the group's record alive after one of its members renewed (`meta` as read; a
+    /// record on no lease, or on an unknown one, is moved to a fresh lease of `need` seconds).
+    async fn renew_group(&self, k: &Keys, meta: Option<&KeyValue>, need: i64) -> Result<(), Error> {
+        let Some(meta) = meta else {
+            return Ok(());
+        };
+        if meta.lease() != 0 && self.keep_alive_once(meta.lease()).await? {
+            return Ok(());
+        }
+        self.ensure_group_lease(k, meta.lease(), need)
+            .await
+            .map(drop)
+    }
 }
 
 impl Store for EtcdStore {
@@ -470,7 +685,7 @@ impl Store for EtcdStore {
     ) -> Result<JoinReply, Error> {
         let k = Keys::new(group)?;
         check_name("member id", &member.id)?;
-        let mut granted = None;
+        let mut granted = Granted::default();
         let out = self
             .join_attempts(
                 &k,
@@ -481,11 +696,14 @@ impl Store for EtcdStore {
                 &mut granted,
             )
             .await;
-        if let Some(id) = granted
-            && !matches!(out, Ok(JoinReply::Created(_) | JoinReply::Joined(_)))
-        {
-            // Not attached to the member key (or maybe attached by a `Txn` whose answer was
-            // lost: revoking it then removes the half-added member, matching the error).
+        // Leases not attached to the keys (or maybe attached by a `Txn` whose answer was
+        // lost: revoking them then removes the half-added member or group, matching the error).
+        let unused = match &out {
+            Ok(JoinReply::Created(_)) => [None, None],
+            Ok(JoinReply::Joined(_)) => [None, granted.group],
+            _ => [granted.member, granted.group],
+        };
+        for id in unused.into_iter().flatten() {
             self.revoke_quietly(id).await;
         }
         out
@@ -494,8 +712,7 @@ impl Store for EtcdStore {
     async fn renew(&self, group: &str, member_id: &str, lease: Duration) -> Result<bool, Error> {
         let k = Keys::new(group)?;
         check_name("member id", member_id)?;
-        self.renew_attempts(&k, &k.member(member_id), ttl_secs(lease))
-            .await
+        self.renew_attempts(&k, member_id, ttl_secs(lease)).await
     }
 
     async fn leave(&self, group: &str, member_id: &str) -> Result<(), Error> {
@@ -549,7 +766,13 @@ impl Store for EtcdStore {
                     Compare::mod_revision(k.transition.as_str(), CompareOp::Equal, 0),
                 ])
                 .and_then([
-                    TxnOp::put(k.transition.as_str(), record.clone(), None),
+                    TxnOp::put(
+                        k.transition.as_str(),
+                        record.clone(),
+                        Some(
+                            PutOptions::new().with_lease(meta.as_ref().map_or(0, KeyValue::lease)),
+                        ),
+                    ),
                     TxnOp::delete(k.ballots.as_str(), Some(DeleteOptions::new().with_prefix())),
                 ]);
             if self.txn(&txn, Retry::IfNotApplied).await?.succeeded() {
@@ -569,22 +792,33 @@ impl Store for EtcdStore {
         let k = Keys::new(group)?;
         check_name("member id", member_id)?;
         let value = format!("{id:016x}:{}", ballot.encode());
+        let member_key = k.member(member_id);
         for attempt in 0..Self::MAX_ATTEMPTS {
             backoff(attempt).await;
-            let [pending] = self.get_keys([&k.transition]).await?;
+            let [pending, me] = self.get_keys([&k.transition, &member_key]).await?;
             let Some(pending) = pending else {
                 return Ok(false);
             };
             if decode_transition(pending.value())?.id != id {
                 return Ok(false);
             }
+            // The ballot lives on the voter's lease (it goes with the voter), or, from a
+            // non-member, on the group's.
+            let lease = me.as_ref().map_or(pending.lease(), KeyValue::lease);
             let txn = Txn::new()
-                .when([Compare::mod_revision(
-                    k.transition.as_str(),
-                    CompareOp::Equal,
-                    pending.mod_revision(),
-                )])
-                .and_then([TxnOp::put(k.ballot(member_id), value.as_str(), None)]);
+                .when([
+                    Compare::mod_revision(
+                        k.transition.as_str(),
+                        CompareOp::Equal,
+                        pending.mod_revision(),
+                    ),
+                    Compare::mod_revision(member_key.as_str(), CompareOp::Equal, mod_rev(&me)),
+                ])
+                .and_then([TxnOp::put(
+                    k.ballot(member_id),
+                    value.as_str(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )]);
             if self.txn(&txn, Retry::IfNotApplied).await?.succeeded() {
                 return Ok(true);
             }
@@ -615,7 +849,11 @@ impl Store for EtcdStore {
                     id,
                     committed: commit,
                 });
-                ops.push(TxnOp::put(k.meta.as_str(), meta.encode(), None));
+                ops.push(TxnOp::put(
+                    k.meta.as_str(),
+                    meta.encode(),
+                    Some(PutOptions::new().with_lease(kv.lease())),
+                ));
             }
             ops.push(TxnOp::delete(k.transition.as_str(), None));
             ops.push(TxnOp::delete(
@@ -638,6 +876,15 @@ impl Store for EtcdStore {
         }
         Err(contended(&k))
     }
+}
+
+/// The leases [`EtcdStore::join_attempts`] granted (at most one each, reused by every attempt).
+#[derive(Default)]
+struct Granted {
+    /// For the member key.
+    member: Option<i64>,
+    /// For the group's record, when creating it.
+    group: Option<i64>,
 }
 
 /// The keys of one group.
@@ -691,6 +938,8 @@ struct Record {
     snap: Snapshot,
     /// `mod_revision` of the meta key, 0 if absent.
     meta_rev: i64,
+    /// The lease the meta key is attached to (the group's lease), 0 if none.
+    meta_lease: i64,
     /// (member id, `mod_revision`, lease) of each member key.
     member_keys: Vec<(String, i64, i64)>,
 }
@@ -751,6 +1000,7 @@ impl Record {
         Ok(Record {
             snap,
             meta_rev: meta_kv.map_or(0, KeyValue::mod_revision),
+            meta_lease: meta_kv.map_or(0, KeyValue::lease),
             member_keys,
         })
     }
@@ -958,6 +1208,54 @@ async fn backoff(attempt: u32) {
     }
     let cap = u64::from(attempt).saturating_mul(2).min(50);
     tokio::time::sleep(Duration::from_millis(random() % (cap + 1))).await;
+}
+
+/// An answer that names the cluster it came from (in its response header).
+trait Headed {
+    /// The cluster id in the header, if the answer has one.
+    fn cluster_id(&self) -> Option<u64>;
+}
+
+fn header_cluster(h: Option<&ResponseHeader>) -> Option<u64> {
+    h.map(ResponseHeader::cluster_id)
+}
+
+impl Headed for TxnResponse {
+    fn cluster_id(&self) -> Option<u64> {
+        header_cluster(self.header())
+    }
+}
+
+impl Headed for LeaseGrantResponse {
+    fn cluster_id(&self) -> Option<u64> {
+        header_cluster(self.header())
+    }
+}
+
+impl Headed for LeaseRevokeResponse {
+    fn cluster_id(&self) -> Option<u64> {
+        header_cluster(self.header())
+    }
+}
+
+impl Headed for LeaseTimeToLiveResponse {
+    fn cluster_id(&self) -> Option<u64> {
+        header_cluster(self.header())
+    }
+}
+
+impl Headed for StatusResponse {
+    fn cluster_id(&self) -> Option<u64> {
+        header_cluster(self.header())
+    }
+}
+
+/// The keep-alive answers are read by the client library (the lease's time-to-live, read
+/// next, carries the header that is checked).
+impl Headed for bool {
+    fn cluster_id(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// How [`EtcdStore::call`] may repeat a request after a member failed it.

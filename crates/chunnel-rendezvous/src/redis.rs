@@ -30,6 +30,21 @@
 //! (`ZREMRANGEBYSCORE`, and their addresses). Lease expiries are scores (doubles), exact for
 //! the millisecond timestamps involved; leases are capped at [`RedisStore::MAX_LEASE`].
 //!
+//! # Growth
+//!
+//! Every script that writes ends by setting the expiry (`PEXPIREAT`, server clock) of all five
+//! keys of its group to the latest lease expiry among the members (or now, if none is left)
+//! plus the grace period ([`RedisStore::with_grace`], default [`RedisStore::DEFAULT_GRACE`]).
+//! Renewals push it forward, so a live group never expires; a group nobody joined, renewed
+//! or wrote for lease + grace expires as a whole, by Redis itself (no client needs to be
+//! alive; Redis's active expiry cycle reclaims expired keys within seconds, and no command
+//! ever sees one). So the server holds, for each group with a member joined or renewed within
+//! lease + grace: `meta`, `members` and `addrs` (3 keys, one entry per member in the two
+//! member keys), plus `transition` and `ballots` while a transition is pending (5 keys at
+//! most); and nothing for any other group. A member that stopped renewing stays in its
+//! group's `members` and `addrs` until the next script on that group (every renewal of a
+//! live member is one) or until the whole group expires; no snapshot ever shows it.
+//!
 //! # Connections
 //!
 //! A [`RedisStore`] holds one multiplexed connection, shared by its clones. Connecting and
@@ -72,6 +87,20 @@ if #dead > 0 then
     redis.call('HDEL', addrs, id)
   end
 end
+local grace = tonumber(ARGV[#ARGV])
+-- After a write: every key of the group expires `grace` after the last member's lease (or
+-- after now, if no member is left), so a group nobody renews vanishes on its own.
+local function touch()
+  local last = redis.call('ZRANGE', members, -1, -1, 'WITHSCORES')
+  local until_ms = now
+  if #last == 2 and tonumber(last[2]) > now then
+    until_ms = tonumber(last[2])
+  end
+  local at = string.format('%d', until_ms + grace)
+  for _, key in ipairs({meta, members, addrs, transition, ballots}) do
+    redis.call('PEXPIREAT', key, at)
+  end
+end
 local function read()
   return {
     redis.call('HGETALL', meta),
@@ -99,6 +128,7 @@ else
 end
 redis.call('ZADD', members, now + lease, id)
 redis.call('HSET', addrs, id, addr)
+touch()
 return {reply, read()}
 ";
 
@@ -108,6 +138,7 @@ if not redis.call('ZSCORE', members, ARGV[1]) then
   return 0
 end
 redis.call('ZADD', members, 'XX', now + tonumber(ARGV[2]), ARGV[1])
+touch()
 return 1
 ";
 
@@ -116,6 +147,7 @@ const LEAVE: &str = r"
 redis.call('ZREM', members, ARGV[1])
 redis.call('HDEL', addrs, ARGV[1])
 redis.call('HDEL', ballots, ARGV[1])
+touch()
 return 1
 ";
 
@@ -134,6 +166,7 @@ end
 redis.call('DEL', ballots)
 redis.call('HSET', transition, 'id', ARGV[1], 'from_epoch', ARGV[2], 'next_epoch', ARGV[3],
   'proposer', ARGV[4], 'stack', ARGV[5], 'deadline_ms', ARGV[6])
+touch()
 return 1
 ";
 
@@ -144,6 +177,7 @@ if redis.call('HGET', transition, 'id') ~= ARGV[1] then
   return 0
 end
 redis.call('HSET', ballots, ARGV[2], ARGV[3])
+touch()
 return 1
 ";
 
@@ -162,6 +196,7 @@ if ARGV[2] == '1' and redis.call('HGET', meta, 'epoch') == t[2] then
 end
 redis.call('HSET', meta, 'outcome_id', ARGV[1], 'outcome_committed', ARGV[2])
 redis.call('DEL', transition, ballots)
+touch()
 return 1
 ";
 
@@ -220,14 +255,21 @@ struct Slot {
 /// [`RedisStore::TIMEOUT`]; after a failure the next operation reconnects, so the same value
 /// works again once the server is back.
 ///
+/// `no_run`: connecting needs a redis-server (`tests/redis.rs` starts one and runs the same).
+///
 /// ```no_run
 /// # async fn f() -> Result<(), chunnel_rendezvous::Error> {
-/// let store = chunnel_rendezvous::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+/// let store = chunnel_rendezvous::RedisStore::connect("redis://127.0.0.1:6379/")
+///     .await?
+///     .with_grace(std::time::Duration::from_secs(10));
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
     inner: Arc<Inner>,
+    /// How long a group's keys outlive its last member, in ms (decimal; the scripts' last
+    /// argument).
+    grace_ms: String,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -254,6 +296,18 @@ impl RedisStore {
     /// The longest lease stored (about 31 years); longer ones are cut to it.
     pub const MAX_LEASE: Duration = Duration::from_millis(1_000_000_000_000);
 
+    /// How long a group's keys outlive its last member by default (see
+    /// [`RedisStore::with_grace`]).
+    pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
+
+    /// Keeps a group's keys for `grace` after its last member's lease ran out (or after it
+    /// left), instead of [`Self::DEFAULT_GRACE`] (at most [`Self::MAX_LEASE`]): see "Growth"
+    /// in the module docs.
+    pub fn with_grace(mut self, grace: Duration) -> RedisStore {
+        self.grace_ms = lease_ms(grace);
+        self
+    }
+
     /// Connects to the server at `url` (`redis://[:password@]host:port/[db]`, see the `redis`
     /// crate) and checks that it answers.
     pub async fn connect(url: &str) -> Result<RedisStore, Error> {
@@ -268,6 +322,7 @@ impl RedisStore {
                 scripts: Scripts::new(),
                 conn: tokio::sync::Mutex::new(Slot::default()),
             }),
+            grace_ms: lease_ms(Self::DEFAULT_GRACE),
         };
         store.connection().await?;
         Ok(store)
@@ -323,6 +378,7 @@ impl RedisStore {
         for arg in args {
             call.arg(*arg);
         }
+        call.arg(self.grace_ms.as_bytes());
         match call.invoke_async::<Value>(&mut conn).await {
             Ok(v) => Ok(v),
             Err(e) => {

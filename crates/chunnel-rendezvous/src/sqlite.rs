@@ -4,6 +4,28 @@
 //! SQLite serializes writers (each operation is one `BEGIN IMMEDIATE` transaction, the file is
 //! in WAL mode, and a writer waits up to [`SqliteStore::BUSY_TIMEOUT`] for the lock). Leases use
 //! this host's clock, which every process on it shares.
+//!
+//! # Growth
+//!
+//! Each group row carries `gc_after_ms`: the latest lease expiry among its members (or the
+//! time of the write, if none is left) plus the grace period ([`SqliteStore::with_grace`],
+//! default [`SqliteStore::DEFAULT_GRACE`]), set by every write to the group. A group whose
+//! `gc_after_ms` has passed and that has no live member is *gone*: every read shows it as
+//! absent, and the next write to it deletes its rows first. Expired members are deleted by
+//! the next write to their group. Rows of groups nobody touches are collected by a sweep:
+//! every operation of a store handle starts one in the background when the last one is at
+//! least [`SqliteStore::with_sweep_every`] old (default [`SqliteStore::DEFAULT_SWEEP_EVERY`]);
+//! it deletes every expired member row and every gone group (with its transition and
+//! ballots), in transactions of at most [`SqliteStore::SWEEP_BATCH`] groups and as many member
+//! rows each, so other writers wait at most one batch. [`SqliteStore::sweep`] runs one at once.
+//!
+//! So, once any process used the file (any operation) at least `sweep_every` after the
+//! previous sweep, and the sweep's batches are done, the file holds: one `chunnel_groups` row
+//! per group with a member that joined or renewed within lease + grace, one
+//! `chunnel_members` row per live member, and a `chunnel_transitions` row and one
+//! `chunnel_ballots` row per voter for each pending transition; nothing else. (With no
+//! process using the file, nothing is collected, and nothing is added either.) Deleted rows'
+//! pages are reused by SQLite; the file itself does not shrink without a `VACUUM`.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -19,23 +41,47 @@ use crate::store::{
 
 const BACKEND: &str = "sqlite";
 
+/// The longest grace period kept, in ms.
+const MAX_GRACE_MS: u64 = 1_000_000_000_000_000;
+
 /// A rendezvous store in an SQLite file (the embedded default).
 ///
-/// ```no_run
+/// ```
 /// # fn main() -> Result<(), chunnel_rendezvous::Error> {
-/// let store = chunnel_rendezvous::SqliteStore::open("/tmp/my-app-groups.sqlite")?;
+/// # let dir = std::env::temp_dir().join(format!("chunnel-rdv-sqlite-doc-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir)?;
+/// # let path = dir.join("my-app-groups.sqlite");
+/// // Every process of the host that opens this file shares its groups.
+/// let store = chunnel_rendezvous::SqliteStore::open(&path)?
+///     // A group outlives its last member by 10 s (default 60 s).
+///     .with_grace(std::time::Duration::from_secs(10));
+/// # drop(store);
+/// # std::fs::remove_dir_all(&dir)?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
+    /// How long a group outlives its last member, in ms.
+    grace_ms: u64,
+    sweeper: Arc<Sweeper>,
+}
+
+/// When this handle (and its clones) last started a sweep, and whether one is running.
+#[derive(Debug)]
+struct Sweeper {
+    every: Duration,
+    last: Mutex<Option<std::time::Instant>>,
+    running: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteStore")
             .field("path", &self.path)
+            .field("grace_ms", &self.grace_ms)
+            .field("sweep_every", &self.sweeper.every)
             .finish()
     }
 }
@@ -47,6 +93,16 @@ fn db<E: std::fmt::Display>(e: E) -> Error {
 impl SqliteStore {
     /// How long a writer waits for another process's transaction before failing.
     pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// How long a group outlives its last member by default (see [`SqliteStore::with_grace`]).
+    pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
+
+    /// How often a store handle sweeps the whole file by default (see
+    /// [`SqliteStore::with_sweep_every`]).
+    pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+    /// The most groups (and, separately, member rows) one sweep transaction deletes.
+    pub const SWEEP_BATCH: usize = 500;
 
     /// Opens (creating if needed) the store in `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<SqliteStore, Error> {
@@ -73,13 +129,107 @@ impl SqliteStore {
                  proposer TEXT NOT NULL, stack BLOB NOT NULL, deadline_ms INTEGER NOT NULL);
              CREATE TABLE IF NOT EXISTS chunnel_ballots (
                  grp TEXT NOT NULL, tid INTEGER NOT NULL, member TEXT NOT NULL,
-                 ballot TEXT NOT NULL, PRIMARY KEY (grp, member));",
+                 ballot TEXT NOT NULL, PRIMARY KEY (grp, member));
+             CREATE INDEX IF NOT EXISTS chunnel_members_expiry ON chunnel_members (expires_ms);",
+        )
+        .map_err(db)?;
+        // Files from before groups were collected lack `gc_after_ms`: 0 makes their groups
+        // collectable as soon as they have no live member.
+        let has_gc: bool = conn
+            .query_row(
+                "SELECT COUNT(*) FROM pragma_table_info('chunnel_groups') WHERE name = 'gc_after_ms'",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+            .map_err(db)?
+            > 0;
+        if !has_gc {
+            conn.execute_batch(
+                "ALTER TABLE chunnel_groups ADD COLUMN gc_after_ms INTEGER NOT NULL DEFAULT 0",
+            )
+            .map_err(db)?;
+        }
+        conn.execute_batch(
+            "CREATE INDEX IF NOT EXISTS chunnel_groups_gc ON chunnel_groups (gc_after_ms);",
         )
         .map_err(db)?;
         Ok(SqliteStore {
             conn: Arc::new(Mutex::new(conn)),
             path,
+            grace_ms: Self::DEFAULT_GRACE.as_millis() as u64,
+            sweeper: Arc::new(Sweeper {
+                every: Self::DEFAULT_SWEEP_EVERY,
+                last: Mutex::new(None),
+                running: false.into(),
+            }),
         })
+    }
+
+    /// Keeps a group for `grace` after its last member's lease ran out (or it left), instead
+    /// of [`Self::DEFAULT_GRACE`]: see "Growth" in the module docs.
+    pub fn with_grace(mut self, grace: Duration) -> SqliteStore {
+        // At most about 31,000 years, so expiry + grace stays within SQLite's integers.
+        self.grace_ms =
+            u64::try_from(grace.as_millis()).map_or(MAX_GRACE_MS, |g| g.min(MAX_GRACE_MS));
+        self
+    }
+
+    /// Sweeps the file at most this often from this handle (and its clones), instead of every
+    /// [`Self::DEFAULT_SWEEP_EVERY`]: see "Growth" in the module docs.
+    pub fn with_sweep_every(mut self, every: Duration) -> SqliteStore {
+        self.sweeper = Arc::new(Sweeper {
+            every,
+            last: Mutex::new(None),
+            running: false.into(),
+        });
+        self
+    }
+
+    /// Deletes every expired member row and every gone group of the file now, in
+    /// transactions of at most [`Self::SWEEP_BATCH`] groups and as many member rows; returns
+    /// how many (groups, member rows) it deleted.
+    pub async fn sweep(&self) -> Result<(u64, u64), Error> {
+        let (mut groups, mut members) = (0, 0);
+        loop {
+            let (g, m) = self
+                .run_now(TransactionBehavior::Immediate, |tx| {
+                    sweep_batch(tx, now_ms(), Self::SWEEP_BATCH)
+                })
+                .await?;
+            groups += g as u64;
+            members += m as u64;
+            if g < Self::SWEEP_BATCH && m < Self::SWEEP_BATCH {
+                return Ok((groups, members));
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Starts a sweep in the background if the last one from this handle is at least
+    /// `sweep_every` old and none is running (needs a tokio runtime, as every operation does).
+    fn maybe_sweep(&self) {
+        use std::sync::atomic::Ordering;
+        let now = std::time::Instant::now();
+        {
+            let mut last = self.sweeper.last.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|t| now.duration_since(t) < self.sweeper.every)
+                || self.sweeper.running.swap(true, Ordering::AcqRel)
+            {
+                return;
+            }
+            *last = Some(now);
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            match store.sweep().await {
+                Ok((0, 0)) => {}
+                Ok((groups, members)) => {
+                    tracing::debug!(groups, members, "swept the rendezvous file");
+                }
+                Err(e) => tracing::debug!(error = %e, "sweeping the rendezvous file failed"),
+            }
+            store.sweeper.running.store(false, Ordering::Release);
+        });
     }
 
     /// The file this store lives in.
@@ -99,6 +249,16 @@ impl SqliteStore {
     /// Runs `f` in one transaction of the given kind on a blocking thread (a `DEFERRED` one
     /// that only reads sees one consistent snapshot and takes no write lock, in WAL mode).
     async fn run<T, F>(&self, behavior: TransactionBehavior, f: F) -> Result<T, Error>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T, Error> + Send + 'static,
+    {
+        self.maybe_sweep();
+        self.run_now(behavior, f).await
+    }
+
+    /// [`Self::run`] without starting a sweep.
+    async fn run_now<T, F>(&self, behavior: TransactionBehavior, f: F) -> Result<T, Error>
     where
         T: Send + 'static,
         F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T, Error> + Send + 'static,
@@ -125,22 +285,95 @@ fn from_sql(v: i64) -> u64 {
     v as u64
 }
 
-fn reap(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<(), Error> {
+/// Collection on access, first in every write to `group`: deletes its expired members, and
+/// the whole group if it is gone (no live member, `gc_after_ms` passed).
+fn collect(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<(), Error> {
+    let now = to_sql(now_ms());
     tx.execute(
         "DELETE FROM chunnel_members WHERE grp = ?1 AND expires_ms <= ?2",
-        params![group, to_sql(now_ms())],
+        params![group, now],
+    )
+    .map_err(db)?;
+    let gone = tx
+        .execute(
+            "DELETE FROM chunnel_groups WHERE grp = ?1 AND gc_after_ms <= ?2
+               AND NOT EXISTS (SELECT 1 FROM chunnel_members WHERE grp = ?1)",
+            params![group, now],
+        )
+        .map_err(db)?;
+    if gone > 0 {
+        delete_rest(tx, group)?;
+    }
+    Ok(())
+}
+
+/// Deletes a group's member, transition and ballot rows (its group row is deleted already).
+fn delete_rest(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<(), Error> {
+    for table in ["chunnel_members", "chunnel_transitions", "chunnel_ballots"] {
+        tx.prepare_cached(&format!("DELETE FROM {table} WHERE grp = ?1"))
+            .map_err(db)?
+            .execute(params![group])
+            .map_err(db)?;
+    }
+    Ok(())
+}
+
+/// Last in every write to `group`: it is collectable `grace_ms` after the latest lease
+/// expiry among its members, or after now if it has none.
+fn touch(tx: &rusqlite::Transaction<'_>, group: &str, grace_ms: u64) -> Result<(), Error> {
+    tx.execute(
+        "UPDATE chunnel_groups SET gc_after_ms = MAX(?2,
+             COALESCE((SELECT MAX(expires_ms) FROM chunnel_members WHERE grp = ?1), 0)) + ?3
+         WHERE grp = ?1",
+        params![group, to_sql(now_ms()), to_sql(grace_ms)],
     )
     .map_err(db)?;
     Ok(())
 }
 
-/// Reads the group record. Expired members are filtered out here (and deleted by the next
-/// write), so a read needs no write lock.
+/// One transaction of a sweep: deletes up to `limit` expired member rows, and up to `limit`
+/// gone groups with all their rows. Returns (groups, member rows) deleted.
+fn sweep_batch(
+    tx: &rusqlite::Transaction<'_>,
+    now: u64,
+    limit: usize,
+) -> Result<(usize, usize), Error> {
+    let (now, limit) = (to_sql(now), limit as i64);
+    let members = tx
+        .execute(
+            "DELETE FROM chunnel_members WHERE rowid IN
+                 (SELECT rowid FROM chunnel_members WHERE expires_ms <= ?1 LIMIT ?2)",
+            params![now, limit],
+        )
+        .map_err(db)?;
+    let gone: Vec<String> = tx
+        .prepare_cached(
+            "SELECT grp FROM chunnel_groups AS g WHERE gc_after_ms <= ?1
+               AND NOT EXISTS (SELECT 1 FROM chunnel_members AS m
+                               WHERE m.grp = g.grp AND m.expires_ms > ?1)
+             LIMIT ?2",
+        )
+        .map_err(db)?
+        .query_map(params![now, limit], |r| r.get(0))
+        .map_err(db)?
+        .collect::<Result<_, _>>()
+        .map_err(db)?;
+    for g in &gone {
+        tx.execute("DELETE FROM chunnel_groups WHERE grp = ?1", params![g])
+            .map_err(db)?;
+        delete_rest(tx, g)?;
+    }
+    Ok((gone.len(), members))
+}
+
+/// Reads the group record. Expired members, and a gone group, are filtered out here (and
+/// deleted by the next write or sweep), so a read needs no write lock.
 fn read(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<Snapshot, Error> {
     let mut snap = Snapshot::default();
+    let now = to_sql(now_ms());
     let row = tx
         .query_row(
-            "SELECT epoch, stack, outcome_id, outcome_committed FROM chunnel_groups WHERE grp = ?1",
+            "SELECT epoch, stack, outcome_id, outcome_committed, gc_after_ms FROM chunnel_groups WHERE grp = ?1",
             params![group],
             |r| {
                 Ok((
@@ -148,30 +381,22 @@ fn read(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<Snapshot, Error> 
                     r.get::<_, Vec<u8>>(1)?,
                     r.get::<_, Option<i64>>(2)?,
                     r.get::<_, Option<i64>>(3)?,
+                    r.get::<_, i64>(4)?,
                 ))
             },
         )
         .optional()
         .map_err(db)?;
-    if let Some((epoch, stack, oid, ocommitted)) = row {
-        snap.committed = Some(Committed {
-            epoch: from_sql(epoch),
-            stack: Bytes::from(stack),
-        });
-        if let (Some(id), Some(c)) = (oid, ocommitted) {
-            snap.outcome = Some(Outcome {
-                id: from_sql(id),
-                committed: c != 0,
-            });
-        }
-    }
+    let Some((epoch, stack, oid, ocommitted, gc_after)) = row else {
+        return Ok(snap);
+    };
     let mut q = tx
         .prepare_cached(
             "SELECT id, addr FROM chunnel_members WHERE grp = ?1 AND expires_ms > ?2 ORDER BY id",
         )
         .map_err(db)?;
     snap.members = q
-        .query_map(params![group, to_sql(now_ms())], |r| {
+        .query_map(params![group, now], |r| {
             Ok(Member {
                 id: r.get(0)?,
                 addr: r.get(1)?,
@@ -180,6 +405,20 @@ fn read(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<Snapshot, Error> 
         .map_err(db)?
         .collect::<Result<_, _>>()
         .map_err(db)?;
+    if snap.members.is_empty() && gc_after <= now {
+        // Gone: as if it had never been created.
+        return Ok(Snapshot::default());
+    }
+    snap.committed = Some(Committed {
+        epoch: from_sql(epoch),
+        stack: Bytes::from(stack),
+    });
+    if let (Some(id), Some(c)) = (oid, ocommitted) {
+        snap.outcome = Some(Outcome {
+            id: from_sql(id),
+            committed: c != 0,
+        });
+    }
     snap.transition = tx
         .query_row(
             "SELECT id, from_epoch, proposer, stack, deadline_ms FROM chunnel_transitions WHERE grp = ?1",
@@ -246,8 +485,9 @@ impl Store for SqliteStore {
         check_name("group name", group)?;
         check_name("member id", &member.id)?;
         let (group, member, propose) = (group.to_owned(), member.clone(), propose.cloned());
+        let grace = self.grace_ms;
         self.txn(move |tx| {
-            reap(tx, &group)?;
+            collect(tx, &group)?;
             let snap = read(tx, &group)?;
             match (&snap.committed, propose) {
                 (None, Some(stack)) => {
@@ -257,10 +497,12 @@ impl Store for SqliteStore {
                     )
                     .map_err(db)?;
                     upsert_member(tx, &group, &member, lease)?;
+                    touch(tx, &group, grace)?;
                     Ok(JoinReply::Created(read(tx, &group)?))
                 }
                 (Some(c), _) if Some(c.epoch) == expect_epoch => {
                     upsert_member(tx, &group, &member, lease)?;
+                    touch(tx, &group, grace)?;
                     Ok(JoinReply::Joined(read(tx, &group)?))
                 }
                 _ => Ok(JoinReply::Current(snap)),
@@ -271,8 +513,9 @@ impl Store for SqliteStore {
 
     async fn renew(&self, group: &str, member_id: &str, lease: Duration) -> Result<bool, Error> {
         let (group, id) = (group.to_owned(), member_id.to_owned());
+        let grace = self.grace_ms;
         self.txn(move |tx| {
-            reap(tx, &group)?;
+            collect(tx, &group)?;
             let expires = now_ms().saturating_add(lease.as_millis() as u64);
             let n = tx
                 .execute(
@@ -280,6 +523,9 @@ impl Store for SqliteStore {
                     params![group, id, to_sql(expires)],
                 )
                 .map_err(db)?;
+            if n == 1 {
+                touch(tx, &group, grace)?;
+            }
             Ok(n == 1)
         })
         .await
@@ -287,7 +533,9 @@ impl Store for SqliteStore {
 
     async fn leave(&self, group: &str, member_id: &str) -> Result<(), Error> {
         let (group, id) = (group.to_owned(), member_id.to_owned());
+        let grace = self.grace_ms;
         self.txn(move |tx| {
+            collect(tx, &group)?;
             tx.execute(
                 "DELETE FROM chunnel_members WHERE grp = ?1 AND id = ?2",
                 params![group, id],
@@ -298,6 +546,7 @@ impl Store for SqliteStore {
                 params![group, id],
             )
             .map_err(db)?;
+            touch(tx, &group, grace)?;
             Ok(())
         })
         .await
@@ -311,7 +560,9 @@ impl Store for SqliteStore {
 
     async fn propose(&self, group: &str, t: &Transition) -> Result<bool, Error> {
         let (group, t) = (group.to_owned(), t.clone());
+        let grace = self.grace_ms;
         self.txn(move |tx| {
+            collect(tx, &group)?;
             let snap = read(tx, &group)?;
             if snap.transition.is_some() || snap.epoch() != t.from_epoch || t.from_epoch == 0 {
                 return Ok(false);
@@ -331,6 +582,7 @@ impl Store for SqliteStore {
             .map_err(db)?;
             tx.execute("DELETE FROM chunnel_ballots WHERE grp = ?1", params![group])
                 .map_err(db)?;
+            touch(tx, &group, grace)?;
             Ok(true)
         })
         .await
@@ -344,7 +596,9 @@ impl Store for SqliteStore {
         ballot: &Ballot,
     ) -> Result<bool, Error> {
         let (group, member, ballot) = (group.to_owned(), member_id.to_owned(), ballot.encode());
+        let grace = self.grace_ms;
         self.txn(move |tx| {
+            collect(tx, &group)?;
             let pending: Option<i64> = tx
                 .query_row(
                     "SELECT id FROM chunnel_transitions WHERE grp = ?1",
@@ -362,6 +616,7 @@ impl Store for SqliteStore {
                 params![group, to_sql(id), member, ballot],
             )
             .map_err(db)?;
+            touch(tx, &group, grace)?;
             Ok(true)
         })
         .await
@@ -369,7 +624,9 @@ impl Store for SqliteStore {
 
     async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
         let group = group.to_owned();
+        let grace = self.grace_ms;
         self.txn(move |tx| {
+            collect(tx, &group)?;
             let snap = read(tx, &group)?;
             let Some(t) = snap.transition.filter(|t| t.id == id) else {
                 return Ok(false);
@@ -393,6 +650,7 @@ impl Store for SqliteStore {
             .map_err(db)?;
             tx.execute("DELETE FROM chunnel_ballots WHERE grp = ?1", params![group])
                 .map_err(db)?;
+            touch(tx, &group, grace)?;
             Ok(true)
         })
         .await
