@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
-use chunnel::{Capability, Pick, StackOption};
+use chunnel::{Capability, OfferTree, Pick, StackOption};
 use chunnel_negotiate::wire::{
     Accept, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag, Txn, VERSION, Verdict,
     Vote, ZeroRtt, encode_control, encode_stack,
@@ -67,7 +67,7 @@ fn hellos() -> Vec<(&'static str, Hello)> {
     let plain = Hello {
         version: VERSION,
         conn_id: 0x0123_4567_89ab_cdef,
-        offers: offers(),
+        offers: offers().into(),
         zero_rtt: None,
         early: Vec::new(),
         dictated: false,
@@ -79,30 +79,27 @@ fn hellos() -> Vec<(&'static str, Hello)> {
     };
     let incompatible = Hello {
         conn_id: 42,
-        offers: vec![option(
-            &[],
-            vec![info(
-                "ser/cbor/1",
-                vec![Capability::exact("serialize", ["cbor"])],
-            )],
-        )],
+        offers: OfferTree::Leaf(info(
+            "ser/cbor/1",
+            vec![Capability::exact("serialize", ["cbor"])],
+        )),
         ..plain.clone()
     };
     let empty = Hello {
         conn_id: 0,
-        offers: Vec::new(),
+        offers: OfferTree::Options(Vec::new()),
         ..plain.clone()
     };
     // A client without a stack of its own: one offer listing the implementations it has.
     let dictated = Hello {
         conn_id: 9,
-        offers: vec![option(
+        offers: OfferTree::Options(vec![option(
             &[],
             vec![
                 info("ser/json/1", Vec::new()),
                 info("chunnel/noop/1", Vec::new()),
             ],
-        )],
+        )]),
         dictated: true,
         ..plain.clone()
     };

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chunnel::negotiate::ChunnelInfo;
-use chunnel::{Chunnel, ChunnelConnection, Listener, Offers, PeerHandoff, Pick, SendHeader};
+use chunnel::{
+    Chunnel, ChunnelConnection, Listener, OfferTree, Offers, PeerHandoff, Pick, SendHeader,
+};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -399,8 +401,8 @@ impl Client {
         C: SendHeader + PeerHandoff + 'static,
         S: Chunnel<Tagged<C>> + Offers + Send,
     {
-        let offers = stack.offers();
-        if offers.is_empty() {
+        let offers = stack.offer_tree();
+        if offers.count() == 0 {
             return Err(Error::NoOptions(stack.available().err().unwrap_or(
                 chunnel::Error::BadPick {
                     what: "the stack offers no option",
@@ -477,13 +479,11 @@ impl Client {
         });
         let offers = match template {
             Some(_) => None,
-            None => Some(stack.offers()),
+            None => Some(stack.offer_tree()),
         };
         let mut first = stack.clone();
         let Some(Recalled { pick, known, .. }) = recalled.filter(|r| {
-            offers
-                .as_ref()
-                .is_none_or(|o| o.iter().any(|o| o.pick == r.pick))
+            offers.as_ref().is_none_or(|o| o.option(&r.pick).is_some())
                 && apply_known(&mut first, &r.pick).is_ok()
         }) else {
             // Boxed, as the rejected case below: inline, this 1-RTT handshake doubled the
@@ -514,7 +514,7 @@ impl Client {
                 ClientHandshake::from_template(t, &captured, conn_id, self.cfg.timing, now)?
             }
             (None, offers) => ClientHandshake::new(
-                offers.unwrap_or_default(),
+                offers.unwrap_or_else(OfferTree::empty),
                 Some((pick.clone(), captured)),
                 conn_id,
                 self.cfg.timing,
@@ -771,7 +771,7 @@ where
     // The task below does nothing but accept and hand on (a handshake that must wait gets a
     // task of its own).
     listener.accepting_in_loop();
-    let server = Arc::new(Server::new(stack.offers()));
+    let server = Arc::new(Server::new(stack.offer_tree()));
     let held = Arc::new(Held {
         queue: Mutex::new(std::collections::VecDeque::new()),
         added: tokio::sync::Notify::new(),

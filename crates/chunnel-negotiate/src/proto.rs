@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use chunnel::negotiate::{End, check_compatible, choose};
-use chunnel::{ChunnelInfo, Pick, StackOption};
+use chunnel::negotiate::End;
+use chunnel::offer_tree::{Limits, NoChoice, choose_tree};
+use chunnel::{ChunnelInfo, OfferTree, Pick, StackOption};
 
 use crate::Error;
 use crate::wire::{
@@ -48,13 +49,12 @@ impl Default for Timing {
 /// The server's answer to one hello.
 #[derive(Debug)]
 pub enum Decision {
-    /// Build the server stack `server_option` (apply `accept.server_pick`) and send
-    /// `response`. If `accept.zero_rtt` is [`ZeroRtt::Accepted`], deliver `early` first.
+    /// Build the server stack `accept.server_pick` names (its Chunnels:
+    /// `accept.server_stack`) and send `response`. If `accept.zero_rtt` is
+    /// [`ZeroRtt::Accepted`], deliver `early` first.
     Accept {
         /// The accept message.
         accept: Accept,
-        /// Index into the server's options.
-        server_option: usize,
         /// Early data to deliver (empty unless the 0-RTT pick was accepted).
         early: Vec<Bytes>,
         /// The encoded accept, to send and to re-send to a retransmitted hello.
@@ -73,14 +73,12 @@ pub enum Decision {
     },
 }
 
-/// The server side: its options, how many mismatches to report, and the accepts it
-/// remembers per offer list.
+/// The server side: its options (as a tree, searched without enumerating them), the search's
+/// limits, and the accepts it remembers per offer list.
 #[derive(Debug)]
 pub struct Server {
-    offers: Vec<StackOption>,
-    /// Each option's Chunnels, shared by every accept that names it.
-    stacks: Vec<Arc<[ChunnelInfo]>>,
-    max_reported: usize,
+    tree: OfferTree,
+    limits: Limits,
     /// Most recently used first. A short list searched in order, not a hash map: it holds
     /// at most [`REMEMBERED_ACCEPTS`] entries, a server usually sees one or two offer lists,
     /// and hashing a key of ~100 bytes cost more than comparing it with the first entry.
@@ -91,6 +89,10 @@ pub struct Server {
 /// (bounded whatever clients send).
 pub const REMEMBERED_ACCEPTS: usize = 64;
 
+/// Server options a dictated hello (one that names implementations, not a stack) is
+/// matched against, in preference order.
+pub const DICTATED_OPTIONS: usize = 4096;
+
 /// Hellos whose decision part (offers and 0-RTT pick) is longer are decided afresh each time.
 pub const REMEMBERED_KEY_MAX: usize = 1024;
 
@@ -98,7 +100,8 @@ pub const REMEMBERED_KEY_MAX: usize = 1024;
 #[derive(Debug)]
 struct Remembered {
     flags: u8,
-    server_option: usize,
+    server_pick: Pick,
+    server_stack: Arc<[ChunnelInfo]>,
     zero_rtt: ZeroRtt,
     client_pick: Pick,
     /// The encoded answer to the hello that was decided (its `conn_id` is overwritten for
@@ -145,29 +148,34 @@ impl AsRef<[u8]> for ShortAnswer {
 }
 
 impl Clone for Server {
-    /// Same options; nothing remembered yet.
+    /// Same options and limits; nothing remembered yet.
     fn clone(&self) -> Self {
-        Server::new(self.offers.clone())
+        Server::new(self.tree.clone()).with_limits(self.limits)
     }
 }
 
 impl Server {
-    /// A server choosing among `offers` (its own options, most preferred first).
-    pub fn new(offers: Vec<StackOption>) -> Self {
+    /// A server choosing among the options of `tree` (its own stack's
+    /// [`chunnel::Offers::offer_tree`]; a `Vec<StackOption>` of explicit options, most
+    /// preferred first, converts into one).
+    pub fn new(tree: impl Into<OfferTree>) -> Self {
         Server {
-            stacks: offers
-                .iter()
-                .map(|o| o.chunnels.as_slice().into())
-                .collect(),
-            offers,
-            max_reported: 16,
+            tree: tree.into(),
+            limits: Limits::default(),
             remembered: Mutex::new(Vec::new()),
         }
     }
 
-    /// The server's options.
-    pub fn offers(&self) -> &[StackOption] {
-        &self.offers
+    /// Sets the search's limits (steps before a hello is refused as too complex, mismatches
+    /// reported in a reject).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The server's options, as a tree.
+    pub fn tree(&self) -> &OfferTree {
+        &self.tree
     }
 
     /// Decides on one message that should be a hello (tag included).
@@ -234,14 +242,15 @@ impl Server {
         conn_id: u64,
         early_bytes: &dyn Fn(&[u8]) -> Bytes,
     ) -> Option<Decision> {
-        let (server_option, zero_rtt, client_pick, template, coalescable) = {
+        let (server_pick, server_stack, zero_rtt, client_pick, template, coalescable) = {
             let mut list = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
             let i = list.iter().position(|(k, _)| **k == *key)?;
             // Most recently used first: a busy offer list is found at once.
             list[..=i].rotate_right(1);
             let r = Some(&list[0].1).filter(|r| r.flags == flags)?;
             (
-                r.server_option,
+                r.server_pick.clone(),
+                Arc::clone(&r.server_stack),
                 r.zero_rtt,
                 r.client_pick.clone(),
                 r.template.clone(),
@@ -272,12 +281,11 @@ impl Server {
             conn_id,
             zero_rtt,
             client_pick,
-            server_pick: self.offers[server_option].pick.clone(),
-            server_stack: Arc::clone(&self.stacks[server_option]),
+            server_pick,
+            server_stack,
         };
         Some(Decision::Accept {
             accept,
-            server_option,
             early,
             response,
             coalesce,
@@ -287,7 +295,6 @@ impl Server {
     fn remember(&self, flags: u8, key: &[u8], decision: &Decision) {
         let Decision::Accept {
             accept,
-            server_option,
             response,
             coalesce,
             ..
@@ -298,7 +305,8 @@ impl Server {
         // This answer is the template: `recall` overwrites its `conn_id`.
         let r = Remembered {
             flags,
-            server_option: *server_option,
+            server_pick: accept.server_pick.clone(),
+            server_stack: Arc::clone(&accept.server_stack),
             zero_rtt: accept.zero_rtt,
             client_pick: accept.client_pick.clone(),
             coalescable: coalesce.is_some(),
@@ -322,42 +330,50 @@ impl Server {
         // 0-RTT: keep the client's remembered stack if it is one of its offers and some
         // server option is compatible with it.
         if let Some(p) = &hello.zero_rtt
-            && let Some(ci) = hello.offers.iter().position(|o| &o.pick == p)
-            && let Some(si) = self.offers.iter().enumerate().position(|(si, s)| {
-                check_compatible(
-                    &s.chunnels,
-                    &hello.offers[ci].chunnels,
-                    si as u16,
-                    ci as u16,
-                )
-                .is_ok()
-            })
+            && let Some(chunnels) = hello.offers.option(p)
         {
-            return self.accept(&hello, si, p.clone(), ZeroRtt::Accepted);
+            let only = OfferTree::Options(vec![StackOption {
+                chunnels,
+                pick: p.clone(),
+            }]);
+            if let Ok(c) = choose_tree(&self.tree, &only, self.limits) {
+                return self.accept(&hello, c.server_pick, c.server_stack, c.client_pick, {
+                    ZeroRtt::Accepted
+                });
+            }
         }
-        match choose(&self.offers, &hello.offers, self.max_reported) {
+        let refused = |mismatches: Vec<chunnel::Mismatch>, message: String| {
+            reject(
+                hello.conn_id,
+                RejectReason::Incompatible,
+                mismatches,
+                message,
+            )
+        };
+        match choose_tree(&self.tree, &hello.offers, self.limits) {
             Ok(c) => {
                 let z = if hello.zero_rtt.is_some() {
                     ZeroRtt::Rejected
                 } else {
                     ZeroRtt::NotOffered
                 };
-                let pick = hello.offers[c.client_option].pick.clone();
-                self.accept(&hello, c.server_option, pick, z)
+                self.accept(&hello, c.server_pick, c.server_stack, c.client_pick, z)
             }
-            Err(mismatches) => {
+            Err(NoChoice::Incompatible(mismatches)) => {
                 let message = Error::Incompatible {
                     found_by: End::Server,
                     mismatches: mismatches.clone(),
                 }
                 .to_string();
-                reject(
-                    hello.conn_id,
-                    RejectReason::Incompatible,
-                    mismatches,
-                    message,
-                )
+                refused(mismatches, message)
             }
+            Err(NoChoice::TooComplex { steps }) => refused(
+                Vec::new(),
+                format!(
+                    "the server gave up its search for a compatible stack after {steps} steps \
+                     (its limit): offer fewer or more distinct options"
+                ),
+            ),
         }
     }
 
@@ -365,7 +381,11 @@ impl Server {
     /// Chunnels (those with an exact-match capability: they need a peer) the client can
     /// build; one-sided Chunnels run at the server only.
     fn dictate(&self, hello: Hello) -> Decision {
-        let Some(registry) = hello.offers.first().filter(|_| hello.offers.len() == 1) else {
+        let registry = match &hello.offers {
+            OfferTree::Options(list) if list.len() == 1 => list.first(),
+            _ => None,
+        };
+        let Some(registry) = registry else {
             return reject(
                 hello.conn_id,
                 RejectReason::Malformed,
@@ -374,14 +394,23 @@ impl Server {
             );
         };
         let mut why = Vec::new();
-        for (si, s) in self.offers.iter().enumerate() {
+        // The server's options in preference order, as many as a dictated client is given.
+        for (si, s) in self.tree.first_options(DICTATED_OPTIONS).iter().enumerate() {
             let missing = s
                 .chunnels
                 .iter()
                 .find(|c| two_sided(c) && !registry.chunnels.iter().any(|r| r.id == c.id));
             match missing {
-                None => return self.accept(&hello, si, Pick::default(), ZeroRtt::NotOffered),
-                Some(c) if why.len() < self.max_reported => why.push(chunnel::Mismatch {
+                None => {
+                    return self.accept(
+                        &hello,
+                        s.pick.clone(),
+                        s.chunnels.clone(),
+                        Pick::default(),
+                        ZeroRtt::NotOffered,
+                    );
+                }
+                Some(c) if why.len() < self.limits.max_reported => why.push(chunnel::Mismatch {
                     client_option: 0,
                     server_option: si as u16,
                     kind: format!("implementation of {}", c.id),
@@ -400,14 +429,21 @@ impl Server {
         reject(hello.conn_id, RejectReason::Incompatible, why, message)
     }
 
-    fn accept(&self, hello: &Hello, si: usize, client_pick: Pick, zero_rtt: ZeroRtt) -> Decision {
+    fn accept(
+        &self,
+        hello: &Hello,
+        server_pick: Pick,
+        server_stack: Vec<ChunnelInfo>,
+        client_pick: Pick,
+        zero_rtt: ZeroRtt,
+    ) -> Decision {
         let accept = Accept {
             version: VERSION,
             conn_id: hello.conn_id,
             zero_rtt,
             client_pick,
-            server_pick: self.offers[si].pick.clone(),
-            server_stack: Arc::clone(&self.stacks[si]),
+            server_pick,
+            server_stack: server_stack.into(),
         };
         let (response, coalesce) = accept.encode_with_data_header();
         let early = if zero_rtt == ZeroRtt::Accepted {
@@ -417,7 +453,6 @@ impl Server {
         };
         Decision::Accept {
             accept,
-            server_option: si,
             early,
             response,
             coalesce,
@@ -457,8 +492,8 @@ pub struct Outcome {
     /// The accept with its encoding, for a later handshake with the same server to
     /// recognise the same answer without decoding it ([`ClientHandshake::expect`]).
     pub known: KnownAccept,
-    /// The index, in the offers, of the client option it names.
-    pub option: usize,
+    /// The Chunnels of the client option the accept names (`accept.client_pick`), top first.
+    pub stack: Vec<ChunnelInfo>,
     /// Data messages (tag stripped) that arrived before the accept, in arrival order.
     pub early_replies: Vec<Bytes>,
     /// Hellos sent (1 unless some were lost).
@@ -477,7 +512,7 @@ pub struct HelloTemplate {
     pub digest: u64,
     /// The 0-RTT pick the hello names.
     pub pick: Pick,
-    offers: Arc<[StackOption]>,
+    offers: Arc<OfferTree>,
     prefix: Bytes,
 }
 
@@ -515,7 +550,7 @@ impl KnownAccept {
 pub struct ClientHandshake {
     timing: Timing,
     conn_id: u64,
-    offers: Arc<[StackOption]>,
+    offers: Arc<OfferTree>,
     /// The 0-RTT pick, and where the hello's early data starts.
     zero_rtt: Option<(Pick, usize)>,
     /// An earlier answer of the same server, recognised without decoding.
@@ -536,10 +571,11 @@ pub struct ClientHandshake {
 }
 
 impl ClientHandshake {
-    /// Starts a handshake offering `offers`; with `zero_rtt`, the pick already built and the
-    /// early messages it produced travel in the hello.
+    /// Starts a handshake offering the options of `offers` (a stack's
+    /// [`chunnel::Offers::offer_tree`]; a `Vec<StackOption>` converts); with `zero_rtt`, the
+    /// pick already built and the early messages it produced travel in the hello.
     pub fn new(
-        offers: Vec<StackOption>,
+        offers: impl Into<OfferTree>,
         zero_rtt: Option<(Pick, Vec<Bytes>)>,
         conn_id: u64,
         timing: Timing,
@@ -552,7 +588,7 @@ impl ClientHandshake {
         let hello = Hello {
             version: VERSION,
             conn_id,
-            offers,
+            offers: offers.into(),
             zero_rtt,
             early,
             dictated: false,
@@ -566,7 +602,7 @@ impl ClientHandshake {
         Self::from_encoded(
             encoded,
             hello.conn_id,
-            hello.offers.into(),
+            Arc::new(hello.offers),
             zero_rtt,
             timing,
             now,
@@ -610,7 +646,7 @@ impl ClientHandshake {
     fn from_encoded(
         encoded: Bytes,
         conn_id: u64,
-        offers: Arc<[StackOption]>,
+        offers: Arc<OfferTree>,
         zero_rtt: Option<(Pick, usize)>,
         timing: Timing,
         now: Instant,
@@ -650,10 +686,10 @@ impl ClientHandshake {
         let hello = Hello {
             version: VERSION,
             conn_id,
-            offers: vec![StackOption {
+            offers: OfferTree::Options(vec![StackOption {
                 chunnels: implementations,
                 pick: Pick::default(),
-            }],
+            }]),
             zero_rtt: None,
             early: Vec::new(),
             dictated: true,
@@ -779,10 +815,8 @@ impl ClientHandshake {
     }
 
     fn on_accept(&mut self, a: Accept) {
-        let (Some(option), Some(known)) = (
-            self.offers.iter().position(|o| o.pick == a.client_pick),
-            self.known.take(),
-        ) else {
+        let (Some(stack), Some(known)) = (self.offers.option(&a.client_pick), self.known.take())
+        else {
             self.result = Some(Err(Error::Wire(WireError(
                 "the accept names a pick we did not offer",
             ))));
@@ -791,7 +825,7 @@ impl ClientHandshake {
         self.result = Some(Ok(Outcome {
             accept: a,
             known,
-            option,
+            stack,
             early_replies: Vec::new(),
             hellos_sent: self.sent,
             recognised: self.recognised,
@@ -873,7 +907,7 @@ mod tests {
         Hello {
             version: VERSION,
             conn_id,
-            offers,
+            offers: offers.into(),
             zero_rtt,
             early: vec![Bytes::copy_from_slice(early)],
             dictated: false,

@@ -1,4 +1,4 @@
-//! The negotiation wire format, version 1. `docs/wire.md` is the normative description;
+//! The negotiation wire format, version 2. `docs/wire.md` is the normative description;
 //! this module is its implementation.
 //!
 //! Every datagram (or stream frame) on a negotiated connection starts with a one-byte
@@ -13,10 +13,23 @@ use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
-use chunnel::{Capability, Pick, StackOption};
+use chunnel::{Capability, OfferTree, Pick, StackOption};
 
 /// The protocol version this implementation speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
+
+/// Most nodes in a hello's offer tree (a decoder refuses more): a stack of 1,000 two-way
+/// selects of single Chunnels fits. It bounds the decoder's and the search's work and
+/// recursion (the search recurses once per select on a path).
+pub const MAX_TREE_NODES: usize = 4096;
+
+/// Deepest nesting of a hello's offer tree (selects within selects within layers).
+pub const MAX_TREE_DEPTH: usize = 64;
+
+const NODE_LEAF: u8 = 0;
+const NODE_SEQ: u8 = 1;
+const NODE_SELECT: u8 = 2;
+const NODE_OPTIONS: u8 = 3;
 
 /// The first byte of every message on a negotiated connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,8 +96,9 @@ pub struct Hello {
     pub version: u8,
     /// A random identifier of this connection attempt; responses echo it.
     pub conn_id: u64,
-    /// The client's options, most preferred first.
-    pub offers: Vec<StackOption>,
+    /// The client's options: its stack's select structure (linear in the stack), whose
+    /// options in preference order are those of the flattened list.
+    pub offers: OfferTree,
     /// 0-RTT: the pick (of the client's tree) the client already built and sent data with.
     pub zero_rtt: Option<Pick>,
     /// 0-RTT: the picked stack's first messages (its bottom layer's bytes).
@@ -282,10 +296,51 @@ fn put_capability(b: &mut BytesMut, c: &Capability) {
 fn put_chunnels(b: &mut BytesMut, list: &[ChunnelInfo]) {
     let n = put_count(b, list.len());
     for c in &list[..n] {
-        put_str(b, &c.id);
-        let k = put_count(b, c.capabilities.len());
-        for cap in &c.capabilities[..k] {
-            put_capability(b, cap);
+        put_chunnel(b, c);
+    }
+}
+
+fn put_chunnel(b: &mut BytesMut, c: &ChunnelInfo) {
+    put_str(b, &c.id);
+    let k = put_count(b, c.capabilities.len());
+    for cap in &c.capabilities[..k] {
+        put_capability(b, cap);
+    }
+}
+
+/// An offer tree, pre-order (docs/wire.md §5.1). Lists longer than a `u16` count are cut;
+/// trees deeper than [`MAX_TREE_DEPTH`] are cut to an empty list of options there, so the
+/// encoder never makes what the decoder refuses for depth.
+fn put_tree(b: &mut BytesMut, t: &OfferTree, depth: usize) {
+    if depth >= MAX_TREE_DEPTH {
+        b.put_u8(NODE_OPTIONS);
+        b.put_u16(0);
+        return;
+    }
+    match t {
+        OfferTree::Leaf(c) => {
+            b.put_u8(NODE_LEAF);
+            put_chunnel(b, c);
+        }
+        OfferTree::Seq(parts) => {
+            b.put_u8(NODE_SEQ);
+            let n = put_count(b, parts.len());
+            for p in &parts[..n] {
+                put_tree(b, p, depth + 1);
+            }
+        }
+        OfferTree::Select(l, r) => {
+            b.put_u8(NODE_SELECT);
+            put_tree(b, l, depth + 1);
+            put_tree(b, r, depth + 1);
+        }
+        OfferTree::Options(list) => {
+            b.put_u8(NODE_OPTIONS);
+            let n = put_count(b, list.len());
+            for o in &list[..n] {
+                put_pick(b, &o.pick);
+                put_chunnels(b, &o.chunnels);
+            }
         }
     }
 }
@@ -344,11 +399,7 @@ impl Hello {
         }
         b.put_u8(flags);
         b.put_u64(self.conn_id);
-        let n = put_count(&mut b, self.offers.len());
-        for o in &self.offers[..n] {
-            put_pick(&mut b, &o.pick);
-            put_chunnels(&mut b, &o.chunnels);
-        }
+        put_tree(&mut b, &self.offers, 0);
         let mut split = b.len();
         if let Some(p) = &self.zero_rtt {
             put_pick(&mut b, p);
@@ -628,15 +679,114 @@ impl<'a> Reader<'a> {
     fn skip_chunnels(&mut self) -> Result<(), WireError> {
         let n = self.count(4, "chunnel count")?;
         for _ in 0..n {
-            self.skip_str("chunnel id")?;
-            let k = self.count(5, "capability count")?;
-            for _ in 0..k {
-                self.skip_str("capability kind")?;
-                self.u8("capability matching")?;
-                let labels = self.count(2, "label count")?;
-                for _ in 0..labels {
-                    self.skip_str("label")?;
+            self.skip_chunnel()?;
+        }
+        Ok(())
+    }
+
+    /// An offer tree; `nodes` counts the nodes read so far (at most [`MAX_TREE_NODES`]).
+    fn tree(&mut self, depth: usize, nodes: &mut usize) -> Result<OfferTree, WireError> {
+        *nodes += 1;
+        if *nodes > MAX_TREE_NODES {
+            return Err(WireError("offer tree has too many nodes"));
+        }
+        if depth >= MAX_TREE_DEPTH {
+            return Err(WireError("offer tree is nested too deep"));
+        }
+        Ok(match self.u8("tree node kind")? {
+            NODE_LEAF => OfferTree::Leaf(self.chunnel()?),
+            NODE_SEQ => {
+                let n = self.count(3, "layer count")?;
+                let mut parts = Vec::with_capacity(n);
+                for _ in 0..n {
+                    parts.push(self.tree(depth + 1, nodes)?);
                 }
+                OfferTree::Seq(parts)
+            }
+            NODE_SELECT => {
+                let l = self.tree(depth + 1, nodes)?;
+                let r = self.tree(depth + 1, nodes)?;
+                OfferTree::Select(Box::new(l), Box::new(r))
+            }
+            NODE_OPTIONS => {
+                let n = self.count(4, "option count")?;
+                let mut list = Vec::with_capacity(n);
+                for _ in 0..n {
+                    *nodes += 1;
+                    if *nodes > MAX_TREE_NODES {
+                        return Err(WireError("offer tree has too many nodes"));
+                    }
+                    let pick = self.pick()?;
+                    let chunnels = self.chunnels()?;
+                    list.push(StackOption { chunnels, pick });
+                }
+                OfferTree::Options(list)
+            }
+            _ => return Err(WireError("unknown tree node kind")),
+        })
+    }
+
+    /// Steps over what [`Reader::tree`] reads (the layout and its limits).
+    fn skip_tree(&mut self, depth: usize, nodes: &mut usize) -> Result<(), WireError> {
+        *nodes += 1;
+        if *nodes > MAX_TREE_NODES {
+            return Err(WireError("offer tree has too many nodes"));
+        }
+        if depth >= MAX_TREE_DEPTH {
+            return Err(WireError("offer tree is nested too deep"));
+        }
+        match self.u8("tree node kind")? {
+            NODE_LEAF => self.skip_chunnel(),
+            NODE_SEQ => {
+                let n = self.count(3, "layer count")?;
+                for _ in 0..n {
+                    self.skip_tree(depth + 1, nodes)?;
+                }
+                Ok(())
+            }
+            NODE_SELECT => {
+                self.skip_tree(depth + 1, nodes)?;
+                self.skip_tree(depth + 1, nodes)
+            }
+            NODE_OPTIONS => {
+                let n = self.count(4, "option count")?;
+                for _ in 0..n {
+                    *nodes += 1;
+                    if *nodes > MAX_TREE_NODES {
+                        return Err(WireError("offer tree has too many nodes"));
+                    }
+                    self.skip_pick()?;
+                    self.skip_chunnels()?;
+                }
+                Ok(())
+            }
+            _ => Err(WireError("unknown tree node kind")),
+        }
+    }
+
+    /// One Chunnel: its id and capabilities.
+    fn chunnel(&mut self) -> Result<ChunnelInfo, WireError> {
+        let id = self.str("chunnel id")?;
+        let k = self.count(5, "capability count")?;
+        let mut capabilities = Vec::with_capacity(k);
+        for _ in 0..k {
+            capabilities.push(self.capability()?);
+        }
+        Ok(ChunnelInfo {
+            id: Cow::Owned(id),
+            capabilities,
+        })
+    }
+
+    fn skip_chunnel(&mut self) -> Result<(), WireError> {
+        self.skip_str("chunnel id")?;
+        let k = self.count(5, "capability count")?;
+        for _ in 0..k {
+            self.skip_str("capability kind")?;
+            self.u8("capability matching")?;
+            let labels = self.count(2, "label count")?;
+            for _ in 0..labels {
+                self.skip_str("label")?;
             }
         }
         Ok(())
@@ -671,16 +821,7 @@ impl<'a> Reader<'a> {
         let n = self.count(4, "chunnel count")?;
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let id = self.str("chunnel id")?;
-            let k = self.count(5, "capability count")?;
-            let mut capabilities = Vec::with_capacity(k);
-            for _ in 0..k {
-                capabilities.push(self.capability()?);
-            }
-            out.push(ChunnelInfo {
-                id: Cow::Owned(id),
-                capabilities,
-            });
+            out.push(self.chunnel()?);
         }
         Ok(out)
     }
@@ -751,13 +892,7 @@ impl Hello {
             return Err(WireError("unknown hello flags"));
         }
         let conn_id = r.u64("conn_id")?;
-        let n = r.count(4, "offer count")?;
-        let mut offers = Vec::with_capacity(n);
-        for _ in 0..n {
-            let pick = r.pick()?;
-            let chunnels = r.chunnels()?;
-            offers.push(StackOption { chunnels, pick });
-        }
+        let offers = r.tree(0, &mut 0)?;
         let zero_rtt = if flags & HELLO_ZERO_RTT != 0 {
             Some(r.pick()?)
         } else {
@@ -790,11 +925,7 @@ impl Hello {
         }
         r.u64("conn_id")?;
         let start = body.len() - r.buf.len();
-        let n = r.count(4, "offer count")?;
-        for _ in 0..n {
-            r.skip_pick()?;
-            r.skip_chunnels()?;
-        }
+        r.skip_tree(0, &mut 0)?;
         if flags & HELLO_ZERO_RTT != 0 {
             r.skip_pick()?;
         }

@@ -15,7 +15,7 @@ use chunnel::{
     Negotiate, select,
 };
 use chunnel_negotiate::proto::Timing;
-use chunnel_negotiate::wire::{Hello, Tag, ZeroRtt};
+use chunnel_negotiate::wire::{Hello, Tag, VERSION, ZeroRtt};
 use chunnel_negotiate::{Client, Config, DynLayer, Error, Negotiated, Registry, listen};
 use chunnel_net::{tcp, udp};
 use chunnel_test::{FaultInjector, Xor, xor};
@@ -716,7 +716,7 @@ async fn accept_hold_zero_sends_the_accept_at_once() -> Result<()> {
 async fn malformed_hello_gets_a_reject_and_the_server_keeps_serving() -> Result<()> {
     let (addr, mut seen, _) = echo_server(Xor(1)).await?;
     let raw = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
-    raw.send_to(&[Tag::Hello as u8, 1, 0, 0xde, 0xad], addr)
+    raw.send_to(&[Tag::Hello as u8, VERSION, 0, 0xde, 0xad], addr)
         .await?;
     let mut buf = [0u8; 2048];
     let (n, _) = timeout(WAIT, raw.recv_from(&mut buf)).await??;
@@ -883,7 +883,7 @@ async fn a_new_client_on_a_reused_address_is_handed_to_the_listener_at_once() ->
         Hello {
             version: VERSION,
             conn_id,
-            offers: Xor(1).offers(),
+            offers: Xor(1).offer_tree(),
             zero_rtt: None,
             early: Vec::new(),
             dictated: false,

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use chunnel::negotiate::{Match, Mismatch, choose};
 use chunnel::{
     Capability, Chunnel, ChunnelConnection, ChunnelInfo, ConnectionExt, Error, Identity, Negotiate,
-    Offers, Pick, Select, Side, Stack, StackOption, select, stack,
+    OfferTree, Offers, Pick, Select, Side, Stack, StackOption, select, stack,
 };
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
@@ -96,7 +96,7 @@ fn hello_1rtt() -> Hello {
     Hello {
         version: VERSION,
         conn_id: HELLO_1RTT_ID,
-        offers: client_tree().offers(),
+        offers: client_tree().offer_tree(),
         zero_rtt: None,
         early: Vec::new(),
         dictated: false,
@@ -107,7 +107,7 @@ fn hello_reject() -> Hello {
     Hello {
         version: VERSION,
         conn_id: REJECT_ID,
-        offers: Bincode.offers(),
+        offers: Bincode.offer_tree(),
         zero_rtt: None,
         early: Vec::new(),
         dictated: false,
@@ -118,7 +118,7 @@ fn hello_0rtt() -> Hello {
     Hello {
         version: VERSION,
         conn_id: HELLO_0RTT_ID,
-        offers: client_tree().offers(),
+        offers: client_tree().offer_tree(),
         zero_rtt: Some(pick(&[1])),
         early: vec![Bytes::from_static(EARLY)],
         dictated: false,
@@ -130,15 +130,24 @@ fn answer(server: &Server, hello: &Hello) -> Decision {
     server.handle_hello(&hello.encode())
 }
 
+/// The accept, the index of the server option it picked, the early data and the response.
+/// The index is the pick's one decision: the servers of these tests are one select (or a
+/// single Chunnel).
 fn expect_accept(d: Decision) -> (Accept, usize, Vec<Bytes>, Bytes) {
     match d {
         Decision::Accept {
             accept,
-            server_option,
             early,
             response,
             ..
-        } => (accept, server_option, early, response),
+        } => {
+            let si = accept
+                .server_pick
+                .branches()
+                .first()
+                .map_or(0, |&b| b.into());
+            (accept, si, early, response)
+        }
         Decision::Reject { reject, .. } => panic!("expected an accept, got {reject:?}"),
     }
 }
@@ -187,7 +196,7 @@ fn examples() -> Vec<(&'static str, Bytes)> {
             },
         ]
     );
-    let server = Server::new(server_tree().offers());
+    let server = Server::new(server_tree().offer_tree());
 
     // 1-RTT: server option 0 against client option 0 fails on `serialize`, against client
     // option 1 it fits (`ratelimit` is compositional: the server alone may carry it).
@@ -198,7 +207,7 @@ fn examples() -> Vec<(&'static str, Bytes)> {
     assert_eq!(
         accept,
         Accept {
-            version: 1,
+            version: VERSION,
             conn_id: HELLO_1RTT_ID,
             zero_rtt: ZeroRtt::NotOffered,
             client_pick: pick(&[1]),
@@ -208,12 +217,12 @@ fn examples() -> Vec<(&'static str, Bytes)> {
     );
 
     // Reject: the client offers only Bincode, the server only RateLimit.
-    let lone = Server::new(RateLimit.offers());
+    let lone = Server::new(RateLimit.offer_tree());
     let (reject, reject_bytes) = expect_reject(answer(&lone, &hello_reject()));
     assert_eq!(
         reject,
         Reject {
-            version: 1,
+            version: VERSION,
             conn_id: REJECT_ID,
             reason: RejectReason::Incompatible,
             mismatches: vec![Mismatch {
@@ -239,7 +248,7 @@ fn examples() -> Vec<(&'static str, Bytes)> {
     assert_eq!(
         accept0,
         Accept {
-            version: 1,
+            version: VERSION,
             conn_id: HELLO_0RTT_ID,
             zero_rtt: ZeroRtt::Accepted,
             client_pick: pick(&[1]),
@@ -599,7 +608,7 @@ fn decoders_are_strict() {
 
 #[test]
 fn server_answers_other_versions_with_a_version_reject() {
-    let server = Server::new(server_tree().offers());
+    let server = Server::new(server_tree().offer_tree());
     let mut v2 = hello_1rtt().encode().to_vec();
     v2[1] = 2;
     // Whatever follows the conn_id: a v1 server does not read it.
@@ -609,7 +618,7 @@ fn server_answers_other_versions_with_a_version_reject() {
     assert_eq!(
         reject,
         Reject {
-            version: 1,
+            version: VERSION,
             conn_id: HELLO_1RTT_ID,
             reason: RejectReason::Version,
             mismatches: Vec::new(),
@@ -649,7 +658,7 @@ fn server_preference_comes_first() {
     let hello = Hello {
         version: VERSION,
         conn_id: 7,
-        offers: client,
+        offers: select(Bincode, Json).offer_tree(),
         zero_rtt: Some(pick(&[0])),
         early: Vec::new(),
         dictated: false,
@@ -728,9 +737,9 @@ fn picks_are_pre_order_paths() {
 
 #[test]
 fn empty_offer_list_is_incompatible() {
-    let server = Server::new(server_tree().offers());
+    let server = Server::new(server_tree().offer_tree());
     let hello = Hello {
-        offers: Vec::new(),
+        offers: OfferTree::Options(Vec::new()),
         ..hello_1rtt()
     };
     let (reject, _) = expect_reject(server.handle_hello(&hello.encode()));
@@ -781,7 +790,7 @@ fn client_ignores_stale_answers() {
     let mut hs =
         ClientHandshake::new(hello.offers.clone(), None, 5, Timing::default(), t0).unwrap();
     assert!(hs.poll_transmit(t0).is_some());
-    let server = Server::new(server_tree().offers());
+    let server = Server::new(server_tree().offer_tree());
 
     // An answer to another conn_id, an unknown tag, a hello: ignored.
     let (_, _, _, stale) = expect_accept(server.handle_hello(&hello.encode()));
@@ -799,7 +808,8 @@ fn client_ignores_stale_answers() {
     let (_, _, _, accept) = expect_accept(server.handle_hello(&ours.encode()));
     hs.handle_message(accept);
     let out = hs.poll_outcome().expect("done").expect("accepted");
-    assert_eq!(hello.offers[out.option].pick, pick(&[1]));
+    assert_eq!(out.accept.client_pick, pick(&[1]));
+    assert_eq!(Some(out.stack), hello.offers.option(&pick(&[1])));
     assert_eq!(out.early_replies, vec![Bytes::from_static(b"early")]);
 
     // A reject with conn_id 0 (the server could not read ours) ends a handshake.
@@ -843,7 +853,7 @@ async fn retransmitted_hello_gets_the_cached_accept_and_no_second_delivery() {
 
     let raw = udp::Connect::new(addr).connect_wrap(()).await.unwrap();
     let hello = hello_0rtt().encode();
-    let accept = expect_accept(Server::new(server_tree().offers()).handle_hello(&hello)).3;
+    let accept = expect_accept(Server::new(server_tree().offer_tree()).handle_hello(&hello)).3;
     // The server holds the accept for its first reply: one ACCEPT_DATA (§7.5, §8.3).
     let accept_data = Bytes::from(
         [

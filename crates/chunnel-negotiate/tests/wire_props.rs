@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use chunnel::negotiate::{ChunnelInfo, Match, Mismatch, check_compatible, choose};
-use chunnel::{Capability, Pick, StackOption};
+use chunnel::{Capability, OfferTree, Pick, StackOption};
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
     ACCEPT_DATA_PREFIX, Accept, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag, Txn,
@@ -93,12 +93,44 @@ fn hello() -> impl Strategy<Value = Hello> {
             Hello {
                 version: VERSION,
                 conn_id,
-                offers,
+                offers: if dictated {
+                    OfferTree::Options(offers)
+                } else {
+                    tree_of(offers, conn_id)
+                },
                 zero_rtt,
                 early,
                 dictated,
             }
         })
+}
+
+/// Options as a tree of one of several shapes (chosen by `seed`): the list itself; a select
+/// between its halves; a layer of the first option's Chunnels over the list; the list beside
+/// an empty one.
+fn tree_of(offers: Vec<StackOption>, seed: u64) -> OfferTree {
+    match seed % 4 {
+        0 => OfferTree::Options(offers),
+        1 => {
+            let mut a = offers;
+            let b = a.split_off(a.len() / 2);
+            OfferTree::Select(
+                Box::new(OfferTree::Options(a)),
+                Box::new(OfferTree::Options(b)),
+            )
+        }
+        2 => {
+            let top = offers
+                .first()
+                .map(|o| o.chunnels.iter().cloned().map(OfferTree::Leaf).collect())
+                .unwrap_or_default();
+            OfferTree::Seq(vec![OfferTree::Seq(top), OfferTree::Options(offers)])
+        }
+        _ => OfferTree::Select(
+            Box::new(OfferTree::Options(Vec::new())),
+            Box::new(OfferTree::Options(offers)),
+        ),
+    }
 }
 
 fn zero_rtt() -> impl Strategy<Value = ZeroRtt> {
@@ -313,7 +345,11 @@ fn pooled_hello() -> impl Strategy<Value = Hello> {
             Hello {
                 version: VERSION,
                 conn_id,
-                offers,
+                offers: if dictated {
+                    OfferTree::Options(offers)
+                } else {
+                    tree_of(offers, conn_id)
+                },
                 zero_rtt,
                 early,
                 dictated,
@@ -406,21 +442,18 @@ fn same_decision(got: &Decision, want: &Decision) -> Result<(), TestCaseError> {
         (
             Decision::Accept {
                 accept: a,
-                server_option: so,
                 early: e,
                 response: r,
                 coalesce: c,
             },
             Decision::Accept {
                 accept: a2,
-                server_option: so2,
                 early: e2,
                 response: r2,
                 coalesce: c2,
             },
         ) => {
             prop_assert_eq!(a, a2);
-            prop_assert_eq!(so, so2);
             prop_assert_eq!(e, e2);
             prop_assert_eq!(r, r2);
             prop_assert_eq!(c, c2);
@@ -485,27 +518,20 @@ fn check_decision(server: &Server, msg: &[u8]) -> Result<(), TestCaseError> {
     if hello.dictated {
         return check_dictated(server, &hello, &decision);
     }
+    let (server_offers, client_offers) = (server.tree().options(), hello.offers.options());
     match &decision {
-        Decision::Accept {
-            accept,
-            server_option,
-            early,
-            ..
-        } => {
+        Decision::Accept { accept, early, .. } => {
             prop_assert_eq!(accept.conn_id, hello.conn_id);
             prop_assert!(
-                hello.offers.iter().any(|o| o.pick == accept.client_pick),
+                client_offers.iter().any(|o| o.pick == accept.client_pick),
                 "client_pick is not among the hello's offers"
             );
-            prop_assert!(
-                *server_option < server.offers().len(),
-                "server_option out of range"
-            );
-            let s = &server.offers()[*server_option];
-            prop_assert_eq!(&accept.server_pick, &s.pick);
+            let Some(s) = server_offers.iter().find(|s| s.pick == accept.server_pick) else {
+                return Err(TestCaseError::fail("server_pick names no server option"));
+            };
             prop_assert_eq!(&accept.server_stack[..], &s.chunnels[..]);
             // An offer with that pick is compatible with the server's option.
-            prop_assert!(hello.offers.iter().any(|o| o.pick == accept.client_pick
+            prop_assert!(client_offers.iter().any(|o| o.pick == accept.client_pick
                 && check_compatible(&s.chunnels, &o.chunnels, 0, 0).is_ok()));
             match (&hello.zero_rtt, accept.zero_rtt) {
                 (None, z) => {
@@ -525,7 +551,7 @@ fn check_decision(server: &Server, msg: &[u8]) -> Result<(), TestCaseError> {
         Decision::Reject { reject, .. } => {
             prop_assert_eq!(reject.reason, RejectReason::Incompatible);
             prop_assert_eq!(reject.conn_id, hello.conn_id);
-            prop_assert!(choose(server.offers(), &hello.offers, usize::MAX).is_err());
+            prop_assert!(choose(&server_offers, &client_offers, usize::MAX).is_err());
         }
     }
     Ok(())
@@ -546,7 +572,11 @@ fn check_dictated(
     hello: &Hello,
     decision: &Decision,
 ) -> Result<(), TestCaseError> {
-    if hello.offers.len() != 1 {
+    let registry = match &hello.offers {
+        OfferTree::Options(list) if list.len() == 1 => Some(&list[0].chunnels),
+        _ => None,
+    };
+    let Some(registry) = registry else {
         let Decision::Reject { reject, .. } = decision else {
             return Err(TestCaseError::fail(
                 "accepted a dictated hello without exactly one offer",
@@ -556,30 +586,21 @@ fn check_dictated(
         prop_assert_eq!(reject.conn_id, hello.conn_id);
         prop_assert!(reject.mismatches.is_empty());
         return Ok(());
-    }
-    let registry = &hello.offers[0].chunnels;
+    };
     let missing = |s: &StackOption| -> Option<String> {
         s.chunnels
             .iter()
             .find(|c| two_sided(c) && !registry.iter().any(|r| r.id == c.id))
             .map(|c| c.id.to_string())
     };
-    let first = server.offers().iter().position(|s| missing(s).is_none());
+    let server_offers = server.tree().options();
+    let first = server_offers.iter().position(|s| missing(s).is_none());
     match (decision, first) {
-        (
-            Decision::Accept {
-                accept,
-                server_option,
-                early,
-                ..
-            },
-            Some(si),
-        ) => {
-            prop_assert_eq!(*server_option, si);
+        (Decision::Accept { accept, early, .. }, Some(si)) => {
             prop_assert_eq!(accept.conn_id, hello.conn_id);
             prop_assert_eq!(&accept.client_pick, &Pick::default());
-            prop_assert_eq!(&accept.server_pick, &server.offers()[si].pick);
-            prop_assert_eq!(&accept.server_stack[..], &server.offers()[si].chunnels[..]);
+            prop_assert_eq!(&accept.server_pick, &server_offers[si].pick);
+            prop_assert_eq!(&accept.server_stack[..], &server_offers[si].chunnels[..]);
             // No 0-RTT for a dictated hello: nothing early is delivered.
             prop_assert_eq!(accept.zero_rtt, ZeroRtt::NotOffered);
             prop_assert!(early.is_empty());
@@ -587,8 +608,7 @@ fn check_dictated(
         (Decision::Reject { reject, .. }, None) => {
             prop_assert_eq!(reject.reason, RejectReason::Incompatible);
             prop_assert_eq!(reject.conn_id, hello.conn_id);
-            let expected: Vec<Mismatch> = server
-                .offers()
+            let expected: Vec<Mismatch> = server_offers
                 .iter()
                 .enumerate()
                 .take(16)
@@ -606,9 +626,10 @@ fn check_dictated(
                 .collect();
             prop_assert_eq!(&reject.mismatches, &expected);
         }
-        (Decision::Accept { server_option, .. }, None) => {
+        (Decision::Accept { accept, .. }, None) => {
             return Err(TestCaseError::fail(format!(
-                "dictated hello accepted with server option {server_option}, which does not fit"
+                "dictated hello accepted with server pick {:?}, which does not fit",
+                accept.server_pick
             )));
         }
         (Decision::Reject { .. }, Some(si)) => {
@@ -872,7 +893,7 @@ proptest! {
                     c.expect(known.clone());
                 }
                 c.handle_message(Bytes::from(m.clone()));
-                c.poll_outcome().map(|r| r.map(|o| (o.accept, o.option, o.early_replies)))
+                c.poll_outcome().map(|r| r.map(|o| (o.accept, o.stack, o.early_replies)))
                     .map(|r| r.map_err(|e| e.to_string()))
             };
             prop_assert_eq!(run(true), run(false), "message {:?}", m);
@@ -928,7 +949,7 @@ proptest! {
         }
         let end = |c: &mut ClientHandshake| {
             c.poll_outcome()
-                .map(|r| r.map(|o| (o.accept, o.option)).map_err(|e| e.to_string()))
+                .map(|r| r.map(|o| (o.accept, o.stack)).map_err(|e| e.to_string()))
         };
         prop_assert_eq!(end(&mut fresh), end(&mut reused));
     }
@@ -938,7 +959,7 @@ proptest! {
         let mut c = fresh_client();
         c.handle_message(Bytes::from(bytes));
         if let Some(Ok(o)) = c.poll_outcome() {
-            prop_assert_eq!(&client_offers()[o.option].pick, &o.accept.client_pick);
+            prop_assert!(client_offers().iter().any(|x| x.pick == o.accept.client_pick && x.chunnels == o.stack));
         }
     }
 
@@ -963,7 +984,7 @@ proptest! {
         let mut c = fresh_client();
         c.handle_message(Bytes::from(bytes));
         if let Some(Ok(o)) = c.poll_outcome() {
-            prop_assert_eq!(&client_offers()[o.option].pick, &o.accept.client_pick);
+            prop_assert!(client_offers().iter().any(|x| x.pick == o.accept.client_pick && x.chunnels == o.stack));
             prop_assert_eq!(o.accept.conn_id, c.conn_id());
         }
     }
@@ -1012,7 +1033,7 @@ fn minimal_list_elements_round_trip() {
     let h = Hello {
         version: VERSION,
         conn_id: 0,
-        offers: vec![option; 8],
+        offers: OfferTree::Options(vec![option; 8]),
         zero_rtt: Some(Pick::default()),
         early: vec![Bytes::new(); 8],
         dictated: false,
@@ -1031,10 +1052,10 @@ fn minimal_list_elements_round_trip() {
     let h = Hello {
         version: VERSION,
         conn_id: 0,
-        offers: vec![StackOption {
+        offers: OfferTree::Options(vec![StackOption {
             chunnels: vec![chunnel("", vec![labels])],
             pick: Pick::from_branches(vec![0; 8]),
-        }],
+        }]),
         zero_rtt: None,
         early: Vec::new(),
         dictated: false,

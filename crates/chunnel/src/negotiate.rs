@@ -513,10 +513,11 @@ pub trait Offers {
         }
     }
 
-    /// Applies a whole pick. The pick is checked against [`Offers::offers`] first, so a pick
-    /// that names no offered option changes nothing (no select is fixed, no leaf is told).
+    /// Applies a whole pick. The pick is checked against [`Offers::offer_tree`] first, so a
+    /// pick that names no offered option changes nothing (no select is fixed, no leaf is
+    /// told).
     fn apply(&mut self, pick: &Pick) -> Result<(), Error> {
-        if !self.offers().iter().any(|o| &o.pick == pick) {
+        if self.offer_tree().option(pick).is_none() {
             return Err(Error::BadPick {
                 what: "the pick names no option this stack offers",
             });

@@ -40,6 +40,13 @@ pub enum OfferTree {
     Options(Vec<StackOption>),
 }
 
+/// An explicit list of options, most preferred first.
+impl From<Vec<StackOption>> for OfferTree {
+    fn from(options: Vec<StackOption>) -> Self {
+        OfferTree::Options(options)
+    }
+}
+
 impl OfferTree {
     /// No layer: one empty option.
     pub fn empty() -> Self {
@@ -96,11 +103,10 @@ impl OfferTree {
     }
 
     /// The Chunnels of the option that `pick` names, top first; `None` if it names none.
+    /// Where several options carry the same decisions (explicit lists may), the first.
     pub fn option(&self, pick: &Pick) -> Option<Vec<ChunnelInfo>> {
-        let mut rest = pick.branches();
         let mut out = Vec::new();
-        resolve(self, &mut rest, &mut out)?;
-        rest.is_empty().then_some(out)
+        resolve(&mut vec![self], pick.branches(), &mut out).then_some(out)
     }
 
     /// The number of nodes (leaves, sequences, selects and listed options).
@@ -114,32 +120,97 @@ impl OfferTree {
     }
 }
 
-fn resolve(t: &OfferTree, rest: &mut &[u8], out: &mut Vec<ChunnelInfo>) -> Option<()> {
-    match t {
-        OfferTree::Leaf(c) => out.push(c.clone()),
-        OfferTree::Seq(p) => {
-            for t in p {
-                resolve(t, rest, out)?;
-            }
+/// Follows `rest` through the trees in `work` (processed from the end), appending the
+/// Chunnels met to `out`; true if the decisions name an option and are used up exactly.
+/// Explicit lists are tried in order, backtracking, so lists whose picks prefix one another
+/// resolve too. Recurses only at choices (see [`expand`]).
+fn resolve<'t>(work: &mut Vec<&'t OfferTree>, rest: &[u8], out: &mut Vec<ChunnelInfo>) -> bool {
+    let o = out.len();
+    let mut log = Vec::new();
+    let mut leaves = Vec::new();
+    expand(work, &mut leaves, &mut log);
+    out.extend(leaves.iter().map(|c| (*c).clone()));
+    let found = match work.pop() {
+        None => rest.is_empty(),
+        Some(node) => {
+            let found = match node {
+                OfferTree::Select(a, b) => match rest.split_first() {
+                    Some((0, r)) => with(work, a, |work| resolve(work, r, out)),
+                    Some((1, r)) => with(work, b, |work| resolve(work, r, out)),
+                    _ => false,
+                },
+                OfferTree::Options(list) => list.iter().any(|opt| {
+                    let p = opt.pick.branches();
+                    if !rest.starts_with(p) {
+                        return false;
+                    }
+                    let o = out.len();
+                    out.extend(opt.chunnels.iter().cloned());
+                    let found = resolve(work, &rest[p.len()..], out);
+                    if !found {
+                        out.truncate(o);
+                    }
+                    found
+                }),
+                // `expand` left a choice (or nothing) on top.
+                OfferTree::Leaf(_) | OfferTree::Seq(_) => false,
+            };
+            work.push(node);
+            found
         }
-        OfferTree::Select(a, b) => {
-            let (&d, r) = rest.split_first()?;
-            *rest = r;
-            match d {
-                0 => resolve(a, rest, out)?,
-                1 => resolve(b, rest, out)?,
-                _ => return None,
+    };
+    undo(work, &mut log);
+    if !found {
+        out.truncate(o);
+    }
+    found
+}
+
+/// Takes leaves and layers off the top of `work` until a choice (or nothing) is on top: the
+/// leaves' Chunnels go to `leaves`, and `log` records what [`undo`] needs to put `work` back.
+/// The walks recurse only at choices, so their depth is the number of choices on a path,
+/// not the number of nodes.
+fn expand<'t>(
+    work: &mut Vec<&'t OfferTree>,
+    leaves: &mut Vec<&'t ChunnelInfo>,
+    log: &mut Vec<(&'t OfferTree, usize)>,
+) {
+    while let Some(&n) = work.last() {
+        match n {
+            OfferTree::Leaf(c) => {
+                work.pop();
+                leaves.push(c);
+                log.push((n, 0));
             }
-        }
-        OfferTree::Options(list) => {
-            // The longest listed pick that prefixes the rest (picks of one list are
-            // prefix-free when the list comes from a tree: the first match is the one).
-            let o = list.iter().find(|o| rest.starts_with(o.pick.branches()))?;
-            *rest = &rest[o.pick.branches().len()..];
-            out.extend(o.chunnels.iter().cloned());
+            OfferTree::Seq(parts) => {
+                work.pop();
+                work.extend(parts.iter().rev());
+                log.push((n, parts.len()));
+            }
+            OfferTree::Select(..) | OfferTree::Options(_) => break,
         }
     }
-    Some(())
+}
+
+/// Puts back what [`expand`] took off `work`.
+fn undo<'t>(work: &mut Vec<&'t OfferTree>, log: &mut Vec<(&'t OfferTree, usize)>) {
+    while let Some((n, children)) = log.pop() {
+        work.truncate(work.len() - children);
+        work.push(n);
+    }
+}
+
+/// Runs `f` with `t` pushed on `work`, then takes it off again.
+fn with<'t, R>(
+    work: &mut Vec<&'t OfferTree>,
+    t: &'t OfferTree,
+    f: impl FnOnce(&mut Vec<&'t OfferTree>) -> R,
+) -> R {
+    let w = work.len();
+    work.push(t);
+    let r = f(work);
+    work.truncate(w);
+    r
 }
 
 /// One side's partial choice during a walk.
@@ -174,52 +245,36 @@ fn enumerate<'t>(
     st: &mut Walk<'t>,
     visit: &mut dyn FnMut(&Walk<'t>) -> bool,
 ) -> bool {
-    let Some(node) = work.pop() else {
-        return visit(st);
-    };
     let m = st.mark();
-    let w = work.len();
-    let stop = match node {
-        OfferTree::Leaf(c) => {
-            st.add(c);
-            enumerate(work, st, visit)
-        }
-        OfferTree::Seq(parts) => {
-            work.extend(parts.iter().rev());
-            enumerate(work, st, visit)
-        }
-        OfferTree::Select(a, b) => {
-            let mut stop = false;
-            for (d, t) in [(0u8, a), (1, b)] {
-                st.pick.push(d);
-                work.push(t);
-                stop = enumerate(work, st, visit);
-                work.truncate(w);
-                st.reset(m);
-                if stop {
-                    break;
-                }
-            }
-            stop
-        }
-        OfferTree::Options(list) => {
-            let mut stop = false;
-            for o in list {
-                st.pick.extend_from_slice(o.pick.branches());
-                for c in &o.chunnels {
-                    st.add(c);
-                }
-                stop = enumerate(work, st, visit);
-                st.reset(m);
-                if stop {
-                    break;
-                }
-            }
+    let mut log = Vec::new();
+    let mut leaves = Vec::new();
+    expand(work, &mut leaves, &mut log);
+    leaves.into_iter().for_each(|c| st.add(c));
+    let stop = match work.pop() {
+        None => visit(st),
+        Some(node) => {
+            let inner = st.mark();
+            let stop = match node {
+                OfferTree::Select(a, b) => [(0u8, a), (1, b)].into_iter().any(|(d, t)| {
+                    st.pick.push(d);
+                    let stop = with(work, t, |work| enumerate(work, st, visit));
+                    st.reset(inner);
+                    stop
+                }),
+                OfferTree::Options(list) => list.iter().any(|o| {
+                    st.pick.extend_from_slice(o.pick.branches());
+                    o.chunnels.iter().for_each(|c| st.add(c));
+                    let stop = enumerate(work, st, visit);
+                    st.reset(inner);
+                    stop
+                }),
+                OfferTree::Leaf(_) | OfferTree::Seq(_) => false,
+            };
+            work.push(node);
             stop
         }
     };
-    work.truncate(w);
-    work.push(node);
+    undo(work, &mut log);
     st.reset(m);
     stop
 }
@@ -395,7 +450,7 @@ type Complete<'f, 't, R> = dyn FnMut(&Walk<'t>, &mut Search) -> Result<Option<R>
 
 /// Depth-first search of one side's options in preference order, pruning partial choices
 /// that cannot be compatible; `complete` is called on each surviving complete option and
-/// ends the search with `Some`.
+/// ends the search with `Some`. Recurses only at choices (see [`expand`]).
 fn search<'t, R>(
     work: &mut Vec<&'t OfferTree>,
     st: &mut Walk<'t>,
@@ -404,6 +459,26 @@ fn search<'t, R>(
     complete: &mut Complete<'_, 't, R>,
 ) -> Result<Option<R>, NoChoice> {
     s.step()?;
+    let m = st.mark();
+    let mut log = Vec::new();
+    let mut leaves = Vec::new();
+    expand(work, &mut leaves, &mut log);
+    leaves.into_iter().for_each(|c| st.add(c));
+    let r = search_choice(work, st, ctx, s, complete);
+    undo(work, &mut log);
+    st.reset(m);
+    r
+}
+
+/// [`search`] once the leaves and layers on top of `work` are taken: prune, then finish or
+/// try the choice on top.
+fn search_choice<'t, R>(
+    work: &mut Vec<&'t OfferTree>,
+    st: &mut Walk<'t>,
+    ctx: &Ctx<'_, 't>,
+    s: &mut Search,
+    complete: &mut Complete<'_, 't, R>,
+) -> Result<Option<R>, NoChoice> {
     // Prune: this side's definite capabilities against what the other side may have, and
     // the other's definite ones against what this side may still get.
     let mut any = st.caps.clone();
@@ -419,49 +494,33 @@ fn search<'t, R>(
     let Some(node) = work.pop() else {
         return complete(st, s);
     };
-    let m = st.mark();
-    let w = work.len();
-    let r = (|| {
-        match node {
-            OfferTree::Leaf(c) => {
-                st.add(c);
-                return search(work, st, ctx, s, complete);
-            }
-            OfferTree::Seq(parts) => {
-                work.extend(parts.iter().rev());
-                return search(work, st, ctx, s, complete);
-            }
-            OfferTree::Select(a, b) => {
-                for (d, t) in [(0u8, a), (1, b)] {
-                    st.pick.push(d);
-                    work.push(t);
-                    let r = search(work, st, ctx, s, complete)?;
-                    work.truncate(w);
-                    st.reset(m);
-                    if r.is_some() {
-                        return Ok(r);
-                    }
-                }
-            }
-            OfferTree::Options(list) => {
-                for o in list {
-                    st.pick.extend_from_slice(o.pick.branches());
-                    for c in &o.chunnels {
-                        st.add(c);
-                    }
-                    let r = search(work, st, ctx, s, complete)?;
-                    st.reset(m);
-                    if r.is_some() {
-                        return Ok(r);
-                    }
+    let inner = st.mark();
+    let mut r = Ok(None);
+    match node {
+        OfferTree::Select(a, b) => {
+            for (d, t) in [(0u8, a), (1, b)] {
+                st.pick.push(d);
+                r = with(work, t, |work| search(work, st, ctx, s, complete));
+                st.reset(inner);
+                if !matches!(r, Ok(None)) {
+                    break;
                 }
             }
         }
-        Ok(None)
-    })();
-    work.truncate(w);
+        OfferTree::Options(list) => {
+            for o in list {
+                st.pick.extend_from_slice(o.pick.branches());
+                o.chunnels.iter().for_each(|c| st.add(c));
+                r = search(work, st, ctx, s, complete);
+                st.reset(inner);
+                if !matches!(r, Ok(None)) {
+                    break;
+                }
+            }
+        }
+        OfferTree::Leaf(_) | OfferTree::Seq(_) => {}
+    }
     work.push(node);
-    st.reset(m);
     r
 }
 
