@@ -46,7 +46,7 @@ fuzz_target!(|msg: &[u8]| {
         assert!(out.early_replies.len() <= 1);
         let outcome = |r: Option<Result<Outcome, chunnel_negotiate::Error>>| {
             r.map(|r| {
-                r.map(|o| (o.accept, o.option, o.early_replies))
+                r.map(|o| (o.accept, o.stack, o.early_replies))
                     .map_err(|e| e.to_string())
             })
         };

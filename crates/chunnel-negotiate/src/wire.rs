@@ -26,6 +26,11 @@ pub const MAX_TREE_NODES: usize = 4096;
 /// Deepest nesting of a hello's offer tree (selects within selects within layers).
 pub const MAX_TREE_DEPTH: usize = 64;
 
+/// Most choices (selects and explicit option lists) in a hello's offer tree. The server's
+/// search recurses once per choice on a path; 512 of them fit a 2 MiB thread stack with room
+/// to spare, in a debug build too.
+pub const MAX_TREE_CHOICES: usize = 512;
+
 const NODE_LEAF: u8 = 0;
 const NODE_SEQ: u8 = 1;
 const NODE_SELECT: u8 = 2;
@@ -684,12 +689,9 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// An offer tree; `nodes` counts the nodes read so far (at most [`MAX_TREE_NODES`]).
-    fn tree(&mut self, depth: usize, nodes: &mut usize) -> Result<OfferTree, WireError> {
-        *nodes += 1;
-        if *nodes > MAX_TREE_NODES {
-            return Err(WireError("offer tree has too many nodes"));
-        }
+    /// An offer tree; `nodes` counts the nodes and choices read so far (see [`Budget`]).
+    fn tree(&mut self, depth: usize, nodes: &mut Budget) -> Result<OfferTree, WireError> {
+        nodes.node()?;
         if depth >= MAX_TREE_DEPTH {
             return Err(WireError("offer tree is nested too deep"));
         }
@@ -704,18 +706,17 @@ impl<'a> Reader<'a> {
                 OfferTree::Seq(parts)
             }
             NODE_SELECT => {
+                nodes.choice()?;
                 let l = self.tree(depth + 1, nodes)?;
                 let r = self.tree(depth + 1, nodes)?;
                 OfferTree::Select(Box::new(l), Box::new(r))
             }
             NODE_OPTIONS => {
+                nodes.choice()?;
                 let n = self.count(4, "option count")?;
                 let mut list = Vec::with_capacity(n);
                 for _ in 0..n {
-                    *nodes += 1;
-                    if *nodes > MAX_TREE_NODES {
-                        return Err(WireError("offer tree has too many nodes"));
-                    }
+                    nodes.node()?;
                     let pick = self.pick()?;
                     let chunnels = self.chunnels()?;
                     list.push(StackOption { chunnels, pick });
@@ -727,11 +728,8 @@ impl<'a> Reader<'a> {
     }
 
     /// Steps over what [`Reader::tree`] reads (the layout and its limits).
-    fn skip_tree(&mut self, depth: usize, nodes: &mut usize) -> Result<(), WireError> {
-        *nodes += 1;
-        if *nodes > MAX_TREE_NODES {
-            return Err(WireError("offer tree has too many nodes"));
-        }
+    fn skip_tree(&mut self, depth: usize, nodes: &mut Budget) -> Result<(), WireError> {
+        nodes.node()?;
         if depth >= MAX_TREE_DEPTH {
             return Err(WireError("offer tree is nested too deep"));
         }
@@ -745,16 +743,15 @@ impl<'a> Reader<'a> {
                 Ok(())
             }
             NODE_SELECT => {
+                nodes.choice()?;
                 self.skip_tree(depth + 1, nodes)?;
                 self.skip_tree(depth + 1, nodes)
             }
             NODE_OPTIONS => {
+                nodes.choice()?;
                 let n = self.count(4, "option count")?;
                 for _ in 0..n {
-                    *nodes += 1;
-                    if *nodes > MAX_TREE_NODES {
-                        return Err(WireError("offer tree has too many nodes"));
-                    }
+                    nodes.node()?;
                     self.skip_pick()?;
                     self.skip_chunnels()?;
                 }
@@ -872,6 +869,31 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// What a hello's offer tree may still hold while it is decoded.
+#[derive(Default)]
+struct Budget {
+    nodes: usize,
+    choices: usize,
+}
+
+impl Budget {
+    fn node(&mut self) -> Result<(), WireError> {
+        self.nodes += 1;
+        if self.nodes > MAX_TREE_NODES {
+            return Err(WireError("offer tree has too many nodes"));
+        }
+        Ok(())
+    }
+
+    fn choice(&mut self) -> Result<(), WireError> {
+        self.choices += 1;
+        if self.choices > MAX_TREE_CHOICES {
+            return Err(WireError("offer tree has too many choices"));
+        }
+        Ok(())
+    }
+}
+
 /// Reads the version byte and checks it before anything else is parsed: a peer of another
 /// version may lay out the rest differently.
 fn version(r: &mut Reader<'_>) -> Result<u8, WireError> {
@@ -892,7 +914,7 @@ impl Hello {
             return Err(WireError("unknown hello flags"));
         }
         let conn_id = r.u64("conn_id")?;
-        let offers = r.tree(0, &mut 0)?;
+        let offers = r.tree(0, &mut Budget::default())?;
         let zero_rtt = if flags & HELLO_ZERO_RTT != 0 {
             Some(r.pick()?)
         } else {
@@ -925,7 +947,7 @@ impl Hello {
         }
         r.u64("conn_id")?;
         let start = body.len() - r.buf.len();
-        r.skip_tree(0, &mut 0)?;
+        r.skip_tree(0, &mut Budget::default())?;
         if flags & HELLO_ZERO_RTT != 0 {
             r.skip_pick()?;
         }

@@ -22,6 +22,8 @@
 //!
 //! [`Offers::offers`]: crate::Offers::offers
 
+use std::collections::HashMap;
+
 use crate::negotiate::{Capability, ChunnelInfo, Match, Mismatch, Pick, StackOption};
 
 /// The options of a tree of Chunnels, described in space linear in the tree.
@@ -124,7 +126,7 @@ impl OfferTree {
 /// Chunnels met to `out`; true if the decisions name an option and are used up exactly.
 /// Explicit lists are tried in order, backtracking, so lists whose picks prefix one another
 /// resolve too. Recurses only at choices (see [`expand`]).
-fn resolve<'t>(work: &mut Vec<&'t OfferTree>, rest: &[u8], out: &mut Vec<ChunnelInfo>) -> bool {
+fn resolve(work: &mut Vec<&OfferTree>, rest: &[u8], out: &mut Vec<ChunnelInfo>) -> bool {
     let o = out.len();
     let mut log = Vec::new();
     let mut leaves = Vec::new();
@@ -330,27 +332,60 @@ fn certain(t: &OfferTree) -> Option<Vec<&Capability>> {
     }
 }
 
+/// Capabilities grouped by kind (`compatible` is false across kinds, so every check looks
+/// at one kind's group only).
+struct Kinds<'c>(HashMap<&'c str, Vec<&'c Capability>>);
+
+impl<'c> Kinds<'c> {
+    fn of(list: &[&'c Capability]) -> Self {
+        let mut m: HashMap<&'c str, Vec<&'c Capability>> = HashMap::new();
+        for c in list {
+            m.entry(c.kind.as_ref()).or_default().push(c);
+        }
+        Kinds(m)
+    }
+
+    fn get(&self, kind: &str) -> &[&'c Capability] {
+        self.0.get(kind).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// One side's capabilities at a point of the search: present in every completion (`def`)
+/// and in some (`any`, a superset), grouped by kind.
+struct Caps<'a, 'c> {
+    def: &'a [&'c Capability],
+    def_kinds: Kinds<'c>,
+    any: Kinds<'c>,
+}
+
+impl<'a, 'c> Caps<'a, 'c> {
+    fn new(def: &'a [&'c Capability], any: &[&'c Capability]) -> Self {
+        Caps {
+            def,
+            def_kinds: Kinds::of(def),
+            any: Kinds::of(any),
+        }
+    }
+}
+
 /// Whether no completion can be compatible: `ours` are the server's capabilities (their
-/// rules apply), `theirs` the client's; `_def` are present in every completion, `_any` in
-/// some (a superset of `_def`). Exact (as [`crate::negotiate::check_compatible`]) when
-/// `_def == _any`.
-fn dead(
-    ours_def: &[&Capability],
-    ours_any: &[&Capability],
-    theirs_def: &[&Capability],
-    theirs_any: &[&Capability],
-) -> bool {
-    let has_kind = |list: &[&Capability], kind: &str| list.iter().any(|c| c.kind == kind);
-    for o in ours_def {
-        if (o.matching == Match::Exact || has_kind(theirs_def, &o.kind))
-            && !theirs_any.iter().any(|t| o.compatible(t))
+/// rules apply), `theirs` the client's. Exact (as [`crate::negotiate::check_compatible`])
+/// when each side's `def` and `any` are equal. Adds the comparisons made to `work`.
+fn dead(ours: &Caps<'_, '_>, theirs: &Caps<'_, '_>, work: &mut u64) -> bool {
+    for o in ours.def {
+        let same = theirs.any.get(&o.kind);
+        *work += 1 + same.len() as u64;
+        if (o.matching == Match::Exact || !theirs.def_kinds.get(&o.kind).is_empty())
+            && !same.iter().any(|t| o.compatible(t))
         {
             return true;
         }
     }
-    for t in theirs_def {
-        if (t.matching == Match::Exact || has_kind(ours_def, &t.kind))
-            && !ours_any.iter().any(|o| o.compatible(t))
+    for t in theirs.def {
+        let same = ours.any.get(&t.kind);
+        *work += 1 + same.len() as u64;
+        if (t.matching == Match::Exact || !ours.def_kinds.get(&t.kind).is_empty())
+            && !same.iter().any(|o| o.compatible(t))
         {
             return true;
         }
@@ -362,8 +397,11 @@ fn dead(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Limits {
-    /// Most search steps (a step: one node of either tree taken into a partial choice).
+    /// Most search steps (a step: one choice of either tree taken into a partial choice).
     pub steps: u64,
+    /// Most work: capabilities compared and collected, over the whole search. It bounds the
+    /// time of one decision whatever the trees.
+    pub work: u64,
     /// Most mismatches reported when nothing is compatible.
     pub max_reported: usize,
 }
@@ -372,6 +410,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             steps: 200_000,
+            work: 20_000_000,
             max_reported: 16,
         }
     }
@@ -381,6 +420,12 @@ impl Limits {
     /// Sets [`Limits::steps`].
     pub fn with_steps(mut self, steps: u64) -> Self {
         self.steps = steps;
+        self
+    }
+
+    /// Sets [`Limits::work`].
+    pub fn with_work(mut self, work: u64) -> Self {
+        self.work = work;
         self
     }
 
@@ -413,7 +458,7 @@ pub enum NoChoice {
     /// preference order (server option major), at most [`Limits::max_reported`]: the same
     /// list [`crate::negotiate::choose`] reports on the flattened options.
     Incompatible(Vec<Mismatch>),
-    /// The search took [`Limits::steps`] steps without an answer.
+    /// The search reached [`Limits::steps`] or [`Limits::work`] without an answer.
     TooComplex {
         /// The steps taken.
         steps: u64,
@@ -422,14 +467,19 @@ pub enum NoChoice {
 
 struct Search {
     steps: u64,
-    limit: u64,
+    work: u64,
+    limits: Limits,
 }
 
 impl Search {
     fn step(&mut self) -> Result<(), NoChoice> {
         self.steps += 1;
-        if self.steps > self.limit {
-            Err(NoChoice::TooComplex { steps: self.limit })
+        self.check()
+    }
+
+    fn check(&self) -> Result<(), NoChoice> {
+        if self.steps > self.limits.steps || self.work > self.limits.work {
+            Err(NoChoice::TooComplex { steps: self.steps })
         } else {
             Ok(())
         }
@@ -440,9 +490,8 @@ impl Search {
 struct Ctx<'a, 't> {
     /// Choosing the server's option (else the client's).
     server: bool,
-    /// The other side's capabilities present in every completion / in some.
-    other_def: &'a [&'t Capability],
-    other_any: &'a [&'t Capability],
+    /// The other side's capabilities.
+    other: Caps<'a, 't>,
 }
 
 /// What a search calls on each complete option that survived the pruning.
@@ -483,11 +532,14 @@ fn search_choice<'t, R>(
     // the other's definite ones against what this side may still get.
     let mut any = st.caps.clone();
     possible(work, &mut any);
+    s.work += any.len() as u64;
+    let ours = Caps::new(&st.caps, &any);
     let is_dead = if ctx.server {
-        dead(&st.caps, &any, ctx.other_def, ctx.other_any)
+        dead(&ours, &ctx.other, &mut s.work)
     } else {
-        dead(ctx.other_def, ctx.other_any, &st.caps, &any)
+        dead(&ctx.other, &ours, &mut s.work)
     };
+    s.check()?;
     if is_dead {
         return Ok(None);
     }
@@ -535,7 +587,8 @@ pub fn choose_tree(
 ) -> Result<TreeChoice, NoChoice> {
     let mut s = Search {
         steps: 0,
-        limit: limits.steps,
+        work: 0,
+        limits,
     };
     let mut client_any = Vec::new();
     possible(&[client], &mut client_any);
@@ -545,8 +598,7 @@ pub fn choose_tree(
     } else {
         let ctx = Ctx {
             server: true,
-            other_def: &client_def,
-            other_any: &client_any,
+            other: Caps::new(&client_def, &client_any),
         };
         search(
             &mut vec![server],
@@ -557,8 +609,7 @@ pub fn choose_tree(
                 // A complete server option: the client's options against it, exactly.
                 let ctx = Ctx {
                     server: false,
-                    other_def: &srv.caps,
-                    other_any: &srv.caps,
+                    other: Caps::new(&srv.caps, &srv.caps),
                 };
                 let found = search(
                     &mut vec![client],

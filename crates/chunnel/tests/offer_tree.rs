@@ -9,7 +9,7 @@
 //! * A stack of k two-way selects is described in space linear in k, and the search for the
 //!   only compatible option (the last of each select) takes steps linear in k (16, 64, 256).
 
-use chunnel::negotiate::{Capability, ChunnelInfo, Negotiate, StackOption, choose};
+use chunnel::negotiate::{Capability, ChunnelInfo, Negotiate, choose};
 use chunnel::offer_tree::{Limits, NoChoice, choose_tree};
 use chunnel::{Identity, OfferTree, Offers, Pick, select, stack};
 
@@ -207,12 +207,27 @@ fn many_selects_are_searched_in_linear_steps() {
 }
 
 #[test]
-fn a_search_past_its_step_limit_says_so() {
+fn a_search_past_its_limits_says_so() {
     let client = selects(20, false);
     let server = selects(20, true);
     assert_eq!(
         choose_tree(&server, &client, Limits::default().with_steps(10)),
-        Err(NoChoice::TooComplex { steps: 10 })
+        Err(NoChoice::TooComplex { steps: 11 })
     );
-    let _: &[StackOption] = &[];
+    assert!(matches!(
+        choose_tree(&server, &client, Limits::default().with_work(100)),
+        Err(NoChoice::TooComplex { .. })
+    ));
+    // The most choices a hello may carry (512 selects) are decided within the default limits
+    // (the work per step is linear in the trees) and the default 2 MiB stack of a thread (the
+    // search recurses once per choice on a path), in a debug build too.
+    let (client, server) = (selects(512, false), selects(512, true));
+    let t = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || choose_tree(&server, &client, Limits::default()))
+        .unwrap()
+        .join()
+        .unwrap()
+        .expect("within the limits");
+    assert_eq!(t.client_pick.branches(), vec![1u8; 512].as_slice());
 }
