@@ -484,8 +484,8 @@ fn zero_rtt_examples_share_their_middle_with_the_1rtt_ones() {
     let ex = examples();
     let get = |n: &str| ex.iter().find(|(k, _)| *k == n).unwrap().1.clone();
     let (h1, h0) = (get("hello-1rtt"), get("hello-0rtt"));
-    assert_eq!(h1.len(), 97);
-    assert_eq!(h0[11..97], h1[11..97]);
+    assert_eq!(h1.len(), 88);
+    assert_eq!(h0[11..88], h1[11..88]);
     let (a1, a0) = (get("accept-1rtt"), get("accept-0rtt"));
     assert_eq!(a1.len(), 90);
     assert_eq!(a0[11..], a1[11..]);
@@ -535,11 +535,14 @@ fn decoders_are_strict() {
         assert!(decode_control(&hello[..n]).is_err(), "prefix of {n} bytes");
     }
 
-    // A count the remaining bytes cannot hold is refused before anything is read: here the
-    // offer count says 0xffff options (4 bytes each at least) with 8 bytes left.
+    // A count the remaining bytes cannot hold is refused before anything is read: here a
+    // SEQ node says 0xffff layers (3 bytes each at least), then an OPTIONS node 0xffff
+    // options (4 bytes each at least), with 8 bytes left.
     let mut big = hello[..11].to_vec();
-    big.extend_from_slice(&[0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0]);
-    assert_eq!(decode_control(&big), Err(WireError("offer count")));
+    big.extend_from_slice(&[0x01, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(decode_control(&big), Err(WireError("layer count")));
+    big[11] = 0x03;
+    assert_eq!(decode_control(&big), Err(WireError("option count")));
 
     // Unknown flags.
     let mut flags = hello.to_vec();
@@ -549,29 +552,41 @@ fn decoders_are_strict() {
         Err(WireError("unknown hello flags"))
     );
 
-    // A pick branch other than 0 and 1 (the first offer's pick is [0] at offset 15).
-    let mut branch = hello.to_vec();
-    assert_eq!(&branch[13..16], &[0, 1, 0]);
-    branch[15] = 2;
+    // A pick branch other than 0 and 1 (the 0-RTT hello's pick is [1] at offsets 88–90).
+    let mut branch = hello_0rtt().encode().to_vec();
+    assert_eq!(&branch[88..91], &[0, 1, 1]);
+    branch[90] = 2;
     assert_eq!(
         decode_control(&branch),
         Err(WireError("pick branch is neither 0 nor 1"))
     );
 
-    // The first capability's matching byte (offset 46: after the pick, the chunnel count,
-    // the id, the capability count and the kind).
+    // The first capability's matching byte (offset 41: after the SELECT and LEAF kinds, the
+    // id, the capability count and the kind).
     let mut matching = hello.to_vec();
-    assert_eq!(matching[46], 0);
-    matching[46] = 2;
+    assert_eq!(&matching[11..13], &[0x02, 0x00]);
+    assert_eq!(matching[41], 0);
+    matching[41] = 2;
     assert_eq!(
         decode_control(&matching),
         Err(WireError("capability matching is neither 0 nor 1"))
     );
 
-    // Invalid UTF-8 in a string.
+    // Invalid UTF-8 in a string (the first byte of the first Chunnel's id).
     let mut utf8 = hello.to_vec();
-    utf8[20] = 0xff;
+    assert_eq!(utf8[15], b's');
+    utf8[15] = 0xff;
     assert_eq!(decode_control(&utf8), Err(WireError("string is not UTF-8")));
+
+    // A tree node kind other than 0–3.
+    for kind in [0x04, 0x80, 0xff] {
+        let mut node = hello.to_vec();
+        node[11] = kind;
+        assert_eq!(
+            decode_control(&node),
+            Err(WireError("unknown tree node kind"))
+        );
+    }
 
     // Unknown and reserved tags, and the empty message.
     assert!(
@@ -586,21 +601,274 @@ fn decoders_are_strict() {
     }
     assert_eq!(decode_control(&[]), Err(WireError("empty message")));
 
-    // Unknown enumeration values in answers.
-    let mut accept = Accept::decode(&[1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+    // Unknown enumeration values in answers (bodies after the tag: version 2 first).
+    let mut accept = Accept::decode(&[2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
     assert!(accept.is_ok());
-    accept = Accept::decode(&[1, 0, 0, 0, 0, 0, 0, 0, 1, 3, 0, 0, 0, 0, 0, 0]);
+    accept = Accept::decode(&[2, 0, 0, 0, 0, 0, 0, 0, 1, 3, 0, 0, 0, 0, 0, 0]);
     assert_eq!(accept, Err(WireError("unknown zero_rtt value")));
     assert_eq!(
-        Reject::decode(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0]),
+        Reject::decode(&[2, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0]),
         Err(WireError("unknown reject reason"))
     );
     assert_eq!(
         Reject::decode(&[
-            1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0
+            2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0
         ]),
         Err(WireError("labels presence is neither 0 nor 1"))
     );
+}
+
+/// A hello (1-RTT, conn_id 1) carrying `tree` as its offers, encoded by hand after the
+/// fixed prefix: the encoder is not asked to make what the decoder must refuse.
+fn hello_with_tree_bytes(tree: &[u8]) -> Vec<u8> {
+    let mut b = vec![0x01, VERSION, 0x00, 0, 0, 0, 0, 0, 0, 0, 1];
+    b.extend_from_slice(tree);
+    b
+}
+
+/// A LEAF node with an empty id and no capabilities: the smallest node (5 bytes).
+const EMPTY_LEAF: [u8; 5] = [0x00, 0, 0, 0, 0];
+
+#[test]
+fn offer_tree_limits() {
+    use chunnel_negotiate::wire::{MAX_TREE_CHOICES, MAX_TREE_DEPTH, MAX_TREE_NODES};
+    assert_eq!(
+        (MAX_TREE_NODES, MAX_TREE_CHOICES, MAX_TREE_DEPTH),
+        (4096, 512, 64)
+    );
+    let too_many = Err(WireError("offer tree has too many nodes"));
+    let too_many_choices = Err(WireError("offer tree has too many choices"));
+    let too_deep = Err(WireError("offer tree is nested too deep"));
+
+    // Nodes: a SEQ of n leaves is 1 + n nodes.
+    let seq = |n: usize| {
+        let mut t = vec![0x01];
+        t.extend_from_slice(&(n as u16).to_be_bytes());
+        for _ in 0..n {
+            t.extend_from_slice(&EMPTY_LEAF);
+        }
+        hello_with_tree_bytes(&t)
+    };
+    match decode_control(&seq(MAX_TREE_NODES - 1)) {
+        Ok(Control::Hello(h)) => assert_eq!(h.offers.nodes(), MAX_TREE_NODES),
+        r => panic!("4,096 nodes decode: {r:?}"),
+    }
+    assert_eq!(decode_control(&seq(MAX_TREE_NODES)), too_many);
+
+    // Each listed option of an OPTIONS node counts as a node.
+    let options = |n: usize| {
+        let mut t = vec![0x03];
+        t.extend_from_slice(&(n as u16).to_be_bytes());
+        for _ in 0..n {
+            t.extend_from_slice(&[0, 0, 0, 0]); // empty pick, no Chunnels
+        }
+        hello_with_tree_bytes(&t)
+    };
+    assert!(decode_control(&options(MAX_TREE_NODES - 1)).is_ok());
+    assert_eq!(decode_control(&options(MAX_TREE_NODES)), too_many);
+
+    // The limits hold for the server too: a malformed reject, conn_id echoed.
+    let server = Server::new(server_tree().offer_tree());
+    let (reject, _) = expect_reject(server.handle_hello(&seq(MAX_TREE_NODES)));
+    assert_eq!(
+        (reject.reason, reject.conn_id, reject.message.as_str()),
+        (
+            RejectReason::Malformed,
+            1,
+            "malformed negotiation message: offer tree has too many nodes"
+        )
+    );
+
+    // Choices: SELECT and OPTIONS nodes, at most 512. A SEQ of n selects of two leaves.
+    let choices = |n: usize, kind: u8| {
+        let mut t = vec![0x01];
+        t.extend_from_slice(&(n as u16).to_be_bytes());
+        for _ in 0..n {
+            match kind {
+                0x02 => {
+                    t.push(0x02);
+                    t.extend_from_slice(&EMPTY_LEAF);
+                    t.extend_from_slice(&EMPTY_LEAF);
+                }
+                _ => t.extend_from_slice(&[0x03, 0, 0]), // OPTIONS with no option
+            }
+        }
+        hello_with_tree_bytes(&t)
+    };
+    for kind in [0x02, 0x03] {
+        assert!(decode_control(&choices(MAX_TREE_CHOICES, kind)).is_ok());
+        assert_eq!(
+            decode_control(&choices(MAX_TREE_CHOICES + 1, kind)),
+            too_many_choices
+        );
+    }
+    // The example client's select, 513 times: within the node limit (1,540 nodes) and the
+    // message limit (39,515 bytes), refused for its choices.
+    let hello = Hello {
+        offers: stacked_selects(MAX_TREE_CHOICES + 1),
+        ..hello_1rtt()
+    };
+    assert_eq!(hello.offers.nodes(), 1 + 3 * 513);
+    assert_eq!(hello.encode().len(), 39_515);
+    let (reject, _) = expect_reject(server.handle_hello(&hello.encode()));
+    assert_eq!(
+        reject.message,
+        "malformed negotiation message: offer tree has too many choices"
+    );
+
+    // Depth: the root is at depth 0; a node at depth 64 (65 levels) is refused.
+    let nested = |levels: usize| {
+        let mut t = Vec::new();
+        for _ in 0..levels - 1 {
+            t.extend_from_slice(&[0x01, 0x00, 0x01]); // SEQ of one part
+        }
+        t.extend_from_slice(&EMPTY_LEAF);
+        hello_with_tree_bytes(&t)
+    };
+    assert!(decode_control(&nested(MAX_TREE_DEPTH)).is_ok());
+    assert_eq!(decode_control(&nested(MAX_TREE_DEPTH + 1)), too_deep);
+    let (reject, _) = expect_reject(server.handle_hello(&nested(MAX_TREE_DEPTH + 1)));
+    assert_eq!(reject.reason, RejectReason::Malformed);
+
+    // SELECT nests too: 64 selects in a chain put their last leaves at depth 64.
+    let selects = |n: usize| {
+        let mut t = Vec::new();
+        for _ in 0..n {
+            t.push(0x02);
+            t.extend_from_slice(&EMPTY_LEAF); // the left branch: a leaf
+        }
+        t.extend_from_slice(&EMPTY_LEAF); // the last right branch
+        hello_with_tree_bytes(&t)
+    };
+    assert!(decode_control(&selects(MAX_TREE_DEPTH - 1)).is_ok());
+    assert_eq!(decode_control(&selects(MAX_TREE_DEPTH)), too_deep);
+
+    // An unknown node kind, nested.
+    let mut t = vec![0x02];
+    t.extend_from_slice(&EMPTY_LEAF);
+    t.extend_from_slice(&[0x04, 0, 0]);
+    assert_eq!(
+        decode_control(&hello_with_tree_bytes(&t)),
+        Err(WireError("unknown tree node kind"))
+    );
+    // A truncated node: a SELECT with one branch.
+    let mut t = vec![0x02];
+    t.extend_from_slice(&EMPTY_LEAF);
+    assert!(decode_control(&hello_with_tree_bytes(&t)).is_err());
+}
+
+/// `k` copies of the example client's select, stacked: `stack![select(Bincode, Json), ...]`.
+fn stacked_selects(k: usize) -> OfferTree {
+    OfferTree::Seq(vec![client_tree().offer_tree(); k])
+}
+
+#[test]
+fn hellos_grow_linearly_with_the_stack() {
+    // A stack's tree is what `stack!` builds: a SEQ of its layers.
+    let two = stack![client_tree(), client_tree()].offer_tree();
+    assert_eq!(two, stacked_selects(2));
+    for k in [1usize, 16, 64, 512] {
+        let tree = stacked_selects(k);
+        assert_eq!(tree.nodes(), 1 + 3 * k);
+        // 2^k options (the count saturates at u128::MAX).
+        let options = if k < 128 { 1u128 << k } else { u128::MAX };
+        assert_eq!(tree.count(), options);
+        let hello = Hello {
+            offers: tree,
+            ..hello_1rtt()
+        };
+        let bytes = hello.encode();
+        // 11 bytes of prefix, 3 of SEQ header, 77 per select: SELECT (1), LEAF (1) +
+        // ser/bincode/1 (40), LEAF (1) + ser/json/1 (34).
+        assert_eq!(bytes.len(), 14 + 77 * k, "{k} selects");
+        assert_eq!(decode_control(&bytes), Ok(Control::Hello(hello)));
+    }
+    // The doc's figures: 16 and 64 selects, and 512 (the choice limit: the largest hello of
+    // this shape).
+    assert_eq!(14 + 77 * 512, 39_438);
+    assert_eq!(
+        Hello {
+            offers: stacked_selects(16),
+            ..hello_1rtt()
+        }
+        .encode()
+        .len(),
+        1_246
+    );
+    assert_eq!(
+        Hello {
+            offers: stacked_selects(64),
+            ..hello_1rtt()
+        }
+        .encode()
+        .len(),
+        4_942
+    );
+
+    // The server decides on 64 selects (2^64 client options) at once: a server whose stack
+    // is 64 Json layers takes the fallback of every select.
+    let json = OfferTree::Seq(vec![Json.offer_tree(); 64]);
+    let server = Server::new(json);
+    let hello = Hello {
+        offers: stacked_selects(64),
+        ..hello_1rtt()
+    };
+    let (accept, _, _, _) = expect_accept(server.handle_hello(&hello.encode()));
+    assert_eq!(accept.client_pick, pick(&[1; 64]));
+}
+
+#[test]
+fn a_search_past_the_step_limit_is_refused_as_incompatible() {
+    use chunnel::offer_tree::Limits;
+    assert_eq!(Limits::default().steps, 200_000);
+    assert_eq!(Limits::default().max_reported, 16);
+    let server =
+        Server::new(server_tree().offer_tree()).with_limits(Limits::default().with_steps(1));
+    let (reject, _) = expect_reject(server.handle_hello(&hello_1rtt().encode()));
+    assert_eq!(
+        (
+            reject.version,
+            reject.conn_id,
+            reject.reason,
+            reject.mismatches.len()
+        ),
+        (VERSION, HELLO_1RTT_ID, RejectReason::Incompatible, 0)
+    );
+    let m = &reject.message;
+    assert!(
+        m.starts_with("the server gave up its search for a compatible stack after ")
+            && m.ends_with(" steps (its limit): offer fewer or more distinct options"),
+        "{m}"
+    );
+    // The same hello with the default limits is accepted (§12.2).
+    let server = Server::new(server_tree().offer_tree());
+    expect_accept(server.handle_hello(&hello_1rtt().encode()));
+}
+
+#[test]
+fn a_dictated_hello_carries_one_listed_option() {
+    let server = Server::new(server_tree().offer_tree());
+    let registry = |offers: OfferTree| Hello {
+        offers,
+        dictated: true,
+        ..hello_1rtt()
+    };
+    let json = StackOption {
+        chunnels: vec![info("ser/json/1", Capability::exact("serialize", ["json"]))],
+        pick: Pick::default(),
+    };
+    let (accept, si, _, _) =
+        expect_accept(server.handle_hello(&registry(vec![json.clone()].into()).encode()));
+    assert_eq!((accept.client_pick, si), (Pick::default(), 0));
+    // Not an OPTIONS node with exactly one option: malformed.
+    for offers in [
+        client_tree().offer_tree(),
+        Json.offer_tree(),
+        OfferTree::Options(vec![json.clone(), json]),
+    ] {
+        let (reject, _) = expect_reject(server.handle_hello(&registry(offers).encode()));
+        assert_eq!(reject.reason, RejectReason::Malformed);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -608,28 +876,71 @@ fn decoders_are_strict() {
 
 #[test]
 fn server_answers_other_versions_with_a_version_reject() {
+    assert_eq!(VERSION, 2);
     let server = Server::new(server_tree().offer_tree());
-    let mut v2 = hello_1rtt().encode().to_vec();
-    v2[1] = 2;
-    // Whatever follows the conn_id: a v1 server does not read it.
-    v2.truncate(11);
-    v2.push(0xee);
-    let (reject, response) = expect_reject(server.handle_hello(&v2));
-    assert_eq!(
-        reject,
-        Reject {
-            version: VERSION,
-            conn_id: HELLO_1RTT_ID,
-            reason: RejectReason::Version,
-            mismatches: Vec::new(),
-            message: "server speaks version 1, hello has 2".into(),
-        }
-    );
-    assert_eq!(response, reject.encode());
+    for v in [1u8, 0, 3, 0xff] {
+        let mut other = hello_1rtt().encode().to_vec();
+        other[1] = v;
+        // Whatever follows the conn_id: the server does not read it (a version-1 hello
+        // carries a flat list of offers there, which is no offer tree).
+        other.truncate(11);
+        other.push(0xee);
+        let (reject, response) = expect_reject(server.handle_hello(&other));
+        assert_eq!(
+            reject,
+            Reject {
+                version: VERSION,
+                conn_id: HELLO_1RTT_ID,
+                reason: RejectReason::Version,
+                mismatches: Vec::new(),
+                message: format!("server speaks version 2, hello has {v}"),
+            }
+        );
+        assert_eq!(response, reject.encode());
+        assert_eq!(response[1], 2, "the version reject is encoded in version 2");
+    }
 
     // Too short to hold a conn_id: 0.
-    let (reject, _) = expect_reject(server.handle_hello(&[0x01, 0x02, 0x00]));
+    let (reject, _) = expect_reject(server.handle_hello(&[0x01, 0x01, 0x00]));
     assert_eq!((reject.reason, reject.conn_id), (RejectReason::Version, 0));
+
+    // A client handed a reject of another version (what a version-1 server answers a
+    // version-2 hello) ends its handshake with a version error, whatever the reject says.
+    let t0 = Instant::now();
+    let mut hs =
+        ClientHandshake::new(client_tree().offer_tree(), None, 5, Timing::default(), t0).unwrap();
+    assert!(hs.poll_transmit(t0).is_some());
+    let v1 = Reject {
+        version: 1,
+        conn_id: 5,
+        reason: RejectReason::Version,
+        mismatches: Vec::new(),
+        message: "server speaks version 1, hello has 2".into(),
+    }
+    .encode();
+    assert_eq!(&v1[..2], &[0x03, 0x01]);
+    hs.handle_message(v1);
+    assert!(matches!(
+        hs.poll_outcome(),
+        Some(Err(chunnel_negotiate::Error::Version {
+            ours: 2,
+            theirs: 1
+        }))
+    ));
+    // An accept of another version is ignored.
+    let mut hs =
+        ClientHandshake::new(client_tree().offer_tree(), None, 5, Timing::default(), t0).unwrap();
+    assert!(hs.poll_transmit(t0).is_some());
+    let ours = Hello {
+        conn_id: 5,
+        ..hello_1rtt()
+    };
+    let mut accept = expect_accept(server.handle_hello(&ours.encode()))
+        .3
+        .to_vec();
+    accept[1] = 1;
+    hs.handle_message(Bytes::from(accept));
+    assert!(hs.poll_outcome().is_none());
 
     // Unknown flags: malformed, with the conn_id echoed.
     let mut flags = hello_1rtt().encode().to_vec();
