@@ -371,7 +371,7 @@ impl Server {
                 Vec::new(),
                 format!(
                     "the server gave up its search for a compatible stack after {steps} steps \
-                     (its limit): offer fewer or more distinct options"
+                     (at its step or work limit): offer fewer or more distinct options"
                 ),
             ),
         }
@@ -598,6 +598,8 @@ impl ClientHandshake {
 
     fn from_hello(hello: Hello, timing: Timing, now: Instant) -> Result<Self, Error> {
         let (encoded, split) = hello.encode_split();
+        // A tree past the decoder's limits (docs/wire.md §6.6) would only be refused.
+        Hello::split(&encoded[1..]).map_err(Error::Wire)?;
         let zero_rtt = hello.zero_rtt.map(|p| (p, split));
         Self::from_encoded(
             encoded,

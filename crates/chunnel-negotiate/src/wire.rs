@@ -18,13 +18,16 @@ use chunnel::{Capability, OfferTree, Pick, StackOption};
 /// The protocol version this implementation speaks.
 pub const VERSION: u8 = 2;
 
-/// Most nodes in a hello's offer tree (a decoder refuses more): a stack of 1,000 two-way
-/// selects of single Chunnels fits. It bounds the decoder's and the search's work and
-/// recursion (the search recurses once per select on a path).
+/// Most nodes in a hello's offer tree (a decoder refuses more). With [`MAX_TREE_CHOICES`] it
+/// bounds the decoder's and the search's work.
 pub const MAX_TREE_NODES: usize = 4096;
 
 /// Deepest nesting of a hello's offer tree (selects within selects within layers).
 pub const MAX_TREE_DEPTH: usize = 64;
+
+/// The version of a stack record (docs/wire.md §15.1): its layout has not changed since the
+/// first wire version, so records kept in a group's store stay readable.
+pub const STACK_RECORD_VERSION: u8 = 1;
 
 /// Most choices (selects and explicit option lists) in a hello's offer tree. The server's
 /// search recurses once per choice on a path; 512 of them fit a 2 MiB thread stack with room
@@ -313,11 +316,11 @@ fn put_chunnel(b: &mut BytesMut, c: &ChunnelInfo) {
     }
 }
 
-/// An offer tree, pre-order (docs/wire.md §5.1). Lists longer than a `u16` count are cut;
-/// trees deeper than [`MAX_TREE_DEPTH`] are cut to an empty list of options there, so the
-/// encoder never makes what the decoder refuses for depth.
+/// An offer tree, pre-order (docs/wire.md §6.6). Lists longer than a `u16` count are cut;
+/// a layer or select whose parts would lie [`MAX_TREE_DEPTH`] deep is cut to an empty list
+/// of options, so the encoder never makes what the decoder refuses for depth.
 fn put_tree(b: &mut BytesMut, t: &OfferTree, depth: usize) {
-    if depth >= MAX_TREE_DEPTH {
+    if depth + 1 >= MAX_TREE_DEPTH && matches!(t, OfferTree::Seq(_) | OfferTree::Select(..)) {
         b.put_u8(NODE_OPTIONS);
         b.put_u16(0);
         return;
@@ -1113,7 +1116,7 @@ pub fn encode_control(c: &Control) -> Bytes {
 /// stores this in a key-value store (docs/wire.md §15).
 pub fn encode_stack(chunnels: &[ChunnelInfo]) -> Bytes {
     let mut b = BytesMut::with_capacity(64);
-    b.put_u8(VERSION);
+    b.put_u8(STACK_RECORD_VERSION);
     put_chunnels(&mut b, chunnels);
     b.freeze()
 }
@@ -1121,7 +1124,9 @@ pub fn encode_stack(chunnels: &[ChunnelInfo]) -> Bytes {
 /// Decodes a record written by [`encode_stack`]. Never panics; trailing bytes are an error.
 pub fn decode_stack(record: &[u8]) -> Result<Vec<ChunnelInfo>, WireError> {
     let mut r = Reader { buf: record };
-    version(&mut r)?;
+    if r.u8("version")? != STACK_RECORD_VERSION {
+        return Err(WireError("unsupported stack record version"));
+    }
     let list = r.chunnels()?;
     r.finish()?;
     Ok(list)

@@ -253,3 +253,23 @@ fn a_hello_grows_linearly_not_with_the_product() {
     }
     assert!(hello_len(8) < 1_000, "8 selects in {} B", hello_len(8));
 }
+
+/// A client refuses, before sending, a tree past the limits every decoder enforces (513
+/// choices); 512 are sent.
+#[test]
+fn a_client_refuses_a_tree_past_the_decoders_limits() {
+    use chunnel_negotiate::proto::ClientHandshake;
+    let now = std::time::Instant::now();
+    let hs = |k: usize| {
+        ClientHandshake::new(
+            Selects::offering(k).offer_tree(),
+            None,
+            1,
+            Timing::default(),
+            now,
+        )
+    };
+    assert!(hs(512).is_ok());
+    let err = hs(513).expect_err("513 choices");
+    assert!(err.to_string().contains("too many choices"), "{err}");
+}

@@ -837,7 +837,9 @@ fn a_search_past_the_step_limit_is_refused_as_incompatible() {
     let m = &reject.message;
     assert!(
         m.starts_with("the server gave up its search for a compatible stack after ")
-            && m.ends_with(" steps (its limit): offer fewer or more distinct options"),
+            && m.ends_with(
+                " steps (at its step or work limit): offer fewer or more distinct options"
+            ),
         "{m}"
     );
     // The same hello with the default limits is accepted (§12.2).
