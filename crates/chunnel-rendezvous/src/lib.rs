@@ -100,7 +100,10 @@
 //! }
 //!
 //! /// Nothing to hand over on a switch: the key is the whole state.
-//! impl<C: ChunnelConnection<Data = Bytes>> Handover for XorConn<C> {}
+//! impl<C: ChunnelConnection<Data = Bytes>> Handover for XorConn<C> {
+//!     fn export(&self, _: &mut chunnel::Handoff<Bytes>) {}
+//!     fn import(&self, _: &mut chunnel::Handoff<Bytes>) {}
+//! }
 //!
 //! # fn main() -> Result<(), chunnel_rendezvous::Error> {
 //! # let dir = std::env::temp_dir().join(format!("chunnel-rdv-doc-{}", std::process::id()));
