@@ -90,6 +90,7 @@ mod boxed;
 mod chunnel;
 mod connection;
 mod error;
+mod layer;
 pub mod negotiate;
 mod noop;
 pub mod offer_tree;
@@ -102,6 +103,7 @@ pub use crate::boxed::{BoxChunnel, BoxConnection};
 pub use crate::chunnel::{Chunnel, ChunnelExt, Listener, Serve};
 pub use crate::connection::{ChunnelConnection, ConnectionExt, PeerHandoff, SendHeader};
 pub use crate::error::{BoxError, Error};
+pub use crate::layer::{Layer, LayerConnection, LayerState, Layered, OnSend};
 pub use crate::negotiate::{
     Capability, ChunnelInfo, End, Match, Mismatch, Negotiate, Offers, Pick, StackOption,
 };
