@@ -91,6 +91,8 @@ impl Chunnel<()> for Connect {
 
 /// A UDP server socket; see [`datagram`] for how peers are demultiplexed.
 pub type Listener = datagram::Listener<UdpSocket>;
+/// Reads a UDP [`Listener`]'s peer count from elsewhere ([`Listener::peer_counter`]).
+pub type PeerCounter = datagram::PeerCounter<UdpSocket>;
 
 impl Listener {
     /// Binds `addr` with the default [`Config`].

@@ -277,6 +277,11 @@ impl chunnel::PeerHandoff for Connection {
     fn hand_off(&self, _first: Bytes) -> bool {
         false
     }
+
+    /// As [`Connection::close`].
+    fn release(&self) {
+        self.close();
+    }
 }
 
 impl SendHeader for Connection {
@@ -604,6 +609,11 @@ impl chunnel::PeerHandoff for ServerConnection {
         drop(g);
         self.peer.notify.notify_waiters();
         admitted
+    }
+
+    /// As [`ServerConnection::close`]: the peer leaves the listener's table now.
+    fn release(&self) {
+        self.close();
     }
 }
 
