@@ -1,7 +1,8 @@
 //! [`Tagged`]: the connection a negotiated stack is built on. It puts the `DATA` tag in
 //! front of every message (without copying it, through [`SendHeader`]), strips it on
 //! receive, and handles the control messages that can still arrive after the handshake (a
-//! retransmitted hello is answered with the cached accept; a duplicate accept is ignored).
+//! retransmitted hello is answered with the cached accept; a duplicate accept is ignored; a
+//! CLOSE with this connection's id ends it, docs/wire.md §7.6).
 //!
 //! A server connection may *hold* its accept (an accepted 0-RTT answer): the first message
 //! the application sends then carries it (`ACCEPT_DATA`, one datagram instead of two), and
