@@ -662,15 +662,14 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                         // is delivered, nothing after; the base is released at once (a
                         // listener frees this peer's state now). A CLOSE of another
                         // connection, or malformed, is ignored.
-                        Some(t) if t == Tag::Close as u8 => {
-                            if crate::proto::close_ends(&m, self.shared.conn_id) {
-                                if self.shared.end_by_peer() {
-                                    self.shared.inner.release();
-                                }
-                                closed = true;
-                            } else {
-                                self.shared.ignored.fetch_add(1, Ordering::Relaxed);
+                        Some(t)
+                            if t == Tag::Close as u8
+                                && crate::proto::close_ends(&m, self.shared.conn_id) =>
+                        {
+                            if self.shared.end_by_peer() {
+                                self.shared.inner.release();
                             }
+                            closed = true;
                         }
                         // Reconfiguration control: to the state machine, if enabled.
                         Some(t) if (Tag::Prepare as u8..=Tag::Done as u8).contains(&t) => {
