@@ -75,12 +75,22 @@ pub struct Info {
 }
 
 /// A negotiated connection: the picked stack's connection plus what was decided.
+///
+/// [`Negotiated::close`] ends it and tells the peer (a CLOSE, docs/wire.md §7.6). Dropping a
+/// client's connection without closing it sends the CLOSE on a best-effort basis: one
+/// datagram, sent at once if the socket takes it without waiting, otherwise from a task
+/// spawned on the current tokio runtime (none if the drop happens outside a runtime); it is
+/// never retransmitted, so a lost CLOSE leaves the server to find the connection idle.
+/// Dropping a server's connection frees its state on the listener and tells the client
+/// nothing.
 #[derive(Debug)]
 pub struct Negotiated<C> {
     conn: C,
     /// Shared with the other connections that got the same decision (see [`InfoCache`]).
     info: Arc<Info>,
     control: Control,
+    /// Dropped after `conn` (fields drop in order): the CLOSE leaves once the stack is gone.
+    on_drop: CloseOnDrop,
 }
 
 /// The in-band control channel of a negotiated connection (its [`Tagged`] base), type
@@ -115,6 +125,26 @@ pub(crate) trait ControlPlane: Send + Sync {
         proposed: &mut dyn FnMut(),
     ) -> Option<Result<(), crate::commit::ProposeError>>;
     fn send(&self, m: Bytes) -> SendFuture<'_>;
+    /// The connection's id (see [`Negotiated::conn_id`]).
+    fn conn_id(&self) -> u64;
+    /// Closes the connection (see [`Negotiated::close`]).
+    fn close(&self) -> SendFuture<'_>;
+    /// A client connection's best-effort CLOSE when it is dropped (see [`Negotiated`]); no
+    /// wait. Nothing on the server side or when the connection is already over.
+    fn close_on_drop(self: Arc<Self>);
+}
+
+/// Sends the connection's best-effort CLOSE when the [`Negotiated`] holding it is dropped
+/// (unless [`Negotiated::into_parts`] took the connection out).
+#[derive(Debug)]
+struct CloseOnDrop(Option<Control>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.0.close_on_drop();
+        }
+    }
 }
 
 fn control<C: SendHeader + PeerHandoff + 'static>(t: &Tagged<C>) -> Control {
@@ -122,8 +152,34 @@ fn control<C: SendHeader + PeerHandoff + 'static>(t: &Tagged<C>) -> Control {
 }
 
 impl<C> Negotiated<C> {
+    fn new(conn: C, info: Arc<Info>, control: Control) -> Self {
+        Negotiated {
+            conn,
+            info,
+            on_drop: CloseOnDrop(Some(control.clone())),
+            control,
+        }
+    }
+
     pub(crate) fn control(&self) -> &Control {
         &self.control
+    }
+
+    /// Ends the connection and tells the peer: sends one CLOSE (docs/wire.md §7.6) carrying
+    /// the connection's id, unless the peer ended the connection first, and releases the base
+    /// connection (on a server, the listener frees this peer's state at once). The peer's
+    /// receive then ends with [`chunnel::Error::PeerClosed`] after what was sent before.
+    /// Later calls on this connection fail with [`chunnel::Error::Closed`]; closing again does
+    /// nothing. The CLOSE is sent once and not acknowledged: if it is lost, the peer finds out
+    /// as it would without it (a server by its idle timeout).
+    pub async fn close(&self) -> Result<(), Error> {
+        self.control.0.close().await.map_err(Error::Chunnel)
+    }
+
+    /// The connection's id: the one the client's hello carried and the server's accept
+    /// echoed (docs/wire.md §8.1). A CLOSE must carry it.
+    pub fn conn_id(&self) -> u64 {
+        self.control.0.conn_id()
     }
 
     /// What negotiation decided.
@@ -137,8 +193,16 @@ impl<C> Negotiated<C> {
     }
 
     /// Splits into the stack's connection and the decision.
+    /// The connection taken out is no longer closed when dropped (see [`Negotiated`]).
     pub fn into_parts(self) -> (C, Info) {
-        (self.conn, Arc::unwrap_or_clone(self.info))
+        let Negotiated {
+            conn,
+            info,
+            mut on_drop,
+            ..
+        } = self;
+        on_drop.0 = None;
+        (conn, Arc::unwrap_or_clone(info))
     }
 }
 
@@ -422,16 +486,16 @@ impl Client {
         }
         let out = drive(&base, &mut hs, &self.ticker, started).await?;
         apply_known(&mut stack, &out.accept.client_pick)?;
-        let tagged = Tagged::client(base);
+        let tagged = Tagged::client(base, out.accept.conn_id);
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);
         let conn = stack.connect_wrap(tagged).await?;
         self.remember(server, &out.accept.client_pick, out.known, None);
-        Ok(Negotiated {
+        Ok(Negotiated::new(
             conn,
-            info: self.infos.get(out.accept, out.hellos_sent),
+            self.infos.get(out.accept, out.hellos_sent),
             control,
-        })
+        ))
     }
 
     /// 0-RTT: if a pick for `server` is remembered, builds that stack at once, sends `early`
@@ -496,7 +560,8 @@ impl Client {
             })
             .await;
         };
-        let tagged = Tagged::client(base);
+        let conn_id = new_conn_id();
+        let tagged = Tagged::client(base, conn_id);
         tagged.start_capture();
         let conn = first.connect_wrap(tagged.clone()).await?;
         // Kept for a rejection (sent again on the stack the server picks): a lone message is
@@ -507,7 +572,7 @@ impl Client {
         };
         let captured = tagged.take_capture();
         sent?;
-        let (conn_id, started) = (new_conn_id(), Instant::now());
+        let started = Instant::now();
         let now = started.into_std();
         let mut hs = match (&template, offers) {
             (Some(t), _) => {
@@ -538,11 +603,11 @@ impl Client {
             ZeroRtt::Accepted if out.accept.client_pick != pick => Err(Error::Wire(
                 crate::wire::WireError("0-RTT accepted for a pick other than the one we sent"),
             )),
-            ZeroRtt::Accepted => Ok(Negotiated {
+            ZeroRtt::Accepted => Ok(Negotiated::new(
                 conn,
-                info: self.infos.get(out.accept, hellos),
-                control: control(&tagged),
-            }),
+                self.infos.get(out.accept, hellos),
+                control(&tagged),
+            )),
             _ => {
                 // Rejected: the server discarded the early data. Build the stack it picked
                 // and send the messages again, once.
@@ -556,11 +621,11 @@ impl Client {
                     Ok::<_, Error>(conn)
                 })
                 .await?;
-                Ok(Negotiated {
+                Ok(Negotiated::new(
                     conn,
-                    info: self.infos.get(out.accept, hellos),
+                    self.infos.get(out.accept, hellos),
                     control,
-                })
+                ))
             }
         }
     }
@@ -898,11 +963,7 @@ where
             tagged.push_pending(early);
             let control = control(&tagged);
             let conn = stack.connect_wrap(tagged).await?;
-            Ok(Negotiated {
-                conn,
-                info: infos.get(accept, 0),
-                control,
-            })
+            Ok(Negotiated::new(conn, infos.get(accept, 0), control))
         }
         Decision::Reject { reject, response } => {
             // Best effort: the client retransmits if this is lost and gets the same answer.
@@ -1049,7 +1110,7 @@ impl Client {
             started.into_std(),
         )?;
         let out = drive(&base, &mut hs, &self.ticker, started).await?;
-        let tagged = Tagged::client(base);
+        let tagged = Tagged::client(base, out.accept.conn_id);
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);
         let mut conn = chunnel::BoxConnection::new(tagged);
@@ -1062,11 +1123,11 @@ impl Client {
         {
             conn = registry.build(info)?.connect_wrap(conn).await?;
         }
-        Ok(Negotiated {
+        Ok(Negotiated::new(
             conn,
-            info: self.infos.get(out.accept, out.hellos_sent),
+            self.infos.get(out.accept, out.hellos_sent),
             control,
-        })
+        ))
     }
 }
 

@@ -460,6 +460,28 @@ impl Server {
     }
 }
 
+/// The CLOSE an established connection with `conn_id` sends to end itself (docs/wire.md
+/// §7.6).
+pub fn close_message(conn_id: u64) -> Bytes {
+    crate::wire::Close {
+        version: VERSION,
+        conn_id,
+    }
+    .encode()
+}
+
+/// Whether `msg` (tag included), received on an established connection with `conn_id`, ends
+/// it (docs/wire.md §9.3, §9.5): a well-formed CLOSE of this version carrying that
+/// `conn_id`. Anything else with the CLOSE tag (malformed, another version, another
+/// `conn_id`: a stale or forged CLOSE) is ignored, and the connection goes on. Never panics.
+pub fn close_ends(msg: &[u8], conn_id: u64) -> bool {
+    matches!(
+        msg.split_first(),
+        Some((&t, body)) if t == crate::wire::Tag::Close as u8
+            && crate::wire::Close::decode(body).is_ok_and(|c| c.conn_id == conn_id)
+    )
+}
+
 /// Whether a Chunnel needs a peer implementation (it has an exact-match capability).
 pub fn two_sided(c: &chunnel::ChunnelInfo) -> bool {
     c.capabilities
@@ -875,6 +897,27 @@ mod tests {
     use chunnel::{Capability, ChunnelInfo};
 
     use super::*;
+
+    #[test]
+    fn only_a_well_formed_close_with_the_connections_id_ends_it() {
+        let m = close_message(42);
+        assert_eq!(&m[..], &[0x05, VERSION, 0, 0, 0, 0, 0, 0, 0, 42]);
+        assert!(close_ends(&m, 42));
+        // Another connection's, another version, truncated, longer, another tag, empty.
+        assert!(!close_ends(&m, 43));
+        let mut v = m.to_vec();
+        v[1] = 1;
+        assert!(!close_ends(&v, 42));
+        for n in 0..m.len() {
+            assert!(!close_ends(&m[..n], 42), "prefix of {n} bytes");
+        }
+        let mut long = m.to_vec();
+        long.push(0);
+        assert!(!close_ends(&long, 42));
+        let mut other = m.to_vec();
+        other[0] = Tag::Data as u8;
+        assert!(!close_ends(&other, 42));
+    }
 
     #[test]
     fn patched_answers_are_copies_with_the_part_written() {

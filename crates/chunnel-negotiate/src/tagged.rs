@@ -1,7 +1,8 @@
 //! [`Tagged`]: the connection a negotiated stack is built on. It puts the `DATA` tag in
 //! front of every message (without copying it, through [`SendHeader`]), strips it on
 //! receive, and handles the control messages that can still arrive after the handshake (a
-//! retransmitted hello is answered with the cached accept; a duplicate accept is ignored).
+//! retransmitted hello is answered with the cached accept; a duplicate accept is ignored; a
+//! CLOSE with this connection's id ends it, docs/wire.md §7.6).
 //!
 //! A server connection may *hold* its accept (an accepted 0-RTT answer): the first message
 //! the application sends then carries it (`ACCEPT_DATA`, one datagram instead of two), and
@@ -27,6 +28,15 @@ const DATA: &[u8] = &[Tag::Data as u8];
 /// `Shared::mode` bits: anything set sends through the slow path.
 const CAPTURING: u8 = 1;
 const ACCEPT_HELD: u8 = 2;
+/// The connection is over (`Shared::ended` says how): sends fail.
+const ENDED: u8 = 4;
+
+/// `Shared::ended`: open.
+const OPEN: u8 = 0;
+/// `Shared::ended`: the peer ended it (a CLOSE, or a new client took its address over).
+const PEER_ENDED: u8 = 1;
+/// `Shared::ended`: this side closed it.
+const CLOSED: u8 = 2;
 
 /// The base connection of a negotiated stack; cheap to clone (shared).
 ///
@@ -55,7 +65,7 @@ struct Shared<C> {
     /// Server side: the answer to the hello, re-sent to retransmissions.
     answer: Option<Answer>,
     reply_due: AtomicBool,
-    /// [`CAPTURING`] | [`ACCEPT_HELD`]: one load on the send path covers both.
+    /// [`CAPTURING`] | [`ACCEPT_HELD`] | [`ENDED`]: one load on the send path covers all.
     mode: AtomicU8,
     /// The largest message the base carries (an `ACCEPT_DATA` must fit).
     max_message: usize,
@@ -66,8 +76,11 @@ struct Shared<C> {
     /// stays false meanwhile.
     pending: Mutex<VecDeque<Bytes>>,
     ignored: AtomicU64,
-    /// A new client took over this peer address (server side); the connection is over.
-    superseded: AtomicBool,
+    /// The connection's id (the client's hello's): a CLOSE must carry it.
+    conn_id: u64,
+    /// [`OPEN`], [`PEER_ENDED`] (a CLOSE with this `conn_id` arrived, or, server side, a new
+    /// client took over this peer address) or [`CLOSED`] (this side closed it).
+    ended: AtomicU8,
     /// The next view id.
     views: AtomicU64,
     /// Views up to this id have ended at a peer's switch point (0: none).
@@ -147,7 +160,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<C> Tagged<C> {
-    fn with(inner: C, answer: Option<Answer>, max_message: usize) -> Self {
+    fn with(inner: C, conn_id: u64, answer: Option<Answer>, max_message: usize) -> Self {
         let held = answer.as_ref().is_some_and(|a| a.accept_at > 0);
         let mode = if held { ACCEPT_HELD } else { 0 };
         Tagged {
@@ -160,7 +173,8 @@ impl<C> Tagged<C> {
                 has_pending: AtomicBool::new(false),
                 pending: Mutex::new(VecDeque::new()),
                 ignored: AtomicU64::new(0),
-                superseded: AtomicBool::new(false),
+                conn_id,
+                ended: AtomicU8::new(OPEN),
                 views: AtomicU64::new(2),
                 ended_upto: AtomicU64::new(0),
                 ctl: OnceLock::new(),
@@ -169,15 +183,16 @@ impl<C> Tagged<C> {
         }
     }
 
-    /// A client's tagged connection.
-    pub(crate) fn client(inner: C) -> Self {
-        Self::with(inner, None, 0)
+    /// A client's tagged connection; `conn_id` is its hello's.
+    pub(crate) fn client(inner: C, conn_id: u64) -> Self {
+        Self::with(inner, conn_id, None, 0)
     }
 
     /// A server's tagged connection that answers hellos with `conn_id` by `response`;
     /// `max_message` bounds a coalesced accept and reply.
     pub(crate) fn server(inner: C, conn_id: u64, response: Bytes, max_message: usize) -> Self {
-        Self::with(inner, Some(Answer::new(conn_id, response, 0)), max_message)
+        let answer = Answer::new(conn_id, response, 0);
+        Self::with(inner, conn_id, Some(answer), max_message)
     }
 
     /// As [`Tagged::server`], holding the accept back to send it with the first reply:
@@ -191,7 +206,7 @@ impl<C> Tagged<C> {
     ) -> Self {
         debug_assert_eq!(header.first(), Some(&(Tag::AcceptData as u8)));
         let answer = Answer::new(conn_id, header, crate::wire::ACCEPT_DATA_PREFIX);
-        Self::with(inner, Some(answer), max_message)
+        Self::with(inner, conn_id, Some(answer), max_message)
     }
 
     /// A handle that does not keep the connection alive.
@@ -287,6 +302,35 @@ impl<C: SendHeader> WeakTagged<C> {
 }
 
 impl<C> Shared<C> {
+    /// The error every call of an ended connection fails with: [`Error::Closed`] once this
+    /// side closed it, [`Error::PeerClosed`] once the peer did; `None` while it is open.
+    fn ended_error(&self) -> Option<Error> {
+        match self.ended.load(Ordering::Acquire) {
+            OPEN => None,
+            PEER_ENDED => Some(Error::PeerClosed),
+            _ => Some(Error::Closed),
+        }
+    }
+
+    /// Marks the connection ended by the peer (unless it is already over). True if this
+    /// call ended it.
+    fn end_by_peer(&self) -> bool {
+        let ended = self
+            .ended
+            .compare_exchange(OPEN, PEER_ENDED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        self.mode.fetch_or(ENDED, Ordering::AcqRel);
+        ended
+    }
+
+    /// Marks the connection closed by this side. True if it was open until now (the peer
+    /// has not ended it): then the peer is to be told.
+    fn end_here(&self) -> bool {
+        let was = self.ended.swap(CLOSED, Ordering::AcqRel);
+        self.mode.fetch_or(ENDED, Ordering::AcqRel);
+        was == OPEN
+    }
+
     /// The held accept's `ACCEPT_DATA` header, taken from its hold (once).
     fn take_held(&self) -> Option<&[u8]> {
         if self.mode.load(Ordering::Acquire) & ACCEPT_HELD == 0
@@ -360,6 +404,9 @@ impl<C: SendHeader> Shared<C> {
         B: IntoIterator<Item = Bytes> + Send + 'a,
         B::IntoIter: Send,
     {
+        if let Some(e) = self.ended_error() {
+            return SlowSend::Sent(Err(e));
+        }
         let Some(burst) = self.capture(header, burst) else {
             return SlowSend::Captured;
         };
@@ -479,8 +526,8 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                 return Ok(0);
             }
             loop {
-                if self.shared.superseded.load(Ordering::Acquire) {
-                    return Err(Error::PeerClosed);
+                if let Some(e) = self.shared.ended_error() {
+                    return Err(e);
                 }
                 if self.view <= self.shared.ended_upto.load(Ordering::Acquire) {
                     return Err(Error::EndOfEpoch);
@@ -552,7 +599,13 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                 };
                 let mut kept = 0;
                 let mut cut = false;
+                let mut closed = false;
                 for i in 0..n.min(slots.len()) {
+                    if closed {
+                        // After the peer's CLOSE: nothing more is delivered.
+                        slots[i] = None;
+                        continue;
+                    }
                     if cut {
                         // After the peer's switch point: for the next view, in order.
                         // (`cut` is set only with reconfiguration enabled.)
@@ -598,12 +651,25 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                                     self.shared.reply_due.store(true, Ordering::Release);
                                 }
                                 (_, Ok(_)) if self.shared.inner.hand_off(m) => {
-                                    self.shared.superseded.store(true, Ordering::Release);
+                                    self.shared.end_by_peer();
                                 }
                                 _ => {
                                     self.shared.ignored.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
+                        }
+                        // The peer ends the connection (docs/wire.md §7.6): what came before
+                        // is delivered, nothing after; the base is released at once (a
+                        // listener frees this peer's state now). A CLOSE of another
+                        // connection, or malformed, is ignored.
+                        Some(t)
+                            if t == Tag::Close as u8
+                                && crate::proto::close_ends(&m, self.shared.conn_id) =>
+                        {
+                            if self.shared.end_by_peer() {
+                                self.shared.inner.release();
+                            }
+                            closed = true;
                         }
                         // Reconfiguration control: to the state machine, if enabled.
                         Some(t) if (Tag::Prepare as u8..=Tag::Done as u8).contains(&t) => {
@@ -637,6 +703,9 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                 }
                 if kept > 0 {
                     return Ok(kept);
+                }
+                if closed {
+                    return Err(self.shared.ended_error().unwrap_or(Error::PeerClosed));
                 }
             }
         }
@@ -692,6 +761,41 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
 
     fn send(&self, m: Bytes) -> SendFuture<'_> {
         Box::pin(self.inner.send_with_header(&[], [m]))
+    }
+
+    fn conn_id(&self) -> u64 {
+        self.conn_id
+    }
+
+    fn close(&self) -> SendFuture<'_> {
+        Box::pin(async move {
+            let r = if self.end_here() {
+                let m = crate::proto::close_message(self.conn_id);
+                self.inner.send_with_header(&[], [m]).await
+            } else {
+                Ok(())
+            };
+            self.inner.release();
+            r
+        })
+    }
+
+    fn close_on_drop(self: Arc<Self>) {
+        // Client side only: a server's dropped connection leaves the listener by itself.
+        if self.answer.is_some() || !self.end_here() {
+            return;
+        }
+        let m = crate::proto::close_message(self.conn_id);
+        // Best effort: one datagram, now if the socket takes it, else from a task of the
+        // current runtime (if there is one); never retransmitted.
+        if self.inner.try_send_with_header(&[], &m).is_some() {
+            self.inner.release();
+        } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = self.inner.send_with_header(&[], [m]).await;
+                self.inner.release();
+            });
+        }
     }
 }
 

@@ -3,9 +3,9 @@
 //!
 //! Every datagram (or stream frame) on a negotiated connection starts with a one-byte
 //! [`Tag`]. `DATA` messages carry the picked stack's bytes unchanged after the tag; the
-//! control messages ([`Hello`], [`Accept`], [`Reject`]) follow the layouts below. All
-//! integers are big-endian; strings are a `u16` byte length and UTF-8; lists are a `u16`
-//! count and their elements. Decoders return [`WireError`] on any input they cannot parse
+//! control messages ([`Hello`], [`Accept`], [`Reject`], [`Close`], those of
+//! reconfiguration) follow the layouts below. All integers are big-endian; strings are a
+//! `u16` byte length and UTF-8; lists are a `u16` count and their elements. Decoders return [`WireError`] on any input they cannot parse
 //! and never panic.
 
 use std::borrow::Cow;
@@ -53,6 +53,8 @@ pub enum Tag {
     Reject = 0x03,
     /// An accept and the server's first reply in one message (see [`split_accept_data`]).
     AcceptData = 0x04,
+    /// Either end ends an established connection (see [`Close`]).
+    Close = 0x05,
     /// Reconfiguration, phase 1: a proposed new stack (see [`Prepare`]).
     Prepare = 0x10,
     /// Reconfiguration: the peer's answer to a prepare (see [`Vote`]).
@@ -68,8 +70,8 @@ pub enum Tag {
 }
 
 impl Tag {
-    /// Parses a tag byte. `0x10..=0x14` are reconfiguration control; the rest of
-    /// `0x10..=0x1f` stays reserved for it.
+    /// Parses a tag byte. `0x00..=0x05` are data, negotiation and close; `0x10..=0x14` are
+    /// reconfiguration control; the rest of `0x10..=0x1f` stays reserved for it.
     pub fn from_u8(b: u8) -> Option<Tag> {
         match b {
             0x00 => Some(Tag::Data),
@@ -77,6 +79,7 @@ impl Tag {
             0x02 => Some(Tag::Accept),
             0x03 => Some(Tag::Reject),
             0x04 => Some(Tag::AcceptData),
+            0x05 => Some(Tag::Close),
             0x10 => Some(Tag::Prepare),
             0x11 => Some(Tag::Vote),
             0x12 => Some(Tag::Commit),
@@ -196,6 +199,19 @@ pub enum Control {
     Abort(Txn),
     /// The follower switched (see [`Tag::Done`]).
     Done(Txn),
+    /// See [`Close`].
+    Close(Close),
+}
+
+/// One end ends an established connection (docs/wire.md §7.6): the receiver ends the
+/// connection whose `conn_id` this is, after what arrived before it, and frees its state.
+/// Sent once, never answered nor retransmitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Close {
+    /// Protocol version of the sender.
+    pub version: u8,
+    /// The connection's `conn_id` (the client's hello's, which the accept echoed).
+    pub conn_id: u64,
 }
 
 /// Reconfiguration, phase 1: the initiator proposes to switch the connection to `option`
@@ -585,6 +601,26 @@ impl Txn {
         let txn = r.u64("txn")?;
         r.finish()?;
         Ok(Txn { version, txn })
+    }
+}
+
+impl Close {
+    /// Encodes the message, tag included (10 bytes).
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(10);
+        b.put_u8(Tag::Close as u8);
+        b.put_u8(self.version);
+        b.put_u64(self.conn_id);
+        b.freeze()
+    }
+
+    /// Decodes a close body (the bytes after the tag).
+    pub fn decode(body: &[u8]) -> Result<Close, WireError> {
+        let mut r = Reader { buf: body };
+        let version = version(&mut r)?;
+        let conn_id = r.u64("conn_id")?;
+        r.finish()?;
+        Ok(Close { version, conn_id })
     }
 }
 
@@ -1082,6 +1118,7 @@ pub fn decode_control(msg: &[u8]) -> Result<Control, WireError> {
         Some(Tag::Commit) => Txn::decode(body).map(Control::Commit),
         Some(Tag::Abort) => Txn::decode(body).map(Control::Abort),
         Some(Tag::Done) => Txn::decode(body).map(Control::Done),
+        Some(Tag::Close) => Close::decode(body).map(Control::Close),
         Some(Tag::Data) => Err(WireError("a data message is not a control message")),
         None => Err(WireError("unknown message tag")),
     }
@@ -1105,6 +1142,7 @@ pub fn encode_control(c: &Control) -> Bytes {
         Control::Commit(t) => t.encode(Tag::Commit),
         Control::Abort(t) => t.encode(Tag::Abort),
         Control::Done(t) => t.encode(Tag::Done),
+        Control::Close(c) => c.encode(),
     }
 }
 

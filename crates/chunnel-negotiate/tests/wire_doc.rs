@@ -19,7 +19,8 @@ use chunnel::{
 };
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
-    Accept, Control, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt, decode_control,
+    Accept, Close, Control, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt,
+    decode_control,
 };
 use chunnel_negotiate::{Config, listen};
 use chunnel_net::udp;
@@ -279,6 +280,11 @@ fn examples() -> Vec<(&'static str, Bytes)> {
         ("accept-0rtt", accept_0rtt),
         ("accept-data-0rtt", accept_data),
         ("data", Bytes::from(data)),
+        // The client of the 1-RTT example ends its connection.
+        (
+            "close",
+            chunnel_negotiate::proto::close_message(HELLO_1RTT_ID),
+        ),
     ]
 }
 
@@ -510,6 +516,13 @@ fn doc_examples_decode_back() {
         Control::AcceptData(a, d) if a.zero_rtt == ZeroRtt::Accepted && d == EARLY
     ));
     assert_eq!(
+        control("close"),
+        Control::Close(Close {
+            version: VERSION,
+            conn_id: HELLO_1RTT_ID
+        })
+    );
+    assert_eq!(
         decode_control(&found["data"].bytes),
         Err(WireError("a data message is not a control message"))
     );
@@ -593,7 +606,7 @@ fn decoders_are_strict() {
         decode_control(&[0x04, 1]).is_err(),
         "a truncated ACCEPT_DATA"
     );
-    for t in [0x05, 0x15, 0x1f, 0xff] {
+    for t in [0x06, 0x0f, 0x15, 0x1f, 0xff] {
         assert_eq!(
             decode_control(&[t, 1]),
             Err(WireError("unknown message tag"))

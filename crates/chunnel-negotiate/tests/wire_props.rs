@@ -15,9 +15,9 @@ use chunnel::negotiate::{ChunnelInfo, Match, Mismatch, check_compatible, choose}
 use chunnel::{Capability, OfferTree, Pick, StackOption};
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
-    ACCEPT_DATA_PREFIX, Accept, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag, Txn,
-    VERSION, Verdict, Vote, ZeroRtt, decode_control, decode_stack, encode_control, encode_stack,
-    split_accept_data,
+    ACCEPT_DATA_PREFIX, Accept, Close, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag,
+    Txn, VERSION, Verdict, Vote, ZeroRtt, decode_control, decode_stack, encode_control,
+    encode_stack, split_accept_data,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -252,6 +252,10 @@ fn control() -> impl Strategy<Value = Control> {
         txn().prop_map(Control::Commit),
         txn().prop_map(Control::Abort),
         txn().prop_map(Control::Done),
+        any::<u64>().prop_map(|conn_id| Control::Close(Close {
+            version: VERSION,
+            conn_id
+        })),
     ]
 }
 
@@ -260,7 +264,7 @@ fn control() -> impl Strategy<Value = Control> {
 fn noise() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![
         vec(any::<u8>(), 0..=256),
-        (0u8..=4, vec(any::<u8>(), 0..=256)).prop_map(|(tag, rest)| {
+        (0u8..=5, vec(any::<u8>(), 0..=256)).prop_map(|(tag, rest)| {
             let mut v = vec![tag, VERSION];
             v.extend(rest);
             v
@@ -727,6 +731,7 @@ proptest! {
                 Control::Prepare(_) => Prepare::decode(b).is_ok(),
                 Control::Vote(_) => Vote::decode(b).is_ok(),
                 Control::Commit(_) | Control::Abort(_) | Control::Done(_) => Txn::decode(b).is_ok(),
+                Control::Close(_) => Close::decode(b).is_ok(),
             };
             prop_assert!(!ok, "body prefix of {} bytes decoded", len);
         }
@@ -764,11 +769,24 @@ proptest! {
         let _ = Hello::peek_conn_id(&bytes);
         let _ = Accept::decode(&bytes);
         let _ = Reject::decode(&bytes);
+        let _ = Close::decode(&bytes);
+        let _ = chunnel_negotiate::proto::close_ends(&bytes, 7);
         if let Some((_, body)) = bytes.split_first() {
             let _ = Hello::decode(body);
             let _ = Accept::decode(body);
             let _ = Reject::decode(body);
+            let _ = Close::decode(body);
         }
+    }
+
+    #[test]
+    fn only_a_close_for_this_connection_ends_it(bytes in prop_oneof![noise(), mutated()], id in any::<u64>()) {
+        // The classification agrees with the decoder: a well-formed CLOSE with this id.
+        let want = matches!(decode_control(&bytes), Ok(Control::Close(c)) if c.conn_id == id);
+        prop_assert_eq!(chunnel_negotiate::proto::close_ends(&bytes, id), want);
+        let close = chunnel_negotiate::proto::close_message(id);
+        prop_assert!(chunnel_negotiate::proto::close_ends(&close, id));
+        prop_assert!(!chunnel_negotiate::proto::close_ends(&close, id ^ 1));
     }
 
     #[test]

@@ -691,6 +691,11 @@ impl<S: DgramSocket> chunnel::PeerHandoff for Connection<S> {
     fn hand_off(&self, _first: Bytes) -> bool {
         false
     }
+
+    /// As [`Connection::close`].
+    fn release(&self) {
+        self.close();
+    }
 }
 
 impl<S: DgramSocket> SendHeader for Connection<S> {
@@ -1784,6 +1789,12 @@ impl<S: DgramSocket> Listener<S> {
         lock(&self.shared.demux).peers.len()
     }
 
+    /// A handle that reads [`Listener::peer_count`] after the listener itself was moved
+    /// away (into a serving loop, say).
+    pub fn peer_counter(&self) -> PeerCounter<S> {
+        PeerCounter(Arc::downgrade(&self.shared))
+    }
+
     /// How received datagrams reached their connections so far: (read by the connection
     /// itself straight into its slots, sorted into a per-peer queue first). A connection that
     /// keeps calling `recv` reads its own datagrams; a queue means a task hop per datagram.
@@ -1803,6 +1814,24 @@ impl<S: DgramSocket> Listener<S> {
             s.dropped_queue_full.load(Ordering::Relaxed),
             s.dropped_backlog_full.load(Ordering::Relaxed),
         )
+    }
+}
+
+/// See [`Listener::peer_counter`].
+#[derive(Debug)]
+pub struct PeerCounter<S: DgramSocket>(std::sync::Weak<Shared<S>>);
+
+impl<S: DgramSocket> Clone for PeerCounter<S> {
+    fn clone(&self) -> Self {
+        PeerCounter(self.0.clone())
+    }
+}
+
+impl<S: DgramSocket> PeerCounter<S> {
+    /// The listener's [`Listener::peer_count`] now; 0 once the listener and all of its
+    /// connections are gone.
+    pub fn count(&self) -> usize {
+        self.0.upgrade().map_or(0, |sh| lock(&sh.demux).peers.len())
     }
 }
 
@@ -1974,6 +2003,11 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
         drop(d);
         self.peer.notify.notify_waiters();
         admitted
+    }
+
+    /// As [`ServerConnection::close`]: the peer leaves the listener's table now.
+    fn release(&self) {
+        self.close();
     }
 
     fn take_queued(&self) -> Option<Bytes> {

@@ -10,7 +10,9 @@
 //!
 //! Every connection carries [`bytes::Bytes`] and reports errors as [`chunnel::Error`]:
 //! [`AddrInUse`](chunnel::Error::AddrInUse), [`ConnectionRefused`](chunnel::Error::ConnectionRefused),
-//! [`MessageTooLarge`](chunnel::Error::MessageTooLarge), [`PeerClosed`](chunnel::Error::PeerClosed).
+//! [`MessageTooLarge`](chunnel::Error::MessageTooLarge), [`PeerClosed`](chunnel::Error::PeerClosed),
+//! [`AddrFamily`](chunnel::Error::AddrFamily) (a UDP client's chosen local address, see
+//! [`udp::Connect::with_local_addr`]).
 //! The datapaths have no error cases of their own beyond those, so this crate has no error
 //! enum of its own.
 //!

@@ -42,10 +42,12 @@ pub type Connection = datagram::Connection<UdpSocket>;
 pub type ServerConnection = datagram::ServerConnection<UdpSocket>;
 
 /// The base Chunnel of a UDP client: `connect_wrap(())` makes a socket connected to `addr`
-/// (the kernel binds it to an ephemeral port).
+/// (the kernel binds it to an ephemeral port, unless [`Connect::with_local_addr`] names the
+/// local address).
 #[derive(Clone, Debug)]
 pub struct Connect {
     addr: SocketAddr,
+    local: Option<SocketAddr>,
     cfg: Config,
 }
 
@@ -54,8 +56,19 @@ impl Connect {
     pub fn new(addr: SocketAddr) -> Self {
         Connect {
             addr,
+            local: None,
             cfg: Config::default(),
         }
+    }
+
+    /// Binds the client socket to `local` (an address, a port, or both; port 0 lets the
+    /// kernel pick one) before connecting, instead of an ephemeral port of the address
+    /// `connect` chooses. `connect_wrap` then fails with [`Error::AddrInUse`] if another
+    /// socket holds `local`, and with [`Error::AddrFamily`] if `local` and the server address
+    /// are not both IPv4 or both IPv6. (The same builder as chunnel-uring's `Connect`.)
+    pub fn with_local_addr(mut self, local: SocketAddr) -> Self {
+        self.local = Some(local);
+        self
     }
 
     /// Uses `cfg` instead of the default.
@@ -80,17 +93,34 @@ impl Chunnel<()> for Connect {
     type Connection = Connection;
 
     async fn connect_wrap(&mut self, (): ()) -> Result<Connection, Error> {
-        // No explicit bind: `connect` binds an ephemeral port itself (see
-        // `sys::connected_udp`). A UDP connect sends nothing, so it completes at once.
-        let sock = crate::sys::connected_udp(&self.addr)
-            .and_then(UdpSocket::from_std)
-            .map_err(|e| Error::from_io("connect", self.addr, e))?;
+        let sock = match self.local {
+            // No explicit bind: `connect` binds an ephemeral port itself (see
+            // `sys::connected_udp`). A UDP connect sends nothing, so it completes at once.
+            None => crate::sys::connected_udp(&self.addr),
+            Some(local) => {
+                if local.is_ipv4() != self.addr.is_ipv4() {
+                    return Err(Error::AddrFamily {
+                        local: local.to_string(),
+                        remote: self.addr.to_string(),
+                    });
+                }
+                let s = std::net::UdpSocket::bind(local)
+                    .map_err(|e| Error::from_io("bind", local, e))?;
+                s.set_nonblocking(true)
+                    .and_then(|()| s.connect(self.addr))
+                    .map(|()| s)
+            }
+        }
+        .and_then(UdpSocket::from_std)
+        .map_err(|e| Error::from_io("connect", self.addr, e))?;
         Ok(datagram::Connection::new(sock, self.addr, self.cfg.clone()))
     }
 }
 
 /// A UDP server socket; see [`datagram`] for how peers are demultiplexed.
 pub type Listener = datagram::Listener<UdpSocket>;
+/// Reads a UDP [`Listener`]'s peer count from elsewhere ([`Listener::peer_counter`]).
+pub type PeerCounter = datagram::PeerCounter<UdpSocket>;
 
 impl Listener {
     /// Binds `addr` with the default [`Config`].

@@ -1981,3 +1981,62 @@ async fn first_send_on_a_fresh_socket_needs_no_event_loop_turn() {
         assert_eq!(&buf[..n], b"first");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// A UDP client bound to a chosen local address.
+
+#[tokio::test]
+async fn udp_client_bound_to_a_chosen_port_sends_from_it() {
+    let mut l = udp::Listener::bind(loopback()).await.unwrap();
+    let server = l.local_addr().unwrap();
+    // A port that was free a moment ago (the kernel's choice, released).
+    let local = std::net::UdpSocket::bind(loopback())
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let c = udp::Connect::new(server)
+        .with_local_addr(local)
+        .connect_wrap(())
+        .await
+        .unwrap();
+    assert_eq!(c.get_ref().local_addr().unwrap(), local);
+    c.send_one(id_msg(7)).await.unwrap();
+    let s = within("accept", l.accept()).await.unwrap();
+    assert_eq!(
+        *s.peer_addr(),
+        local,
+        "the server sees the chosen source port"
+    );
+    assert_eq!(recv_id(&s, "bound client").await, 7);
+    // And the connection works both ways.
+    send_id(&s, 8).await;
+    assert_eq!(recv_id(&c, "bound client's answer").await, 8);
+}
+
+#[tokio::test]
+async fn udp_client_bind_errors_are_typed() {
+    let server = udp::Listener::bind(loopback()).await.unwrap();
+    let addr = server.local_addr().unwrap();
+    // A port another socket holds.
+    let holder = std::net::UdpSocket::bind(loopback()).unwrap();
+    let taken = holder.local_addr().unwrap();
+    let r = udp::Connect::new(addr)
+        .with_local_addr(taken)
+        .connect_wrap(())
+        .await;
+    assert!(
+        matches!(&r, Err(Error::AddrInUse { addr }) if *addr == taken.to_string()),
+        "{r:?}"
+    );
+    // An IPv6 local address for an IPv4 server.
+    let v6: SocketAddr = "[::1]:0".parse().unwrap();
+    let r = udp::Connect::new(addr)
+        .with_local_addr(v6)
+        .connect_wrap(())
+        .await;
+    assert!(
+        matches!(&r, Err(Error::AddrFamily { local, remote })
+            if *local == v6.to_string() && *remote == addr.to_string()),
+        "{r:?}"
+    );
+}

@@ -634,6 +634,10 @@ impl<C: chunnel::PeerHandoff> chunnel::PeerHandoff for Faulty<C> {
     fn hand_off(&self, first: Bytes) -> bool {
         self.inner.hand_off(first)
     }
+
+    fn release(&self) {
+        self.inner.release()
+    }
 }
 
 impl<C: SendHeader> SendHeader for Faulty<C> {

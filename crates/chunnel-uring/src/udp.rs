@@ -168,7 +168,9 @@ impl Connect {
     }
 
     /// Binds the client socket to `local` instead of an ephemeral port of the unspecified
-    /// address.
+    /// address. `connect_wrap` then fails with [`Error::AddrInUse`] if another socket holds
+    /// `local`, and with [`Error::AddrFamily`] if `local` and the server address are not
+    /// both IPv4 or both IPv6.
     pub fn with_local_addr(mut self, local: SocketAddr) -> Self {
         self.local = Some(local);
         self
@@ -207,6 +209,12 @@ impl Chunnel<()> for Connect {
     async fn connect_wrap(&mut self, (): ()) -> Result<Connection, Error> {
         self.cfg.check()?;
         let local: SocketAddr = match self.local {
+            Some(l) if l.is_ipv4() != self.addr.is_ipv4() => {
+                return Err(Error::AddrFamily {
+                    local: l.to_string(),
+                    remote: self.addr.to_string(),
+                });
+            }
             Some(l) => l,
             None if self.addr.is_ipv4() => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
             None => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
@@ -276,6 +284,11 @@ impl chunnel::PeerHandoff for Connection {
     /// A client socket is connected to one peer: there is nothing to hand off to.
     fn hand_off(&self, _first: Bytes) -> bool {
         false
+    }
+
+    /// As [`Connection::close`].
+    fn release(&self) {
+        self.close();
     }
 }
 
@@ -604,6 +617,11 @@ impl chunnel::PeerHandoff for ServerConnection {
         drop(g);
         self.peer.notify.notify_waiters();
         admitted
+    }
+
+    /// As [`ServerConnection::close`]: the peer leaves the listener's table now.
+    fn release(&self) {
+        self.close();
     }
 }
 

@@ -310,3 +310,23 @@ fn single_thread_ring_used_from_another_thread_errors_clearly() {
         }
     }
 }
+
+/// A chosen local address that another socket holds, or of the other IP family, is a typed
+/// error (as with `chunnel_net::udp::Connect::with_local_addr`).
+#[tokio::test]
+async fn uring_client_bind_errors_are_typed() {
+    let holder = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap();
+    let server: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let r = udp::Connect::new(server)
+        .with_local_addr(taken)
+        .connect_wrap(())
+        .await;
+    assert!(matches!(&r, Err(Error::AddrInUse { .. })), "{r:?}");
+    let v6: std::net::SocketAddr = "[::1]:0".parse().unwrap();
+    let r = udp::Connect::new(server)
+        .with_local_addr(v6)
+        .connect_wrap(())
+        .await;
+    assert!(matches!(&r, Err(Error::AddrFamily { .. })), "{r:?}");
+}

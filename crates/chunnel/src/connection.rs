@@ -169,6 +169,13 @@ pub trait PeerHandoff {
     fn take_queued(&self) -> Option<bytes::Bytes> {
         None
     }
+
+    /// Ends this connection at once, because a layer above learned that it is over (its
+    /// peer said so, or this side closed it): later calls fail with [`Error::Closed`], and
+    /// state a listener keeps for this peer is freed now, not at an idle timeout (a datagram
+    /// the peer sends afterwards starts a new connection). The default does nothing: the
+    /// connection is freed when it is dropped.
+    fn release(&self) {}
 }
 
 impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
@@ -178,5 +185,9 @@ impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
 
     fn take_queued(&self) -> Option<bytes::Bytes> {
         (**self).take_queued()
+    }
+
+    fn release(&self) {
+        (**self).release()
     }
 }

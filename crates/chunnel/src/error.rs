@@ -19,6 +19,15 @@ pub enum Error {
         /// The address that was requested.
         addr: String,
     },
+    /// A local address to bind and the remote address to reach are of different IP families
+    /// (one IPv4, the other IPv6): a socket of one family cannot reach the other.
+    #[error("local address {local} and remote address {remote} are of different IP families")]
+    AddrFamily {
+        /// The local address that was requested.
+        local: String,
+        /// The remote address.
+        remote: String,
+    },
     /// Nothing listens at the remote address (or the peer actively refused).
     #[error("connection to {addr} was refused")]
     ConnectionRefused {
