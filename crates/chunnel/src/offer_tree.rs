@@ -410,7 +410,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             steps: 200_000,
-            work: 20_000_000,
+            work: 5_000_000,
             max_reported: 16,
         }
     }

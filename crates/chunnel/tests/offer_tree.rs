@@ -231,3 +231,38 @@ fn a_search_past_its_limits_says_so() {
         .expect("within the limits");
     assert_eq!(t.client_pick.branches(), vec![1u8; 512].as_slice());
 }
+
+/// An adversarial pair: every Chunnel carries a capability of one kind, so no check can be
+/// confined to a small group, and nothing is compatible. The search stops at its work limit;
+/// the time it took is printed (a figure, not an assertion: `cargo test --release -p chunnel
+/// --test offer_tree adversarial -- --nocapture`).
+#[test]
+fn an_adversarial_pair_stops_at_the_work_limit() {
+    let one_kind = |k: usize, base: usize| {
+        let leaf = |l: usize| {
+            OfferTree::Leaf(ChunnelInfo {
+                id: "x".into(),
+                capabilities: vec![Capability::exact("k", [format!("{l}")])],
+            })
+        };
+        OfferTree::Seq(
+            (0..k)
+                .map(|i| {
+                    OfferTree::Select(
+                        Box::new(leaf(base + 2 * i)),
+                        Box::new(leaf(base + 2 * i + 1)),
+                    )
+                })
+                .collect(),
+        )
+    };
+    let (server, client) = (one_kind(256, 0), one_kind(256, 1));
+    let t = std::time::Instant::now();
+    let r = choose_tree(&server, &client, Limits::default());
+    eprintln!(
+        "adversarial 256 x 256 selects of one kind: {:?} in {:?}",
+        r.as_ref().err(),
+        t.elapsed()
+    );
+    assert!(r.is_err());
+}
