@@ -122,6 +122,40 @@ fn per_sender() -> u64 {
     }
 }
 
+/// Sends from 4 tasks on `conn` while both ends switch every 7 and 11 ms, until the server
+/// received everything (checked exactly once and in order); returns the messages per sender
+/// and the client's and server's switch counts.
+async fn switch_under_traffic<C, L>(
+    conn: Arc<C>,
+    server: &mut L,
+    cli_handle: ReconfigHandle,
+    srv_handle: ReconfigHandle,
+) -> (u64, u64, u64)
+where
+    C: ChunnelConnection<Data = Bytes> + 'static,
+    L: Listener,
+    L::Connection: ChunnelConnection<Data = Bytes>,
+{
+    let n = per_sender();
+    // `conn` lives until everything arrived: dropping the client's connection would drop
+    // the messages it has not had acknowledged yet.
+    let senders = spawn_senders(conn.clone(), n);
+    let peer = tokio::time::timeout(Duration::from_secs(5), server.accept())
+        .await
+        .expect("accept in time")
+        .expect("accept");
+    let stop = Arc::new(AtomicBool::new(false));
+    let cli_sw = spawn_switcher(cli_handle, Duration::from_millis(7), stop.clone());
+    let srv_sw = spawn_switcher(srv_handle, Duration::from_millis(11), stop.clone());
+    receive_all(&peer, n).await;
+    stop.store(true, Ordering::Relaxed);
+    let (c, s) = (cli_sw.await.unwrap(), srv_sw.await.unwrap());
+    for t in senders {
+        t.await.unwrap();
+    }
+    (n, c, s)
+}
+
 /// `select(Reliable, Reliable with another window)` below `Ordered`, switched at both ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reliable_switched_live_at_both_ends_loses_nothing() {
@@ -147,22 +181,7 @@ async fn reliable_switched_live_at_both_ends_loses_nothing() {
         udp::Connect::new(addr)
     ];
     let conn = Arc::new(client.connect_wrap(()).await.expect("connect"));
-    let n = per_sender();
-    let senders = spawn_senders(conn.clone(), n);
-    let peer = tokio::time::timeout(Duration::from_secs(5), server.accept())
-        .await
-        .expect("accept in time")
-        .expect("accept");
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let cli_sw = spawn_switcher(cli_handle, Duration::from_millis(7), stop.clone());
-    let srv_sw = spawn_switcher(srv_handle, Duration::from_millis(11), stop.clone());
-    receive_all(&peer, n).await;
-    stop.store(true, Ordering::Relaxed);
-    let (c, s) = (cli_sw.await.unwrap(), srv_sw.await.unwrap());
-    for t in senders {
-        t.await.unwrap();
-    }
+    let (n, c, s) = switch_under_traffic(conn, &mut server, cli_handle, srv_handle).await;
     eprintln!(
         "{} messages, {c} client and {s} server switches, {} datagrams dropped",
         n * SENDERS,
@@ -197,22 +216,7 @@ async fn ordered_switched_live_at_both_ends_loses_nothing() {
         udp::Connect::new(addr)
     ];
     let conn = Arc::new(client.connect_wrap(()).await.expect("connect"));
-    let n = per_sender();
-    let senders = spawn_senders(conn.clone(), n);
-    let peer = tokio::time::timeout(Duration::from_secs(5), server.accept())
-        .await
-        .expect("accept in time")
-        .expect("accept");
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let cli_sw = spawn_switcher(cli_handle, Duration::from_millis(7), stop.clone());
-    let srv_sw = spawn_switcher(srv_handle, Duration::from_millis(11), stop.clone());
-    receive_all(&peer, n).await;
-    stop.store(true, Ordering::Relaxed);
-    let (c, s) = (cli_sw.await.unwrap(), srv_sw.await.unwrap());
-    for t in senders {
-        t.await.unwrap();
-    }
+    let (n, c, s) = switch_under_traffic(conn, &mut server, cli_handle, srv_handle).await;
     eprintln!(
         "{} messages, {c} client and {s} server switches",
         n * SENDERS
