@@ -85,13 +85,14 @@ fn doc_lines(dir: &Path, out: &mut Vec<(PathBuf, usize, String)>) {
 
 #[test]
 fn crate_doc_examples_use_published_crates_and_are_not_ignored() {
-    // Published library crates whose docs are held to this here. (chunnel-std and
-    // chunnel-rendezvous are to join the list once their examples are fixed.)
+    // Every published library crate.
     let crates = [
         "chunnel",
         "chunnel-net",
         "chunnel-negotiate",
+        "chunnel-rendezvous",
         "chunnel-shm",
+        "chunnel-std",
         "chunnel-uring",
         "chunnel-xdp",
     ];

@@ -6,8 +6,13 @@
 //! loses nothing (a reordering-but-lossless link, or [`crate::reliable::Reliable`]), that
 //! gives **exactly once, in order**:
 //!
-//! ```text
-//! stack![Ordered::default(), Reliable::default(), udp::Connect::new(addr)]
+//! ```
+//! # use chunnel::stack;
+//! # use chunnel_net::udp;
+//! # use chunnel_std::{ordered::Ordered, reliable::Reliable};
+//! # let addr: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
+//! let exactly_once_in_order = stack![Ordered::default(), Reliable::default(), udp::Connect::new(addr)];
+//! # let _ = exactly_once_in_order;
 //! ```
 //!
 //! # Many senders on one connection
