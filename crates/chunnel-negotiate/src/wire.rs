@@ -334,9 +334,15 @@ fn put_chunnel(b: &mut BytesMut, c: &ChunnelInfo) {
 
 /// An offer tree, pre-order (docs/wire.md §6.6). Lists longer than a `u16` count are cut;
 /// a layer or select whose parts would lie [`MAX_TREE_DEPTH`] deep is cut to an empty list
-/// of options, so the encoder never makes what the decoder refuses for depth.
+/// of options, so the encoder never makes what the decoder refuses for depth (and a tree the
+/// decoder took re-encodes to the same bytes).
 fn put_tree(b: &mut BytesMut, t: &OfferTree, depth: usize) {
-    if depth + 1 >= MAX_TREE_DEPTH && matches!(t, OfferTree::Seq(_) | OfferTree::Select(..)) {
+    let has_children = match t {
+        OfferTree::Seq(parts) => !parts.is_empty(),
+        OfferTree::Select(..) => true,
+        OfferTree::Leaf(_) | OfferTree::Options(_) => false,
+    };
+    if depth + 1 >= MAX_TREE_DEPTH && has_children {
         b.put_u8(NODE_OPTIONS);
         b.put_u16(0);
         return;

@@ -1080,3 +1080,29 @@ fn minimal_list_elements_round_trip() {
     };
     assert_eq!(Hello::decode(&h.encode()[1..]), Ok(h));
 }
+
+/// Found by the `hello` fuzz target: an empty layer at the deepest level a decoder takes (63
+/// layers of one part above it) must re-encode to the same bytes; the encoder once cut it to
+/// an empty option list, as it cuts a layer whose parts would lie too deep.
+#[test]
+fn the_deepest_empty_layer_round_trips() {
+    for last in [
+        &[0x01u8, 0, 0][..],
+        &[0x03, 0, 0],
+        &[0x00, 0, 1, b'x', 0, 0],
+    ] {
+        let mut body = vec![VERSION, 0];
+        body.extend_from_slice(&7u64.to_be_bytes());
+        for _ in 0..63 {
+            body.extend_from_slice(&[0x01, 0, 1]);
+        }
+        body.extend_from_slice(last);
+        let h = Hello::decode(&body).expect("63 levels and a leaf decode");
+        assert_eq!(&h.encode()[1..], &body[..], "canonical re-encoding");
+        // One level more is refused.
+        let mut deeper = body[..10].to_vec();
+        deeper.extend_from_slice(&[0x01, 0, 1]);
+        deeper.extend_from_slice(&body[10..]);
+        assert!(Hello::decode(&deeper).is_err());
+    }
+}
