@@ -169,6 +169,7 @@ fn rejects() -> Vec<(&'static str, Reject)> {
             },
         ],
         message: "no compatible stack".into(),
+        too_large: None,
     };
     let version = Reject {
         conn_id: 7,
@@ -184,10 +185,24 @@ fn rejects() -> Vec<(&'static str, Reject)> {
         message: String::new(),
         ..incompatible.clone()
     };
+    let too_large = Reject {
+        conn_id: 9,
+        reason: RejectReason::TooLarge,
+        mismatches: Vec::new(),
+        message:
+            "hello of 1040 bytes is larger than the 512 bytes this server takes in one message"
+                .into(),
+        too_large: Some(chunnel_negotiate::wire::TooLarge {
+            limit: 512,
+            len: 1040,
+        }),
+        ..incompatible.clone()
+    };
     vec![
         ("incompatible", incompatible),
         ("version", version),
         ("malformed", malformed),
+        ("too_large", too_large),
     ]
 }
 

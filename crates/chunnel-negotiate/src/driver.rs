@@ -674,7 +674,7 @@ fn info(a: crate::wire::Accept, hellos_sent: u32) -> Info {
 #[derive(Debug)]
 pub struct NegotiatedListener<C> {
     rx: mpsc::Receiver<Result<Negotiated<C>, Error>>,
-    _serving: Serving,
+    serving: Serving,
 }
 
 /// The accept loop of [`listen_with`] (and of [`listen`]'s listener): it runs until this is
@@ -683,6 +683,15 @@ pub struct NegotiatedListener<C> {
 pub struct Serving {
     task: JoinHandle<()>,
     release: JoinHandle<()>,
+    server: Arc<Server>,
+}
+
+impl Serving {
+    /// Hellos refused so far because they were larger than the base listener takes in one
+    /// message (each also handed to the callback as [`Error::HelloTooLarge`]).
+    pub fn hellos_too_large(&self) -> u64 {
+        self.server.hellos_too_large()
+    }
 }
 
 impl Drop for Serving {
@@ -752,6 +761,13 @@ impl<C: SendHeader> Held<C> {
 }
 
 impl<C> NegotiatedListener<C> {
+    /// Hellos refused so far because they were larger than the base listener takes in one
+    /// message (each also reported by [`NegotiatedListener::accept`] as
+    /// [`Error::HelloTooLarge`]).
+    pub fn hellos_too_large(&self) -> u64 {
+        self.serving.hellos_too_large()
+    }
+
     /// The next negotiated connection, or one client's failure.
     pub async fn accept(&mut self) -> Result<Negotiated<C>, Error> {
         match self.rx.recv().await {
@@ -783,10 +799,7 @@ where
             });
         }
     });
-    NegotiatedListener {
-        rx,
-        _serving: serving,
-    }
+    NegotiatedListener { rx, serving }
 }
 
 /// As [`listen`], but every result (a negotiated connection, or one client's error; last,
@@ -848,6 +861,7 @@ where
     });
     let on = Arc::new(on);
     let infos = Arc::new(InfoCache::default());
+    let counted = Arc::clone(&server);
     let task = tokio::spawn(async move {
         // The box of a handshake that completed in its first poll, kept for the next one (a
         // handshake's future is most of a kilobyte: not allocated and freed per connection).
@@ -899,7 +913,11 @@ where
             }
         }
     });
-    Serving { task, release }
+    Serving {
+        task,
+        release,
+        server: counted,
+    }
 }
 
 /// `fut` in `spare`'s box (taken) if there is one, else in a new box.
@@ -931,7 +949,22 @@ where
     let hello = match base.take_queued() {
         Some(m) if is_hello(&m) => m,
         // Stale data or answers from an earlier connection of this address are dropped.
-        _ => Box::pin(recv_hello(&base, cfg.hello_timeout)).await?,
+        _ => {
+            // A hello too large for the base connection started it (only its first bytes
+            // were kept): refused at once, saying the limit (docs/wire.md §9.4).
+            if let Some(o) = base.take_oversized()
+                && let Some(Decision::Reject { reject, response }) =
+                    server.handle_oversized(&o.prefix, o.len, o.limit)
+            {
+                send_reject(&base, &reject, response, cfg.timing.max_message).await;
+                return Err(Error::HelloTooLarge {
+                    len: o.len,
+                    limit: o.limit,
+                    hellos_sent: 0,
+                });
+            }
+            Box::pin(recv_hello(&base, cfg.hello_timeout)).await?
+        }
     };
     match server.handle_hello_bytes(&hello) {
         Decision::Accept {
@@ -967,7 +1000,7 @@ where
         }
         Decision::Reject { reject, response } => {
             // Best effort: the client retransmits if this is lost and gets the same answer.
-            let _ = Box::pin(base.send_with_header(&[], [response])).await;
+            send_reject(&base, &reject, response, cfg.timing.max_message).await;
             Err(match reject.reason {
                 crate::wire::RejectReason::Incompatible => Error::Incompatible {
                     found_by: chunnel::End::Server,
@@ -980,8 +1013,33 @@ where
                 crate::wire::RejectReason::Malformed => Error::BadHello {
                     message: reject.message,
                 },
+                crate::wire::RejectReason::TooLarge => Error::HelloTooLarge {
+                    len: hello.len(),
+                    limit: reject.too_large.map_or(0, |t| t.limit as usize),
+                    hellos_sent: 0,
+                },
             })
         }
+    }
+}
+
+/// Sends a REJECT (best effort), cut to fit (docs/wire.md §7.4.1): to `max` bytes, and if
+/// the base connection still refuses it as too large, to the limit it names.
+async fn send_reject<C: SendHeader>(
+    base: &C,
+    reject: &crate::wire::Reject,
+    response: Bytes,
+    max: usize,
+) {
+    let response = if response.len() > max {
+        reject.encode_within(max)
+    } else {
+        response
+    };
+    if let Err(chunnel::Error::MessageTooLarge { max, .. }) =
+        Box::pin(base.send_with_header(&[], [response])).await
+    {
+        let _ = Box::pin(base.send_with_header(&[], [reject.encode_within(max)])).await;
     }
 }
 

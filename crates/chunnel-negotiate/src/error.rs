@@ -58,6 +58,21 @@ pub enum Error {
         /// Limit.
         max: usize,
     },
+    /// A hello larger than the server takes in one message (its datagram limit). On the
+    /// client: the server's REJECT said so (`len` is our hello's size); on the server
+    /// (`accept`): such a hello arrived and was refused (`len` as the transport reported it,
+    /// 0 if unknown; `hellos_sent` 0).
+    #[error(
+        "the hello is {len} bytes, more than the {limit} bytes the server takes in one message"
+    )]
+    HelloTooLarge {
+        /// The hello's size in bytes.
+        len: usize,
+        /// The largest message the server takes, in bytes.
+        limit: usize,
+        /// Hellos the client had sent when the refusal came (0 on the server).
+        hellos_sent: u32,
+    },
     /// Our stack has no option that can run on this host.
     #[error("this stack has no option available here: {0}")]
     NoOptions(#[source] chunnel::Error),

@@ -18,8 +18,8 @@ use chunnel::{ChunnelInfo, OfferTree, Pick, StackOption};
 
 use crate::Error;
 use crate::wire::{
-    ACCEPT_CONN_ID, ACCEPT_DATA_PREFIX, Accept, Hello, Reject, RejectReason, Tag, VERSION,
-    WireError, ZeroRtt, split_accept_data,
+    ACCEPT_CONN_ID, ACCEPT_DATA_PREFIX, Accept, Hello, Reject, RejectReason, Tag, TooLarge,
+    VERSION, WireError, ZeroRtt, split_accept_data,
 };
 
 /// Retransmission and size limits of a handshake.
@@ -83,6 +83,8 @@ pub struct Server {
     /// at most [`REMEMBERED_ACCEPTS`] entries, a server usually sees one or two offer lists,
     /// and hashing a key of ~100 bytes cost more than comparing it with the first entry.
     remembered: Mutex<Vec<(Box<[u8]>, Remembered)>>,
+    /// Hellos refused as too large ([`Server::handle_oversized`]).
+    too_large: std::sync::atomic::AtomicU64,
 }
 
 /// Distinct offer lists whose accept a [`Server`] remembers; when full, it forgets them all
@@ -163,7 +165,14 @@ impl Server {
             tree: tree.into(),
             limits: Limits::default(),
             remembered: Mutex::new(Vec::new()),
+            too_large: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Hellos refused so far because they were larger than the base connection takes
+    /// ([`Server::handle_oversized`]).
+    pub fn hellos_too_large(&self) -> u64 {
+        self.too_large.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets the search's limits (steps before a hello is refused as too complex, mismatches
@@ -195,6 +204,35 @@ impl Server {
     /// (no copy) when its offers are remembered.
     pub fn handle_hello_bytes(&self, msg: &Bytes) -> Decision {
         self.handle(msg, &|part| msg.slice_ref(part))
+    }
+
+    /// Decides on a message too large for the base connection, of which only `prefix` (its
+    /// first bytes), its length `len` (0 if unknown) and the connection's `limit` are known:
+    /// if it is a hello (its tag says so), a [`RejectReason::TooLarge`] reject addressed to
+    /// the `conn_id` at offsets 3-10 (0 if the prefix is shorter), saying both sizes
+    /// (docs/wire.md §9.4); `None` for anything else, which stays dropped.
+    pub fn handle_oversized(&self, prefix: &[u8], len: usize, limit: usize) -> Option<Decision> {
+        let body = match prefix.split_first() {
+            Some((&t, body)) if t == Tag::Hello as u8 => body,
+            _ => return None,
+        };
+        let conn_id = Hello::peek_conn_id(body).unwrap_or(0);
+        let size = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        let reject = Reject {
+            version: VERSION,
+            conn_id,
+            reason: RejectReason::TooLarge,
+            mismatches: Vec::new(),
+            message: too_large_message(len, limit),
+            too_large: Some(TooLarge {
+                limit: size(limit),
+                len: size(len),
+            }),
+        };
+        let response = reject.encode_within(limit);
+        self.too_large
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(Decision::Reject { reject, response })
     }
 
     fn handle(&self, msg: &[u8], early_bytes: &dyn Fn(&[u8]) -> Bytes) -> Decision {
@@ -489,6 +527,17 @@ pub fn two_sided(c: &chunnel::ChunnelInfo) -> bool {
         .any(|k| k.matching == chunnel::Match::Exact)
 }
 
+/// The message text of a [`RejectReason::TooLarge`] reject (docs/wire.md §7.4).
+fn too_large_message(len: usize, limit: usize) -> String {
+    if len == 0 {
+        format!("hello larger than the {limit} bytes this server takes in one message")
+    } else {
+        format!(
+            "hello of {len} bytes is larger than the {limit} bytes this server takes in one message"
+        )
+    }
+}
+
 fn reject(
     conn_id: u64,
     reason: RejectReason,
@@ -501,6 +550,7 @@ fn reject(
         reason,
         mismatches,
         message,
+        too_large: None,
     };
     let response = reject.encode();
     Decision::Reject { reject, response }
@@ -867,6 +917,11 @@ impl ClientHandshake {
                 theirs: r.version,
             },
             RejectReason::Malformed => Error::Refused { message: r.message },
+            RejectReason::TooLarge => Error::HelloTooLarge {
+                len: self.hello.len(),
+                limit: r.too_large.map_or(0, |t| t.limit as usize),
+                hellos_sent: self.sent,
+            },
         }));
     }
 

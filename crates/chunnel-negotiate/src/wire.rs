@@ -160,6 +160,18 @@ pub enum RejectReason {
     Version = 2,
     /// The server could not parse the hello.
     Malformed = 3,
+    /// The hello was larger than the server takes in one message: the server read only its
+    /// first bytes (see [`TooLarge`]).
+    TooLarge = 4,
+}
+
+/// What a [`RejectReason::TooLarge`] reject says about the sizes (docs/wire.md §7.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TooLarge {
+    /// The largest message the server takes, in bytes.
+    pub limit: u32,
+    /// The hello's size as the server's transport reported it (0: unknown).
+    pub len: u32,
 }
 
 /// The server's refusal.
@@ -175,6 +187,9 @@ pub struct Reject {
     pub mismatches: Vec<Mismatch>,
     /// A human-readable summary.
     pub message: String,
+    /// For `TooLarge` (and only then: the encoder writes it for that reason, zeros if
+    /// `None`; the decoder reads it for that reason): the server's limit and the size seen.
+    pub too_large: Option<TooLarge>,
 }
 
 /// A decoded control message.
@@ -378,16 +393,20 @@ fn put_tree(b: &mut BytesMut, t: &OfferTree, depth: usize) {
 fn put_mismatches(b: &mut BytesMut, list: &[Mismatch]) {
     let n = put_count(b, list.len());
     for m in &list[..n] {
-        b.put_u16(m.client_option);
-        b.put_u16(m.server_option);
-        put_str(b, &m.kind);
-        b.put_u8(match m.matching {
-            Match::Exact => 0,
-            Match::Compositional => 1,
-        });
-        put_labels(b, &m.client);
-        put_labels(b, &m.server);
+        put_mismatch(b, m);
     }
+}
+
+fn put_mismatch(b: &mut BytesMut, m: &Mismatch) {
+    b.put_u16(m.client_option);
+    b.put_u16(m.server_option);
+    put_str(b, &m.kind);
+    b.put_u8(match m.matching {
+        Match::Exact => 0,
+        Match::Compositional => 1,
+    });
+    put_labels(b, &m.client);
+    put_labels(b, &m.server);
 }
 
 fn put_labels(b: &mut BytesMut, labels: &Option<Vec<String>>) {
@@ -630,16 +649,96 @@ impl Close {
     }
 }
 
+/// The largest message one UDP datagram carries (over IPv4): what a REJECT is cut to by
+/// default ([`Reject::encode`]).
+pub const MAX_DATAGRAM: usize = 65_507;
+
+/// The bytes of a REJECT besides its mismatches, message text and `TooLarge` sizes: tag,
+/// version, `conn_id`, reason, mismatch count, message length.
+const REJECT_FIXED: usize = 1 + 1 + 8 + 1 + 2 + 2;
+
+/// The longest prefix of `s` of at most `n` bytes that ends at a character boundary.
+fn prefix_at_char(s: &str, n: usize) -> &str {
+    let mut end = n.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 impl Reject {
-    /// Encodes the message, tag included.
+    /// Encodes the message, tag included, cut to fit one UDP datagram ([`MAX_DATAGRAM`]; see
+    /// [`Reject::encode_within`]).
     pub fn encode(&self) -> Bytes {
+        self.encode_within(MAX_DATAGRAM)
+    }
+
+    /// Encodes the message, tag included, in at most `max` bytes (docs/wire.md §7.4.1): if
+    /// the whole reject is longer, mismatches are left out from the end, and
+    /// ` [cut to fit MAX bytes: K of N mismatches left out]` is appended to the message,
+    /// until it fits; if it does not fit with no mismatch either, the message text is cut
+    /// (at a character boundary) in front of that note. A `max` below the smallest reject
+    /// (15 bytes; 23 for `TooLarge`) gets that smallest one.
+    pub fn encode_within(&self, max: usize) -> Bytes {
+        let whole = self.encode_parts(&self.mismatches, &self.message);
+        if whole.len() <= max {
+            return whole;
+        }
+        let trailer = if self.reason == RejectReason::TooLarge {
+            8
+        } else {
+            0
+        };
+        let total = self.mismatches.len().min(u16::MAX as usize);
+        let sizes: Vec<usize> = self.mismatches[..total]
+            .iter()
+            .map(|m| {
+                let mut b = BytesMut::new();
+                put_mismatch(&mut b, m);
+                b.len()
+            })
+            .collect();
+        let note = |kept: usize| {
+            format!(
+                " [cut to fit {max} bytes: {} of {total} mismatches left out]",
+                total - kept
+            )
+        };
+        let mut used: usize = REJECT_FIXED + trailer + sizes.iter().sum::<usize>();
+        for kept in (1..=total).rev() {
+            used -= sizes[kept - 1];
+            let kept = kept - 1;
+            let text = format!("{}{}", self.message, note(kept));
+            if text.len() <= u16::MAX as usize && used + text.len() <= max {
+                return self.encode_parts(&self.mismatches[..kept], &text);
+            }
+        }
+        // No mismatch left: the text is cut in front of the note.
+        let note = note(0);
+        let room = max
+            .saturating_sub(REJECT_FIXED + trailer)
+            .min(u16::MAX as usize);
+        let text = if note.len() <= room {
+            format!("{}{note}", prefix_at_char(&self.message, room - note.len()))
+        } else {
+            prefix_at_char(&note, room).to_owned()
+        };
+        self.encode_parts(&[], &text)
+    }
+
+    fn encode_parts(&self, mismatches: &[Mismatch], message: &str) -> Bytes {
         let mut b = BytesMut::with_capacity(128);
         b.put_u8(Tag::Reject as u8);
         b.put_u8(self.version);
         b.put_u64(self.conn_id);
         b.put_u8(self.reason as u8);
-        put_mismatches(&mut b, &self.mismatches);
-        put_str(&mut b, &self.message);
+        put_mismatches(&mut b, mismatches);
+        put_str(&mut b, message);
+        if self.reason == RejectReason::TooLarge {
+            let t = self.too_large.unwrap_or(TooLarge { limit: 0, len: 0 });
+            b.put_u32(t.limit);
+            b.put_u32(t.len);
+        }
         b.freeze()
     }
 }
@@ -1074,10 +1173,19 @@ impl Reject {
             1 => RejectReason::Incompatible,
             2 => RejectReason::Version,
             3 => RejectReason::Malformed,
+            4 => RejectReason::TooLarge,
             _ => return Err(WireError("unknown reject reason")),
         };
         let mismatches = r.mismatches()?;
         let message = r.str("message")?;
+        let too_large = if reason == RejectReason::TooLarge {
+            Some(TooLarge {
+                limit: r.u32("limit")?,
+                len: r.u32("hello length")?,
+            })
+        } else {
+            None
+        };
         r.finish()?;
         Ok(Reject {
             version,
@@ -1085,6 +1193,7 @@ impl Reject {
             reason,
             mismatches,
             message,
+            too_large,
         })
     }
 }

@@ -19,8 +19,8 @@ use chunnel::{
 };
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
-    Accept, Close, Control, Hello, Reject, RejectReason, Tag, VERSION, WireError, ZeroRtt,
-    decode_control,
+    Accept, Close, Control, Hello, Reject, RejectReason, Tag, TooLarge, VERSION, WireError,
+    ZeroRtt, decode_control,
 };
 use chunnel_negotiate::{Config, listen};
 use chunnel_net::udp;
@@ -238,6 +238,7 @@ fn examples() -> Vec<(&'static str, Bytes)> {
                       {bincode} at the client is missing at the server \
                       (client option 0, server option 0)"
                 .into(),
+            too_large: None,
         }
     );
 
@@ -272,10 +273,33 @@ fn examples() -> Vec<(&'static str, Bytes)> {
     assert_eq!(header[3..], accept_0rtt[..]);
     let accept_data = Bytes::from([&header[..], EARLY].concat());
 
+    // Too large: the reject example's hello, 1,040 bytes long in this example, reaches a
+    // server whose datagram limit is 512 bytes: the listener keeps its first 32 bytes.
+    let prefix = hello_reject().encode().slice(..32);
+    let Some(Decision::Reject {
+        reject: too_large,
+        response: too_large_bytes,
+    }) = lone.handle_oversized(&prefix, 1040, 512)
+    else {
+        panic!("a hello's prefix is refused");
+    };
+    assert_eq!(
+        (too_large.reason, too_large.conn_id, too_large.too_large),
+        (
+            RejectReason::TooLarge,
+            REJECT_ID,
+            Some(TooLarge {
+                limit: 512,
+                len: 1040
+            })
+        )
+    );
+
     vec![
         ("hello-1rtt", hello.encode()),
         ("accept-1rtt", accept_1rtt),
         ("reject-incompatible", reject_bytes),
+        ("reject-too-large", too_large_bytes),
         ("hello-0rtt", hello0.encode()),
         ("accept-0rtt", accept_0rtt),
         ("accept-data-0rtt", accept_data),
@@ -512,6 +536,10 @@ fn doc_examples_decode_back() {
     );
     assert!(matches!(control("reject-incompatible"), Control::Reject(r) if r.conn_id == REJECT_ID));
     assert!(matches!(
+        control("reject-too-large"),
+        Control::Reject(r) if r.reason == RejectReason::TooLarge && r.too_large.is_some_and(|t| t.limit == 512)
+    ));
+    assert!(matches!(
         control("accept-data-0rtt"),
         Control::AcceptData(a, d) if a.zero_rtt == ZeroRtt::Accepted && d == EARLY
     ));
@@ -620,8 +648,13 @@ fn decoders_are_strict() {
     accept = Accept::decode(&[2, 0, 0, 0, 0, 0, 0, 0, 1, 3, 0, 0, 0, 0, 0, 0]);
     assert_eq!(accept, Err(WireError("unknown zero_rtt value")));
     assert_eq!(
-        Reject::decode(&[2, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0]),
+        Reject::decode(&[2, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0]),
         Err(WireError("unknown reject reason"))
+    );
+    // Reason 4 (too large) must carry its limit and length after the message.
+    assert_eq!(
+        Reject::decode(&[2, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0]),
+        Err(WireError("limit"))
     );
     assert_eq!(
         Reject::decode(&[
@@ -909,6 +942,7 @@ fn server_answers_other_versions_with_a_version_reject() {
                 reason: RejectReason::Version,
                 mismatches: Vec::new(),
                 message: format!("server speaks version 2, hello has {v}"),
+                too_large: None,
             }
         );
         assert_eq!(response, reject.encode());
@@ -931,6 +965,7 @@ fn server_answers_other_versions_with_a_version_reject() {
         reason: RejectReason::Version,
         mismatches: Vec::new(),
         message: "server speaks version 1, hello has 2".into(),
+        too_large: None,
     }
     .encode();
     assert_eq!(&v1[..2], &[0x03, 0x01]);

@@ -16,7 +16,7 @@ use chunnel::{Capability, OfferTree, Pick, StackOption};
 use chunnel_negotiate::proto::{ClientHandshake, Decision, Server, Timing};
 use chunnel_negotiate::wire::{
     ACCEPT_DATA_PREFIX, Accept, Close, Control, Hello, Prepare, Refusal, Reject, RejectReason, Tag,
-    Txn, VERSION, Verdict, Vote, ZeroRtt, decode_control, decode_stack, encode_control,
+    TooLarge, Txn, VERSION, Verdict, Vote, ZeroRtt, decode_control, decode_stack, encode_control,
     encode_stack, split_accept_data,
 };
 use proptest::collection::vec;
@@ -159,6 +159,7 @@ fn reason() -> impl Strategy<Value = RejectReason> {
         Just(RejectReason::Incompatible),
         Just(RejectReason::Version),
         Just(RejectReason::Malformed),
+        Just(RejectReason::TooLarge),
     ]
 }
 
@@ -193,14 +194,19 @@ fn reject() -> impl Strategy<Value = Reject> {
         reason(),
         vec(mismatch(), 0..=4),
         small_string(),
+        any::<(u32, u32)>(),
     )
-        .prop_map(|(conn_id, reason, mismatches, message)| Reject {
-            version: VERSION,
-            conn_id,
-            reason,
-            mismatches,
-            message,
-        })
+        .prop_map(
+            |(conn_id, reason, mismatches, message, (limit, len))| Reject {
+                version: VERSION,
+                conn_id,
+                reason,
+                mismatches,
+                message,
+                // Carried for (and only for) reason TooLarge.
+                too_large: (reason == RejectReason::TooLarge).then_some(TooLarge { limit, len }),
+            },
+        )
 }
 
 fn refusal() -> impl Strategy<Value = Refusal> {
@@ -697,6 +703,67 @@ proptest! {
         prop_assert_eq!(Reject::decode(&enc[1..]), Ok(r));
     }
 
+    /// A reject cut to `max` bytes (docs/wire.md §7.4.1) fits (unless `max` is below the
+    /// smallest reject), decodes, keeps a prefix of the mismatches, and says it was cut;
+    /// one that fits is unchanged.
+    #[test]
+    fn a_reject_cut_to_fit_decodes(
+        r in reject(),
+        long in "\\PC{0,300}",
+        max in 0usize..1200,
+    ) {
+        let r = Reject { message: format!("{}{long}", r.message), ..r };
+        let whole = r.encode();
+        let cut = r.encode_within(max);
+        let floor = if r.reason == RejectReason::TooLarge { 23 } else { 15 };
+        prop_assert!(cut.len() <= max.max(floor), "{} bytes for {}", cut.len(), max);
+        let d = Reject::decode(&cut[1..]).unwrap();
+        if whole.len() <= max {
+            prop_assert_eq!(&cut, &whole);
+            prop_assert_eq!(d, r);
+        } else {
+            let kept = d.mismatches.len();
+            prop_assert_eq!(&d.mismatches[..], &r.mismatches[..kept]);
+            prop_assert_eq!((d.version, d.conn_id, d.reason, d.too_large), (r.version, r.conn_id, r.reason, r.too_large));
+            let note = format!(" [cut to fit {max} bytes: {} of {} mismatches left out]", r.mismatches.len() - kept, r.mismatches.len());
+            if d.message.ends_with(&note) {
+                let text = &d.message[..d.message.len() - note.len()];
+                prop_assert!(r.message.starts_with(text));
+                // The text is cut only once no mismatch is left.
+                prop_assert!(kept == 0 || text == r.message);
+            } else {
+                // Not even the note fits: a prefix of it.
+                prop_assert!(kept == 0 && note.starts_with(&d.message), "{:?}", d.message);
+            }
+        }
+    }
+
+    /// A prefix of any bytes as an oversized message: a hello's tag gets a TooLarge reject
+    /// (addressed to the conn_id if the prefix holds one, within the limit when the limit
+    /// allows), anything else no answer; never a panic.
+    #[test]
+    fn an_oversized_prefix_is_answered_by_its_tag(
+        bytes in prop_oneof![noise(), mutated()],
+        len in any::<usize>(),
+        limit in 0usize..100_000,
+    ) {
+        let server = Server::new(Vec::<StackOption>::new());
+        let d = server.handle_oversized(&bytes, len, limit);
+        if bytes.first() != Some(&(Tag::Hello as u8)) {
+            prop_assert!(d.is_none());
+        } else {
+            let Some(Decision::Reject { reject, response }) = d else {
+                return Err(TestCaseError::fail("no reject"));
+            };
+            prop_assert!(response.len() <= limit.max(23));
+            prop_assert_eq!(Reject::decode(&response[1..]).map(|r| (r.reason, r.conn_id, r.too_large)),
+                Ok((RejectReason::TooLarge, reject.conn_id, reject.too_large)));
+            let id = Hello::peek_conn_id(&bytes[1..]).unwrap_or(0);
+            prop_assert_eq!(reject.conn_id, id);
+            prop_assert_eq!(reject.too_large.map(|t| t.limit as usize), Some(limit.min(u32::MAX as usize)));
+        }
+    }
+
     #[test]
     fn control_round_trips(c in control()) {
         prop_assert_eq!(decode_control(&encode_control(&c)), Ok(c));
@@ -1032,6 +1099,7 @@ fn reject_of_minimal_mismatches_round_trips() {
             reason: RejectReason::Incompatible,
             mismatches: vec![minimal.clone(); n],
             message: String::new(),
+            too_large: None,
         };
         let enc = r.encode();
         assert_eq!(enc.len(), 1 + 1 + 8 + 1 + 2 + 9 * n + 2);

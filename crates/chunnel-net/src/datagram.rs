@@ -40,7 +40,11 @@ use crate::sys::{self, DgramAddr, MAX_BATCH, RecvMeta};
 #[non_exhaustive]
 pub struct Config {
     /// Largest message carried, in bytes. Larger sends fail with
-    /// [`Error::MessageTooLarge`]; larger incoming datagrams are dropped and counted.
+    /// [`Error::MessageTooLarge`]; larger incoming datagrams are dropped and counted. A
+    /// listener does not drop them silently: it keeps the datagram's first bytes and its
+    /// length for the peer's connection ([`chunnel::PeerHandoff::take_oversized`]; a
+    /// datagram from a new peer starts a connection that `accept` hands out), so
+    /// negotiation can refuse a hello too large for this limit.
     pub max_payload: usize,
     /// Most datagrams moved per system call (at most 64).
     pub batch: usize,
@@ -235,9 +239,12 @@ impl RxScratch {
         }
     }
 
-    /// Reads up to `want` datagrams; calls `deliver(addr, payload)` for each well-formed one.
-    /// Returns the number read from the kernel (including dropped ones). With `want_addr`
-    /// false (a connected socket) the senders' addresses are not read: `addr` is `None`.
+    /// Reads up to `want` datagrams; calls `deliver(addr, payload)` for each well-formed one,
+    /// and `oversize(addr, prefix, len)` for each larger than `cfg.max_payload` (counted as
+    /// dropped; `prefix` is its first bytes, at most [`chunnel::Oversized::PREFIX`], `len`
+    /// its whole length). Returns the number read from the kernel (including dropped ones).
+    /// With `want_addr` false (a connected socket) the senders' addresses are not read:
+    /// `addr` is `None`.
     #[allow(clippy::too_many_arguments)]
     fn read<A: DgramAddr>(
         &mut self,
@@ -247,9 +254,10 @@ impl RxScratch {
         want_addr: bool,
         stats: &Stats,
         deliver: impl FnMut(Option<A>, Bytes),
+        oversize: impl FnMut(Option<A>, &[u8], usize),
     ) -> io::Result<usize> {
         KERNEL_SCRATCH.with(|k| match k.try_borrow_mut() {
-            Ok(mut k) => self.read_with(&mut k, fd, cfg, want, want_addr, stats, deliver),
+            Ok(mut k) => self.read_with(&mut k, fd, cfg, want, want_addr, stats, deliver, oversize),
             // Re-entered from `deliver` (no caller does; kept correct regardless).
             Err(_) => self.read_with(
                 &mut KernelScratch::default(),
@@ -259,6 +267,7 @@ impl RxScratch {
                 want_addr,
                 stats,
                 deliver,
+                oversize,
             ),
         })
     }
@@ -273,6 +282,7 @@ impl RxScratch {
         want_addr: bool,
         stats: &Stats,
         mut deliver: impl FnMut(Option<A>, Bytes),
+        mut oversize: impl FnMut(Option<A>, &[u8], usize),
     ) -> io::Result<usize> {
         // One spare byte per slot tells an exactly-max datagram from an oversize one.
         let slot = cfg.max_payload + 1;
@@ -292,6 +302,7 @@ impl RxScratch {
                 want,
                 RecvMeta {
                     len: 0,
+                    wire_len: 0,
                     truncated: false,
                     addr: sys::RawAddr::zeroed(),
                 },
@@ -339,6 +350,13 @@ impl RxScratch {
         for (i, m) in k.metas[..n].iter().enumerate() {
             if !ok(m) {
                 stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
+                let addr = if want_addr {
+                    A::from_raw(&m.addr)
+                } else {
+                    None
+                };
+                let prefix = k.scratch.filled(i, m.len.min(chunnel::Oversized::PREFIX));
+                oversize(addr, prefix, m.wire_len.max(m.len));
                 continue;
             }
             self.out.extend_from_slice(k.scratch.filled(i, m.len));
@@ -776,6 +794,8 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
                                     slots[filled] = Some(m);
                                     filled += 1;
                                 },
+                                // Dropped and counted (`dropped_oversize`).
+                                |_, _, _| {},
                             )
                         })
                         .map(|_| filled)
@@ -928,6 +948,9 @@ struct PeerQueue {
     // Boxed on purpose: 8 bytes in every peer instead of an empty deque's 32.
     #[allow(clippy::box_collection)]
     rest: Option<Box<VecDeque<Bytes>>>,
+    /// The latest datagram too large for `max_payload`, by its first bytes (boxed: 8 bytes
+    /// in every peer, most of which never see one).
+    oversized: Option<Box<chunnel::Oversized>>,
 }
 
 impl PeerQueue {
@@ -935,6 +958,7 @@ impl PeerQueue {
         PeerQueue {
             first: Some(m),
             rest: None,
+            oversized: None,
         }
     }
 
@@ -1702,6 +1726,7 @@ impl<S: DgramSocket> Shared<S> {
                         peer.notify.notify_one();
                     }
                 },
+                |addr, prefix, len| self.note_oversized(addr, prefix, len, conn_reads),
             )
         })?;
         if direct > 0 {
@@ -1710,6 +1735,46 @@ impl<S: DgramSocket> Shared<S> {
                 .fetch_add(direct as u64, Ordering::Relaxed);
         }
         Ok((n, direct))
+    }
+}
+
+impl<S: DgramSocket> Shared<S> {
+    /// A datagram larger than `max_payload` from `addr`: its first bytes and length are kept
+    /// (the latest one per peer) for the peer's connection to take
+    /// ([`chunnel::PeerHandoff::take_oversized`]); from a new peer it starts a connection,
+    /// as any datagram does, so `accept` hands it out and the layer above can answer.
+    fn note_oversized(&self, addr: Option<S::Addr>, prefix: &[u8], len: usize, notify: bool) {
+        let Some(addr) = addr else {
+            return; // unnamed sender: no way to answer it
+        };
+        let ev = Box::new(chunnel::Oversized {
+            prefix: Bytes::copy_from_slice(prefix),
+            len,
+            limit: self.cfg.max_payload,
+        });
+        let mut d = lock(&self.demux);
+        if let Some(p) = d.peers.get(&addr) {
+            lock(&p.queue).oversized = Some(ev);
+            return;
+        }
+        if !self.listener_open.load(Ordering::Acquire) || d.backlog.len() >= self.cfg.backlog {
+            self.stats
+                .dropped_backlog_full
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let q = PeerQueue {
+            oversized: Some(ev),
+            ..PeerQueue::default()
+        };
+        let p = Arc::new(Peer::new(addr, q));
+        d.peers.insert(p.clone());
+        d.backlog.push_back(p);
+        drop(d);
+        if notify {
+            self.accept_notify.notify_one();
+        }
+        self.set_fresh(true);
     }
 }
 
@@ -2008,6 +2073,10 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
     /// As [`ServerConnection::close`]: the peer leaves the listener's table now.
     fn release(&self) {
         self.close();
+    }
+
+    fn take_oversized(&self) -> Option<chunnel::Oversized> {
+        lock(&self.peer.queue).oversized.take().map(|b| *b)
     }
 
     fn take_queued(&self) -> Option<Bytes> {

@@ -188,7 +188,11 @@ impl DgramAddr for UnixAddr {
 /// One received datagram's metadata.
 #[derive(Clone, Copy)]
 pub(crate) struct RecvMeta {
+    /// Bytes in the slot (at most the slot's size).
     pub(crate) len: usize,
+    /// The datagram's whole length (`MSG_TRUNC` makes the kernel report it): more than
+    /// `len` when the datagram did not fit its slot.
+    pub(crate) wire_len: usize,
     pub(crate) truncated: bool,
     pub(crate) addr: RawAddr,
 }
@@ -316,7 +320,9 @@ pub(crate) fn recv_batch(
             fd,
             sc.hdrs.as_mut_ptr(),
             count as libc::c_uint,
-            libc::MSG_DONTWAIT,
+            // MSG_TRUNC: each `msg_len` is the datagram's whole length, also when it was cut
+            // to its slot (UDP and Unix datagram sockets).
+            libc::MSG_DONTWAIT | libc::MSG_TRUNC,
             std::ptr::null_mut(),
         )
     };
@@ -342,8 +348,9 @@ pub(crate) fn recv_batch(
             }
             m.addr.len = alen as libc::socklen_t;
         }
-        m.len = (h.msg_len as usize).min(slot);
-        m.truncated = h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0;
+        m.wire_len = h.msg_len as usize;
+        m.len = m.wire_len.min(slot);
+        m.truncated = h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0 || m.wire_len > slot;
         sc.written.push(m.len);
     }
     Ok(n)
@@ -352,7 +359,7 @@ pub(crate) fn recv_batch(
 /// [`recv_batch`] of one datagram: `recvfrom` into slot 0, without the message headers
 /// (`recvmmsg` copies and checks a header and imports an iovec per call, and its loop and
 /// timeout handling run for one datagram too). A datagram longer than the slot comes back
-/// cut to the slot, whose spare byte (see `RxScratch`) shows it as oversize.
+/// cut to the slot, with its whole length in `wire_len`.
 fn recv_one(
     fd: RawFd,
     sc: &mut Scratch,
@@ -380,7 +387,8 @@ fn recv_one(
             fd,
             sc.buf.as_mut_ptr().cast(),
             slot,
-            libc::MSG_DONTWAIT,
+            // MSG_TRUNC: the return value is the datagram's whole length (see recv_batch).
+            libc::MSG_DONTWAIT | libc::MSG_TRUNC,
             addr_ptr,
             alen_ptr,
         )
@@ -402,8 +410,9 @@ fn recv_one(
         }
         m.addr.len = alen as libc::socklen_t;
     }
-    m.len = (r as usize).min(slot);
-    m.truncated = false;
+    m.wire_len = r as usize;
+    m.len = m.wire_len.min(slot);
+    m.truncated = m.wire_len > slot;
     sc.written.push(m.len);
     Ok(1)
 }
@@ -469,7 +478,9 @@ pub(crate) fn send_batch<M: AsRef<[u8]>>(
             fd,
             hdrs.as_mut_ptr().cast(),
             count as libc::c_uint,
-            libc::MSG_DONTWAIT,
+            // MSG_TRUNC: each `msg_len` is the datagram's whole length, also when it was cut
+            // to its slot (UDP and Unix datagram sockets).
+            libc::MSG_DONTWAIT | libc::MSG_TRUNC,
         )
     };
     if n < 0 {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Error, Listener};
+use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Error, Listener, PeerHandoff};
 use chunnel_net::{framed, tcp, udp, uds};
 use chunnel_test::{recv_n, spawn_echo};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -1111,8 +1111,10 @@ async fn tcp_truncated_frame_then_close_is_peer_closed() {
 }
 
 /// A datagram above the listener's `max_payload` (100) is dropped and counted, both from an
-/// unknown peer (it does not even create the connection) and from an accepted one; a normal
-/// datagram from the same peer right after is delivered.
+/// unknown peer and from an accepted one, but not silently: from an unknown peer it starts a
+/// connection, and the connection reports the latest one by its first 32 bytes and length
+/// (`PeerHandoff::take_oversized`); a normal datagram from the same peer right after is
+/// delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn udp_oversize_datagram_is_dropped_and_counted() {
     let cfg = udp::Config::default()
@@ -1139,12 +1141,23 @@ async fn udp_oversize_datagram_is_dropped_and_counted() {
     );
     assert_eq!(l.dropped().0, 2, "two oversize datagrams dropped");
     assert_eq!(l.peer_count(), 1);
+    assert_eq!(
+        s.take_oversized(),
+        Some(chunnel::Oversized {
+            prefix: Bytes::from_static(&[2u8; 32]),
+            len: 5000,
+            limit: 100,
+        }),
+        "the latest oversize datagram, by its first bytes and whole length"
+    );
+    assert_eq!(s.take_oversized(), None, "taken once");
 
     raw.send(&[4u8; 101]).await.expect("raw send");
     raw.send(b"small").await.expect("raw send");
     let got = within("recv", s.recv_one()).await.expect("recv");
     assert_eq!(&got[..], b"small");
     assert_eq!(l.dropped(), (3, 0, 0), "one more oversize datagram dropped");
+    assert_eq!(s.take_oversized().map(|o| o.len), Some(101));
 }
 
 /// The client side drops oversize datagrams too (`Connection::dropped_oversize`) and delivers

@@ -638,6 +638,10 @@ impl<C: chunnel::PeerHandoff> chunnel::PeerHandoff for Faulty<C> {
     fn release(&self) {
         self.inner.release()
     }
+
+    fn take_oversized(&self) -> Option<chunnel::Oversized> {
+        self.inner.take_oversized()
+    }
 }
 
 impl<C: SendHeader> SendHeader for Faulty<C> {

@@ -176,6 +176,34 @@ pub trait PeerHandoff {
     /// the peer sends afterwards starts a new connection). The default does nothing: the
     /// connection is freed when it is dropped.
     fn release(&self) {}
+
+    /// The latest message that arrived for this connection but was larger than it takes,
+    /// taken without waiting; `None` if there was none since the last call, or if the
+    /// connection cannot tell (the default). A datagram listener that reports these keeps
+    /// only the datagram's first bytes ([`Oversized::prefix`]), so a layer above can still
+    /// answer it (negotiation refuses a too-large hello by its first 11 bytes) instead of
+    /// the peer's message vanishing without a word.
+    fn take_oversized(&self) -> Option<Oversized> {
+        None
+    }
+}
+
+/// A message too large for the connection that received it: what is kept of it (see
+/// [`PeerHandoff::take_oversized`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Oversized {
+    /// The message's first bytes (at most [`Oversized::PREFIX`]).
+    pub prefix: bytes::Bytes,
+    /// The message's whole length in bytes, as the transport reported it (more than
+    /// `limit`).
+    pub len: usize,
+    /// The largest message the connection takes.
+    pub limit: usize,
+}
+
+impl Oversized {
+    /// Most bytes of an oversized message kept.
+    pub const PREFIX: usize = 32;
 }
 
 impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
@@ -189,5 +217,9 @@ impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
 
     fn release(&self) {
         (**self).release()
+    }
+
+    fn take_oversized(&self) -> Option<Oversized> {
+        (**self).take_oversized()
     }
 }

@@ -101,7 +101,7 @@ mod stack;
 
 pub use crate::boxed::{BoxChunnel, BoxConnection};
 pub use crate::chunnel::{Chunnel, ChunnelExt, Listener, Serve};
-pub use crate::connection::{ChunnelConnection, ConnectionExt, PeerHandoff, SendHeader};
+pub use crate::connection::{ChunnelConnection, ConnectionExt, Oversized, PeerHandoff, SendHeader};
 pub use crate::error::{BoxError, Error};
 pub use crate::layer::{Layer, LayerConnection, LayerState, Layered, OnSend};
 pub use crate::negotiate::{
