@@ -370,7 +370,7 @@ fn client_hello(pki: &Pki) -> Vec<u8> {
 #[tokio::test]
 async fn stalled_clients_time_out_without_blocking_others() {
     let pki = Pki::new();
-    let timeout = Duration::from_millis(400);
+    let timeout = Duration::from_secs(1);
     let cfg = server_cfg(&pki.server)
         .client_auth(pki.ca.roots())
         .handshake_timeout(timeout)
