@@ -18,6 +18,7 @@ command -v protoc >/dev/null 2>&1 || need_pkgs+=(protobuf-compiler)
 # clang builds the XDP program of chunnel-xdp; iproute2 gives the network-namespace tests `ip`.
 command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
 command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
+command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)  # chunnel-secure's interop tests
 if ((${#need_pkgs[@]})); then
   log "installing ${need_pkgs[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

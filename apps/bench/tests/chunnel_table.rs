@@ -52,6 +52,20 @@ fn row(c: &dyn Negotiate, crate_name: &str, kind: &str, host_specific: &[&str]) 
     )
 }
 
+/// A TLS client Chunnel (its trust roots do not matter for the table).
+fn tls_connect(addr: SocketAddr) -> chunnel_secure::tls::Connect {
+    use chunnel_secure::rustls;
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("TLS 1.3 with ring")
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let cfg = chunnel_secure::ClientConfig::from_rustls(std::sync::Arc::new(cfg), "localhost")
+        .expect("a valid server name");
+    chunnel_secure::tls::Connect::new(addr, cfg)
+}
+
 fn table() -> String {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 9));
     let v4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9);
@@ -68,6 +82,12 @@ fn table() -> String {
             &tcp::Connect::new(addr),
             "chunnel-net",
             "datapath: kernel TCP (length-framed)",
+            &[],
+        ),
+        row(
+            &tls_connect(addr),
+            "chunnel-secure",
+            "datapath: TLS 1.3 over TCP (length-framed, rustls)",
             &[],
         ),
         row(

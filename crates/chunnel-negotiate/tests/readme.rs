@@ -91,6 +91,7 @@ fn crate_doc_examples_use_published_crates_and_are_not_ignored() {
         "chunnel-net",
         "chunnel-negotiate",
         "chunnel-rendezvous",
+        "chunnel-secure",
         "chunnel-shm",
         "chunnel-std",
         "chunnel-uring",

@@ -80,7 +80,10 @@ where
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send,
 {
-    pub(crate) fn new(rd: R, wr: W, cfg: &Config, peer: String) -> Self {
+    /// Frames messages over a byte stream given as its read and write halves (`peer` names
+    /// the other end in errors). Any ordered reliable stream works: a TCP or Unix socket, or
+    /// a TLS session over one (`chunnel-secure` builds its TLS datapath this way).
+    pub fn new(rd: R, wr: W, cfg: &Config, peer: String) -> Self {
         Connection {
             rd: Mutex::new(ReadState {
                 io: rd,

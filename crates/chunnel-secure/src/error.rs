@@ -1,0 +1,228 @@
+//! The crate's error type.
+
+use std::time::Duration;
+
+use rustls::{AlertDescription, CertificateError};
+
+/// Which end of the connection found the problem.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DetectedBy {
+    /// This end checked the peer and refused it.
+    Local,
+    /// The peer refused this end and said why in a TLS alert.
+    Peer,
+}
+
+/// Errors of the secure datapaths.
+///
+/// Every handshake failure is one of these, carried in [`chunnel::Error::Layer`] (from
+/// `connect_wrap` and [`crate::tls::Listener::accept_client`]) or, when it surfaces on a
+/// live connection (a TLS 1.3 server refuses a client certificate after the client's
+/// handshake has finished, so the client learns it on its first `recv`), inside
+/// [`chunnel::Error::Io`]. [`Error::find`] finds it in either.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A certificate of the chain has expired (or is not valid yet).
+    #[error("certificate of {peer} has expired or is not yet valid (detected by {by:?}): {detail}")]
+    CertificateExpired {
+        /// The peer's address.
+        peer: String,
+        /// Which end refused the certificate.
+        by: DetectedBy,
+        /// rustls's description.
+        detail: String,
+    },
+    /// The server's certificate is not valid for the name the client asked for.
+    #[error(
+        "certificate of {peer} is not valid for the expected name (detected by {by:?}): {detail}"
+    )]
+    WrongName {
+        /// The peer's address.
+        peer: String,
+        /// Which end refused the certificate.
+        by: DetectedBy,
+        /// The expected name and the names presented, as rustls reports them.
+        detail: String,
+    },
+    /// The certificate chain does not lead to a trusted root (unknown or untrusted CA).
+    #[error("certificate of {peer} is not issued by a trusted CA (detected by {by:?})")]
+    UnknownCa {
+        /// The peer's address.
+        peer: String,
+        /// Which end refused the certificate.
+        by: DetectedBy,
+    },
+    /// The server requires a client certificate and the client sent none.
+    #[error("the server requires a client certificate and {peer} sent none (detected by {by:?})")]
+    MissingClientCertificate {
+        /// The peer's address.
+        peer: String,
+        /// `Local` on the server; `Peer` on a client told so by the server.
+        by: DetectedBy,
+    },
+    /// Another certificate problem (bad signature, wrong key usage, revoked...).
+    #[error("certificate of {peer} refused (detected by {by:?}): {detail}")]
+    BadCertificate {
+        /// The peer's address.
+        peer: String,
+        /// Which end refused the certificate.
+        by: DetectedBy,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The handshake did not finish within the configured time (a peer that stalls, sends
+    /// half a handshake, or nothing at all).
+    #[error("TLS handshake with {peer} did not finish within {after:?}")]
+    HandshakeTimeout {
+        /// The peer's address.
+        peer: String,
+        /// The timeout that elapsed.
+        after: Duration,
+    },
+    /// The peer sent bytes that are not TLS (garbage instead of a handshake, a plaintext
+    /// protocol, or corrupt records).
+    #[error("{peer} did not speak TLS: {detail}")]
+    NotTls {
+        /// The peer's address.
+        peer: String,
+        /// What rustls could not parse.
+        detail: String,
+    },
+    /// The peer closed the TCP connection in the middle of the handshake.
+    #[error("{peer} closed the connection during the TLS handshake")]
+    HandshakeEof {
+        /// The peer's address.
+        peer: String,
+    },
+    /// An operating-system error during the handshake.
+    #[error("i/o error during the TLS handshake with {peer}: {source}")]
+    HandshakeIo {
+        /// The peer's address.
+        peer: String,
+        /// The operating-system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Any other TLS failure (incompatible peer, decryption failure, misbehaving peer...).
+    #[error("TLS with {peer} failed: {source}")]
+    Tls {
+        /// The peer's address.
+        peer: String,
+        /// rustls's error.
+        #[source]
+        source: rustls::Error,
+    },
+    /// Certificates, keys or names given to the configuration are unusable.
+    #[error("bad TLS configuration: {what}")]
+    Config {
+        /// What was wrong.
+        what: String,
+    },
+}
+
+impl Error {
+    /// The typed TLS error of `peer` for a rustls error.
+    pub(crate) fn from_rustls(peer: &str, e: rustls::Error) -> Self {
+        use DetectedBy::{Local, Peer};
+        let peer = peer.to_string();
+        match e {
+            rustls::Error::InvalidCertificate(c) => match c {
+                CertificateError::Expired
+                | CertificateError::ExpiredContext { .. }
+                | CertificateError::NotValidYet
+                | CertificateError::NotValidYetContext { .. } => Error::CertificateExpired {
+                    peer,
+                    by: Local,
+                    detail: format!("{c:?}"),
+                },
+                CertificateError::NotValidForName
+                | CertificateError::NotValidForNameContext { .. } => Error::WrongName {
+                    peer,
+                    by: Local,
+                    detail: format!("{c:?}"),
+                },
+                CertificateError::UnknownIssuer => Error::UnknownCa { peer, by: Local },
+                other => Error::BadCertificate {
+                    peer,
+                    by: Local,
+                    detail: format!("{other:?}"),
+                },
+            },
+            rustls::Error::NoCertificatesPresented => {
+                Error::MissingClientCertificate { peer, by: Local }
+            }
+            rustls::Error::AlertReceived(a) => match a {
+                AlertDescription::CertificateRequired => {
+                    Error::MissingClientCertificate { peer, by: Peer }
+                }
+                AlertDescription::UnknownCA => Error::UnknownCa { peer, by: Peer },
+                AlertDescription::CertificateExpired => Error::CertificateExpired {
+                    peer,
+                    by: Peer,
+                    detail: "certificate_expired alert".into(),
+                },
+                AlertDescription::BadCertificate
+                | AlertDescription::UnsupportedCertificate
+                | AlertDescription::CertificateRevoked
+                | AlertDescription::CertificateUnknown => Error::BadCertificate {
+                    peer,
+                    by: Peer,
+                    detail: format!("{a:?} alert"),
+                },
+                other => Error::Tls {
+                    peer,
+                    source: rustls::Error::AlertReceived(other),
+                },
+            },
+            rustls::Error::InvalidMessage(m) => Error::NotTls {
+                peer,
+                detail: format!("{m:?}"),
+            },
+            e @ (rustls::Error::InappropriateMessage { .. }
+            | rustls::Error::InappropriateHandshakeMessage { .. }) => Error::NotTls {
+                peer,
+                detail: e.to_string(),
+            },
+            source => Error::Tls { peer, source },
+        }
+    }
+
+    /// The typed TLS error of `peer` behind an I/O error from a TLS stream, if there is one.
+    pub(crate) fn from_stream_io(peer: &str, e: &std::io::Error) -> Option<Self> {
+        let inner = e.get_ref()?;
+        if let Some(r) = inner.downcast_ref::<rustls::Error>() {
+            return Some(Error::from_rustls(peer, r.clone()));
+        }
+        None
+    }
+
+    /// Finds this crate's error in a [`chunnel::Error`]: directly in
+    /// [`chunnel::Error::Layer`], or inside the I/O error of [`chunnel::Error::Io`] (how a
+    /// TLS failure on a live connection reaches `recv` and `send`), or anywhere in the
+    /// `source` chain.
+    pub fn find(e: &chunnel::Error) -> Option<&Error> {
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(err) = cur {
+            if let Some(found) = err.downcast_ref::<Error>() {
+                return Some(found);
+            }
+            if let Some(io) = err.downcast_ref::<std::io::Error>()
+                && let Some(found) = io.get_ref().and_then(|i| i.downcast_ref::<Error>())
+            {
+                return Some(found);
+            }
+            cur = err.source();
+        }
+        None
+    }
+}
+
+impl From<Error> for chunnel::Error {
+    fn from(e: Error) -> Self {
+        chunnel::Error::Layer {
+            layer: crate::tls::ID,
+            source: Box::new(e),
+        }
+    }
+}
