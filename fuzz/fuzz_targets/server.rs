@@ -71,8 +71,36 @@ static SERVERS: LazyLock<[Server; 2]> = LazyLock::new(|| {
 fuzz_target!(|msg: &[u8]| {
     for server in SERVERS.iter() {
         check(server, msg);
+        check_oversized(server, msg);
     }
+    check_close(msg);
 });
+
+/// The answer to a datagram too large for the listener, of which only the first 32 bytes
+/// were kept: a hello prefix gets a too-large REJECT that decodes and names the sizes;
+/// anything else gets no answer.
+fn check_oversized(server: &Server, msg: &[u8]) {
+    let prefix = &msg[..msg.len().min(32)];
+    let len = msg.len() + 512;
+    match server.handle_oversized(prefix, len, 512) {
+        None => assert!(prefix.first() != Some(&(Tag::Hello as u8))),
+        Some(Decision::Reject { reject, response }) => {
+            assert_eq!(reject.reason, RejectReason::TooLarge);
+            assert_eq!(decode_control(&response), Ok(Control::Reject(reject)));
+        }
+        Some(Decision::Accept { .. }) => panic!("accepted an oversized hello"),
+    }
+}
+
+/// A CLOSE ends a connection only if it is well formed and names that connection, and then
+/// it is the exact bytes `close_message` makes.
+fn check_close(msg: &[u8]) {
+    for id in [0u64, 1, 0x0123_4567_89ab_cdef] {
+        if chunnel_negotiate::proto::close_ends(msg, id) {
+            assert_eq!(&chunnel_negotiate::proto::close_message(id)[..], msg);
+        }
+    }
+}
 
 fn check(server: &Server, msg: &[u8]) {
     let decision = server.handle_hello(msg);
