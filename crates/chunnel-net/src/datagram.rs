@@ -57,7 +57,18 @@ pub struct Config {
     /// one was pending (messages received but not yet read count as activity). One task
     /// per listener checks, so a connection carries no timer. `None` keeps it until dropped.
     pub idle_timeout: Option<Duration>,
+    /// Most peers a listener keeps state for (accepted connections and new peers waiting
+    /// for `accept`); default 16,384. At the cap, a datagram from a new address evicts the
+    /// oldest peer still waiting for `accept` (never handed out), or is dropped and counted
+    /// ([`Listener::peer_cap_stats`]) if there is none: accepted connections are never
+    /// evicted by new peers. While more than half the cap is in use, new peers that waited
+    /// for `accept` longer than [`SILENT_GRACE`] are evicted first.
+    pub max_peers: usize,
 }
+
+/// How long a new peer may wait for `accept` while the listener's peer table is more than
+/// half full ([`Config::max_peers`]) before a datagram from another new peer evicts it.
+pub const SILENT_GRACE: Duration = Duration::from_secs(1);
 
 impl Config {
     pub(crate) fn with_max_payload(max_payload: usize) -> Self {
@@ -67,7 +78,14 @@ impl Config {
             peer_queue: 1024,
             backlog: 128,
             idle_timeout: Some(Duration::from_secs(60)),
+            max_peers: 16_384,
         }
+    }
+
+    /// Sets [`Config::max_peers`] (at least 1).
+    pub fn with_max_peers(mut self, n: usize) -> Self {
+        self.max_peers = n.max(1);
+        self
     }
 
     /// Sets [`Config::max_payload`].
@@ -389,6 +407,10 @@ pub(crate) struct Stats {
     pub(crate) dropped_oversize: AtomicU64,
     pub(crate) dropped_queue_full: AtomicU64,
     pub(crate) dropped_backlog_full: AtomicU64,
+    /// Datagrams from new peers dropped at [`Config::max_peers`] (no evictable peer).
+    pub(crate) dropped_peer_cap: AtomicU64,
+    /// New peers evicted before `accept` took them (at the cap, or silent under pressure).
+    pub(crate) evicted_unaccepted: AtomicU64,
     /// Datagrams a connection read for itself, straight into its slots.
     pub(crate) direct: AtomicU64,
     /// Datagrams sorted into a peer queue (read by another task, or while older ones wait).
@@ -1683,12 +1705,7 @@ impl<S: DgramSocket> Shared<S> {
                     let peer = match d.peers.get(&addr) {
                         Some(p) => p.clone(),
                         None => {
-                            if !self.listener_open.load(Ordering::Acquire)
-                                || d.backlog.len() >= self.cfg.backlog
-                            {
-                                self.stats
-                                    .dropped_backlog_full
-                                    .fetch_add(1, Ordering::Relaxed);
+                            if !self.admit_new(&mut d) {
                                 return;
                             }
                             // Nobody waits on a new peer's queue yet.
@@ -1701,7 +1718,7 @@ impl<S: DgramSocket> Shared<S> {
                                     .dropped_queue_full
                                     .fetch_add(1, Ordering::Relaxed);
                             }
-                            let p = Arc::new(Peer::new(addr, q));
+                            let p = self.new_peer(addr, q);
                             d.peers.insert(p.clone());
                             d.backlog.push_back(p);
                             drop(d);
@@ -1739,6 +1756,62 @@ impl<S: DgramSocket> Shared<S> {
 }
 
 impl<S: DgramSocket> Shared<S> {
+    /// Whether a datagram from a new address may start a peer (demux lock held), making
+    /// room first: while the table is more than half full, peers that waited for `accept`
+    /// longer than [`SILENT_GRACE`] are evicted; at [`Config::max_peers`], the oldest peer
+    /// still waiting for `accept` is, or the datagram is dropped and counted. Accepted
+    /// connections are never evicted here.
+    fn admit_new(&self, d: &mut Demux<S::Addr>) -> bool {
+        if !self.listener_open.load(Ordering::Acquire) {
+            self.stats
+                .dropped_backlog_full
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        let cap = self.cfg.max_peers;
+        if d.peers.len() > cap / 2 {
+            let now = self.nanos_now();
+            let grace = nanos(SILENT_GRACE);
+            while let Some(p) = d.backlog.front() {
+                if p.last_rx.load(Ordering::Relaxed).saturating_add(grace) > now {
+                    break;
+                }
+                self.evict_front(d);
+            }
+        }
+        if d.peers.len() >= cap && !self.evict_front(d) {
+            self.stats.dropped_peer_cap.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        if d.backlog.len() >= self.cfg.backlog {
+            self.stats
+                .dropped_backlog_full
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Evicts the oldest peer waiting for `accept` (demux lock held); whether there was one.
+    fn evict_front(&self, d: &mut Demux<S::Addr>) -> bool {
+        let Some(p) = d.backlog.pop_front() else {
+            return false;
+        };
+        d.leave(&p);
+        self.stats
+            .evicted_unaccepted
+            .fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// A new peer's state, stamped with its arrival (the grace under pressure counts from
+    /// it; `accept` restamps it for the idle sweep).
+    fn new_peer(&self, addr: S::Addr, q: PeerQueue) -> Arc<Peer<S::Addr>> {
+        let p = Peer::new(addr, q);
+        p.last_rx.store(self.nanos_now(), Ordering::Relaxed);
+        Arc::new(p)
+    }
+
     /// A datagram larger than `max_payload` from `addr`: its first bytes and length are kept
     /// (the latest one per peer) for the peer's connection to take
     /// ([`chunnel::PeerHandoff::take_oversized`]); from a new peer it starts a connection,
@@ -1757,17 +1830,14 @@ impl<S: DgramSocket> Shared<S> {
             lock(&p.queue).oversized = Some(ev);
             return;
         }
-        if !self.listener_open.load(Ordering::Acquire) || d.backlog.len() >= self.cfg.backlog {
-            self.stats
-                .dropped_backlog_full
-                .fetch_add(1, Ordering::Relaxed);
+        if !self.admit_new(&mut d) {
             return;
         }
         let q = PeerQueue {
             oversized: Some(ev),
             ..PeerQueue::default()
         };
-        let p = Arc::new(Peer::new(addr, q));
+        let p = self.new_peer(addr, q);
         d.peers.insert(p.clone());
         d.backlog.push_back(p);
         drop(d);
@@ -1878,6 +1948,16 @@ impl<S: DgramSocket> Listener<S> {
             s.dropped_oversize.load(Ordering::Relaxed),
             s.dropped_queue_full.load(Ordering::Relaxed),
             s.dropped_backlog_full.load(Ordering::Relaxed),
+        )
+    }
+
+    /// What [`Config::max_peers`] did so far: (new peers evicted before `accept` took them,
+    /// datagrams from new peers dropped at the cap with no peer to evict).
+    pub fn peer_cap_stats(&self) -> (u64, u64) {
+        let s = &self.shared.stats;
+        (
+            s.evicted_unaccepted.load(Ordering::Relaxed),
+            s.dropped_peer_cap.load(Ordering::Relaxed),
         )
     }
 }
