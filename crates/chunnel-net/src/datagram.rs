@@ -2159,6 +2159,11 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
         lock(&self.peer.queue).oversized.take().map(|b| *b)
     }
 
+    /// More than half of [`Config::max_peers`] in use.
+    fn crowded(&self) -> bool {
+        lock(&self.shared.demux).peers.len() > self.shared.cfg.max_peers / 2
+    }
+
     fn take_queued(&self) -> Option<Bytes> {
         let m = lock(&self.peer.queue).pop_front()?;
         self.peer

@@ -186,6 +186,14 @@ pub trait PeerHandoff {
     fn take_oversized(&self) -> Option<Oversized> {
         None
     }
+
+    /// Whether the listener holding this connection is short of room for new peers (a
+    /// datagram listener over half its peer cap): a layer still waiting for this
+    /// connection's first valid message should give up soon rather than hold the room for
+    /// its full timeout. `false` (the default) when the connection cannot tell.
+    fn crowded(&self) -> bool {
+        false
+    }
 }
 
 /// A message too large for the connection that received it: what is kept of it (see
@@ -221,5 +229,9 @@ impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
 
     fn take_oversized(&self) -> Option<Oversized> {
         (**self).take_oversized()
+    }
+
+    fn crowded(&self) -> bool {
+        (**self).crowded()
     }
 }
