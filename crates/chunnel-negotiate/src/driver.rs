@@ -1079,12 +1079,17 @@ async fn recv_hello<C: ChunnelConnection<Data = Bytes> + PeerHandoff>(
     match poll_once(recv.as_mut()).await {
         Poll::Ready(r) => r,
         Poll::Pending => {
+            // Nothing valid from this peer yet: a full listener may end it for a new peer.
+            base.mark_silent(true);
             let start = tokio::time::Instant::now();
             let end = start + wait;
             loop {
                 let step = end.min(tokio::time::Instant::now() + CROWDED_HELLO_WAIT);
                 match tokio::time::timeout_at(step, recv.as_mut()).await {
-                    Ok(r) => break r,
+                    Ok(r) => {
+                        base.mark_silent(false);
+                        break r;
+                    }
                     Err(_) if step >= end || base.crowded() => {
                         return Err(Error::NoHello(start.elapsed()));
                     }

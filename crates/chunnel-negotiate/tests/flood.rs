@@ -1,7 +1,7 @@
 //! Negotiating clients during a flood of new source addresses (issue 20, item 4), over real
 //! loopback UDP: the server's listener has a small peer cap (`max_peers`); the flood's peers
-//! send nothing valid, so the server gives them up early while crowded
-//! (`CROWDED_HELLO_WAIT`); the peer table never exceeds the cap and every well-behaved
+//! send nothing valid, so the server marks them silent (a new peer evicts them at the cap)
+//! and gives them up early while crowded (`CROWDED_HELLO_WAIT`); the peer table never exceeds the cap and every well-behaved
 //! client started during the flood connects (its hello retransmissions cover the drops).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -95,7 +95,8 @@ async fn negotiated_clients_connect_during_a_flood_and_peers_stay_under_the_cap(
                         served.fetch_add(1, Ordering::Relaxed);
                         conns.push(c);
                     }
-                    Err(Error::NoHello(_)) => {
+                    // Given up while crowded, or evicted for a new peer at the cap.
+                    Err(Error::NoHello(_) | Error::Chunnel(CErr::PeerClosed)) => {
                         no_hello.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(e) => panic!("server: {e}"),

@@ -12,6 +12,9 @@
 //! * Dropping or closing a server-side connection removes its peer state; an idle timeout
 //!   (default 60 s) ends connections whose peer went away without a word, since datagram
 //!   sockets carry no close signal.
+//! * The peers a listener keeps are capped ([`Config::max_peers`]): at the cap a new source
+//!   evicts a peer nobody accepted yet or an accepted one marked silent, or is dropped and
+//!   counted ([`Listener::peer_cap_stats`]).
 
 // `DgramSocket` is deliberately crate-private (a sealed trait): users name the concrete types
 // (`udp::Connection`, `uds::DatagramListener`...), never the trait.
@@ -59,9 +62,11 @@ pub struct Config {
     pub idle_timeout: Option<Duration>,
     /// Most peers a listener keeps state for (accepted connections and new peers waiting
     /// for `accept`); default 16,384. At the cap, a datagram from a new address evicts the
-    /// oldest peer still waiting for `accept` (never handed out), or is dropped and counted
-    /// ([`Listener::peer_cap_stats`]) if there is none: accepted connections are never
-    /// evicted by new peers. While more than half the cap is in use, new peers that waited
+    /// oldest peer still waiting for `accept` (never handed out), else the accepted
+    /// connection marked silent longest ago ([`chunnel::PeerHandoff::mark_silent`]: the
+    /// layer above saw nothing valid from it yet), or is dropped and counted
+    /// ([`Listener::peer_cap_stats`]) if there is neither: other accepted connections are
+    /// never evicted by new peers. While more than half the cap is in use, new peers that waited
     /// for `accept` longer than [`SILENT_GRACE`] are evicted first.
     pub max_peers: usize,
 }
@@ -409,8 +414,9 @@ pub(crate) struct Stats {
     pub(crate) dropped_backlog_full: AtomicU64,
     /// Datagrams from new peers dropped at [`Config::max_peers`] (no evictable peer).
     pub(crate) dropped_peer_cap: AtomicU64,
-    /// New peers evicted before `accept` took them (at the cap, or silent under pressure).
-    pub(crate) evicted_unaccepted: AtomicU64,
+    /// Peers evicted to make room: new ones `accept` had not taken (at the cap, or past the
+    /// grace under pressure) and, at the cap, accepted ones still marked silent.
+    pub(crate) evicted: AtomicU64,
     /// Datagrams a connection read for itself, straight into its slots.
     pub(crate) direct: AtomicU64,
     /// Datagrams sorted into a peer queue (read by another task, or while older ones wait).
@@ -954,6 +960,9 @@ struct Peer<A> {
     idled: AtomicBool,
     /// When a message was last handed to the connection, in [`Shared::nanos_now`] units.
     last_rx: AtomicU64,
+    /// Marked by the layer above as not having sent anything valid yet
+    /// ([`chunnel::PeerHandoff::mark_silent`]): at the cap, a new peer may evict it.
+    silent: AtomicBool,
     /// How many receives of this connection wait for the reader's place (listed once in
     /// [`Shared::vacancy`] while any do); reset by the reader that offers it the place.
     wants_place: AtomicU32,
@@ -1015,6 +1024,7 @@ impl<A> Peer<A> {
             notify: Notify::new(),
             closed: AtomicBool::new(false),
             idled: AtomicBool::new(false),
+            silent: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
             wants_place: AtomicU32::new(0),
         }
@@ -1139,6 +1149,9 @@ impl<A: DgramAddr> PeerMap<A> {
 struct Demux<A> {
     peers: PeerMap<A>,
     backlog: VecDeque<Arc<Peer<A>>>,
+    /// Accepted connections marked silent, oldest mark first (entries of connections gone,
+    /// closed or no longer silent are skipped when met; pruned at twice the peer cap).
+    silent: VecDeque<std::sync::Weak<Peer<A>>>,
 }
 
 impl<A: DgramAddr> Demux<A> {
@@ -1792,15 +1805,29 @@ impl<S: DgramSocket> Shared<S> {
         true
     }
 
-    /// Evicts the oldest peer waiting for `accept` (demux lock held); whether there was one.
+    /// Evicts the oldest peer waiting for `accept`, or else the accepted connection marked
+    /// silent longest (its next `recv` reports [`Error::PeerClosed`]), demux lock held;
+    /// whether there was one.
     fn evict_front(&self, d: &mut Demux<S::Addr>) -> bool {
-        let Some(p) = d.backlog.pop_front() else {
-            return false;
-        };
-        d.leave(&p);
-        self.stats
-            .evicted_unaccepted
-            .fetch_add(1, Ordering::Relaxed);
+        if let Some(p) = d.backlog.pop_front() {
+            d.leave(&p);
+        } else {
+            let p = loop {
+                let Some(w) = d.silent.pop_front() else {
+                    return false;
+                };
+                if let Some(p) = w.upgrade()
+                    && p.silent.load(Ordering::Acquire)
+                    && !p.closed.load(Ordering::Acquire)
+                {
+                    break p;
+                }
+            };
+            p.idled.store(true, Ordering::Release);
+            d.leave(&p);
+            p.notify.notify_waiters();
+        }
+        self.stats.evicted.fetch_add(1, Ordering::Relaxed);
         true
     }
 
@@ -1892,6 +1919,7 @@ impl<S: DgramSocket> Listener<S> {
                 demux: Mutex::new(Demux {
                     peers: PeerMap::new(),
                     backlog: VecDeque::new(),
+                    silent: VecDeque::new(),
                 }),
                 rx: Mutex::new(RxScratch::new(MAX_BATCH)),
                 accept_notify: Notify::new(),
@@ -1951,12 +1979,13 @@ impl<S: DgramSocket> Listener<S> {
         )
     }
 
-    /// What [`Config::max_peers`] did so far: (new peers evicted before `accept` took them,
-    /// datagrams from new peers dropped at the cap with no peer to evict).
+    /// What [`Config::max_peers`] did so far: (peers evicted to admit new ones: waiting for
+    /// `accept`, or accepted and marked silent; datagrams from new peers dropped at the cap
+    /// with no peer to evict).
     pub fn peer_cap_stats(&self) -> (u64, u64) {
         let s = &self.shared.stats;
         (
-            s.evicted_unaccepted.load(Ordering::Relaxed),
+            s.evicted.load(Ordering::Relaxed),
             s.dropped_peer_cap.load(Ordering::Relaxed),
         )
     }
@@ -2157,6 +2186,24 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
 
     fn take_oversized(&self) -> Option<chunnel::Oversized> {
         lock(&self.peer.queue).oversized.take().map(|b| *b)
+    }
+
+    /// A silent connection is listed; at [`Config::max_peers`], with no new peer waiting for
+    /// `accept`, a new peer evicts the one marked longest ago.
+    fn mark_silent(&self, silent: bool) {
+        let was = self.peer.silent.swap(silent, Ordering::AcqRel);
+        if silent && !was {
+            let cap = self.shared.cfg.max_peers;
+            let mut d = lock(&self.shared.demux);
+            if d.silent.len() >= cap.saturating_mul(2) {
+                d.silent.retain(|w| {
+                    w.upgrade().is_some_and(|p| {
+                        p.silent.load(Ordering::Acquire) && !p.closed.load(Ordering::Acquire)
+                    })
+                });
+            }
+            d.silent.push_back(Arc::downgrade(&self.peer));
+        }
     }
 
     /// More than half of [`Config::max_peers`] in use.

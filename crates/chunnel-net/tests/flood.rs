@@ -208,3 +208,65 @@ async fn waiting_peers_past_the_grace_are_evicted_under_pressure() {
     assert_eq!(l.peer_count(), 2, "the keeper and the newest peer");
     assert_eq!(l.peer_cap_stats(), ((CAP * 3 / 4) as u64, 0));
 }
+
+/// At the cap with nobody waiting for `accept`, a new source evicts the accepted connection
+/// marked silent longest ago (`PeerHandoff::mark_silent`), whose `recv` then reports
+/// `PeerClosed`; connections not marked (or unmarked again) stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_cap_a_new_source_evicts_the_longest_silent_accepted_connection() {
+    use chunnel::PeerHandoff;
+    let cfg = udp::Config::default().with_max_peers(4);
+    let mut l = udp::Listener::bind_with("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut socks = Vec::new();
+    let mut conns = Vec::new();
+    for _ in 0..4 {
+        let s = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        s.send_to(b"x", addr).await.unwrap();
+        socks.push(s);
+        let c = l.accept().await.unwrap();
+        assert_eq!(c.recv_one().await.unwrap(), "x");
+        conns.push(c);
+    }
+    conns[2].mark_silent(true);
+    conns[1].mark_silent(true);
+    conns[3].mark_silent(true);
+    conns[3].mark_silent(false);
+    let late = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    late.send_to(b"late", addr).await.unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(5), l.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(*c.peer_addr(), late.local_addr().unwrap());
+    assert_eq!(l.peer_count(), 4);
+    assert_eq!(l.peer_cap_stats(), (1, 0));
+    assert!(matches!(
+        conns[2].recv_one().await,
+        Err(chunnel::Error::PeerClosed)
+    ));
+    // Full again, and the only silent connection left is conns[1].
+    let later = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    later.send_to(b"later", addr).await.unwrap();
+    let c2 = tokio::time::timeout(Duration::from_secs(5), l.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(*c2.peer_addr(), later.local_addr().unwrap());
+    assert!(matches!(
+        conns[1].recv_one().await,
+        Err(chunnel::Error::PeerClosed)
+    ));
+    // Nobody silent is left: the next new source is dropped at the cap.
+    let last = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    last.send_to(b"last", addr).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), l.accept())
+            .await
+            .is_err()
+    );
+    assert_eq!(l.peer_cap_stats(), (2, 1));
+    assert_eq!(l.peer_count(), 4);
+}

@@ -643,6 +643,10 @@ impl<C: chunnel::PeerHandoff> chunnel::PeerHandoff for Faulty<C> {
         self.inner.take_oversized()
     }
 
+    fn mark_silent(&self, silent: bool) {
+        self.inner.mark_silent(silent)
+    }
+
     fn crowded(&self) -> bool {
         self.inner.crowded()
     }

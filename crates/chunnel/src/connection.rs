@@ -187,6 +187,12 @@ pub trait PeerHandoff {
         None
     }
 
+    /// Marks this connection as not having received anything valid yet (`true`: a layer
+    /// above is still waiting for its first valid message) or as past that (`false`). A
+    /// datagram listener at its peer cap may end a connection so marked (its next `recv`
+    /// reports [`Error::PeerClosed`]) to admit a new peer. The default does nothing.
+    fn mark_silent(&self, _silent: bool) {}
+
     /// Whether the listener holding this connection is short of room for new peers (a
     /// datagram listener over half its peer cap): a layer still waiting for this
     /// connection's first valid message should give up soon rather than hold the room for
@@ -229,6 +235,10 @@ impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
 
     fn take_oversized(&self) -> Option<Oversized> {
         (**self).take_oversized()
+    }
+
+    fn mark_silent(&self, silent: bool) {
+        (**self).mark_silent(silent)
     }
 
     fn crowded(&self) -> bool {
