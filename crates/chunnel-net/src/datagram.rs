@@ -963,6 +963,9 @@ struct Peer<A> {
     /// Marked by the layer above as not having sent anything valid yet
     /// ([`chunnel::PeerHandoff::mark_silent`]): at the cap, a new peer may evict it.
     silent: AtomicBool,
+    /// Listed in [`Demux::silent`] (changed under the demux lock only), so that marking a
+    /// connection again does not list it twice.
+    silent_listed: AtomicBool,
     /// How many receives of this connection wait for the reader's place (listed once in
     /// [`Shared::vacancy`] while any do); reset by the reader that offers it the place.
     wants_place: AtomicU32,
@@ -1025,6 +1028,7 @@ impl<A> Peer<A> {
             closed: AtomicBool::new(false),
             idled: AtomicBool::new(false),
             silent: AtomicBool::new(false),
+            silent_listed: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
             wants_place: AtomicU32::new(0),
         }
@@ -1816,11 +1820,11 @@ impl<S: DgramSocket> Shared<S> {
                 let Some(w) = d.silent.pop_front() else {
                     return false;
                 };
-                if let Some(p) = w.upgrade()
-                    && p.silent.load(Ordering::Acquire)
-                    && !p.closed.load(Ordering::Acquire)
-                {
-                    break p;
+                if let Some(p) = w.upgrade() {
+                    p.silent_listed.store(false, Ordering::Relaxed);
+                    if p.silent.load(Ordering::Acquire) && !p.closed.load(Ordering::Acquire) {
+                        break p;
+                    }
                 }
             };
             p.idled.store(true, Ordering::Release);
@@ -2169,7 +2173,7 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
             && d.backlog.len() < sh.cfg.backlog
             && !d.peers.contains(&self.peer.addr);
         if admitted {
-            let p = Arc::new(Peer::new(self.peer.addr.clone(), PeerQueue::one(first)));
+            let p = sh.new_peer(self.peer.addr.clone(), PeerQueue::one(first));
             d.peers.insert(p.clone());
             d.backlog.push_back(p);
             sh.accept_notify.notify_one();
@@ -2191,19 +2195,30 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
     /// A silent connection is listed; at [`Config::max_peers`], with no new peer waiting for
     /// `accept`, a new peer evicts the one marked longest ago.
     fn mark_silent(&self, silent: bool) {
-        let was = self.peer.silent.swap(silent, Ordering::AcqRel);
-        if silent && !was {
-            let cap = self.shared.cfg.max_peers;
-            let mut d = lock(&self.shared.demux);
-            if d.silent.len() >= cap.saturating_mul(2) {
-                d.silent.retain(|w| {
-                    w.upgrade().is_some_and(|p| {
-                        p.silent.load(Ordering::Acquire) && !p.closed.load(Ordering::Acquire)
-                    })
-                });
-            }
-            d.silent.push_back(Arc::downgrade(&self.peer));
+        self.peer.silent.store(silent, Ordering::Release);
+        if !silent {
+            return; // its entry, if any, is skipped or pruned when met
         }
+        let cap = self.shared.cfg.max_peers;
+        let mut d = lock(&self.shared.demux);
+        if self.peer.silent_listed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        // Entries of connections gone, closed or no longer silent are dropped at twice the
+        // cap (each live connection is listed at most once, so the list stays under it).
+        if d.silent.len() >= cap.saturating_mul(2) {
+            d.silent.retain(|w| {
+                w.upgrade().is_some_and(|p| {
+                    let keep =
+                        p.silent.load(Ordering::Acquire) && !p.closed.load(Ordering::Acquire);
+                    if !keep {
+                        p.silent_listed.store(false, Ordering::Relaxed);
+                    }
+                    keep
+                })
+            });
+        }
+        d.silent.push_back(Arc::downgrade(&self.peer));
     }
 
     /// More than half of [`Config::max_peers`] in use.
