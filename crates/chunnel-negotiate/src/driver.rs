@@ -33,7 +33,10 @@ use crate::wire::{Tag, ZeroRtt};
 pub struct Config {
     /// Retransmission and size limits of the client's hello.
     pub timing: Timing,
-    /// How long a server waits for the hello on a new base connection.
+    /// How long a server waits for the hello on a new base connection. While the base
+    /// listener is crowded ([`chunnel::PeerHandoff::crowded`]: a datagram listener over half
+    /// its `max_peers`), a connection still without a hello is given up after
+    /// [`CROWDED_HELLO_WAIT`] instead, so silent peers do not hold the room.
     pub hello_timeout: Duration,
     /// Negotiated connections (or per-client errors) a server queues for `accept`.
     pub backlog: usize,
@@ -1049,7 +1052,13 @@ fn is_hello(m: &[u8]) -> bool {
 
 /// Waits (at most `wait`) for a connection's hello; other messages are stale (data or
 /// answers of an earlier connection of the same address) and dropped.
-async fn recv_hello<C: ChunnelConnection<Data = Bytes>>(
+/// How long a server waits for a new connection's hello while its base listener is crowded
+/// (see [`Config::hello_timeout`]).
+pub const CROWDED_HELLO_WAIT: Duration = Duration::from_secs(1);
+
+/// Waits up to `wait` for a hello on `base`; while `base`'s listener is crowded, looks every
+/// [`CROWDED_HELLO_WAIT`] and gives up once that long has passed.
+async fn recv_hello<C: ChunnelConnection<Data = Bytes> + PeerHandoff>(
     base: &C,
     wait: Duration,
 ) -> Result<Bytes, Error> {
@@ -1069,9 +1078,25 @@ async fn recv_hello<C: ChunnelConnection<Data = Bytes>>(
     // Arm the timer only if the hello is not already there.
     match poll_once(recv.as_mut()).await {
         Poll::Ready(r) => r,
-        Poll::Pending => tokio::time::timeout(wait, recv)
-            .await
-            .map_err(|_| Error::NoHello(wait))?,
+        Poll::Pending => {
+            // Nothing valid from this peer yet: a full listener may end it for a new peer.
+            base.mark_silent(true);
+            let start = tokio::time::Instant::now();
+            let end = start + wait;
+            loop {
+                let step = end.min(tokio::time::Instant::now() + CROWDED_HELLO_WAIT);
+                match tokio::time::timeout_at(step, recv.as_mut()).await {
+                    Ok(r) => {
+                        base.mark_silent(false);
+                        break r;
+                    }
+                    Err(_) if step >= end || base.crowded() => {
+                        return Err(Error::NoHello(start.elapsed()));
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
     }
     .map_err(Error::Chunnel)
 }

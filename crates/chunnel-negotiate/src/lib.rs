@@ -66,8 +66,8 @@ mod ticker;
 pub mod wire;
 
 pub use crate::driver::{
-    Client, Config, DynLayer, Info, Negotiated, NegotiatedListener, Registry, Serving, listen,
-    listen_with,
+    CROWDED_HELLO_WAIT, Client, Config, DynLayer, Info, Negotiated, NegotiatedListener, Registry,
+    Serving, listen, listen_with,
 };
 pub use crate::error::Error;
 pub use crate::tagged::Tagged;

@@ -12,6 +12,9 @@
 //! * Dropping or closing a server-side connection removes its peer state; an idle timeout
 //!   (default 60 s) ends connections whose peer went away without a word, since datagram
 //!   sockets carry no close signal.
+//! * The peers a listener keeps are capped ([`Config::max_peers`]): at the cap a new source
+//!   evicts a peer nobody accepted yet or an accepted one marked silent, or is dropped and
+//!   counted ([`Listener::peer_cap_stats`]).
 
 // `DgramSocket` is deliberately crate-private (a sealed trait): users name the concrete types
 // (`udp::Connection`, `uds::DatagramListener`...), never the trait.
@@ -57,7 +60,20 @@ pub struct Config {
     /// one was pending (messages received but not yet read count as activity). One task
     /// per listener checks, so a connection carries no timer. `None` keeps it until dropped.
     pub idle_timeout: Option<Duration>,
+    /// Most peers a listener keeps state for (accepted connections and new peers waiting
+    /// for `accept`); default 16,384. At the cap, a datagram from a new address evicts the
+    /// oldest peer still waiting for `accept` (never handed out), else the accepted
+    /// connection marked silent longest ago ([`chunnel::PeerHandoff::mark_silent`]: the
+    /// layer above saw nothing valid from it yet), or is dropped and counted
+    /// ([`Listener::peer_cap_stats`]) if there is neither: other accepted connections are
+    /// never evicted by new peers. While more than half the cap is in use, new peers that waited
+    /// for `accept` longer than [`SILENT_GRACE`] are evicted first.
+    pub max_peers: usize,
 }
+
+/// How long a new peer may wait for `accept` while the listener's peer table is more than
+/// half full ([`Config::max_peers`]) before a datagram from another new peer evicts it.
+pub const SILENT_GRACE: Duration = Duration::from_secs(1);
 
 impl Config {
     pub(crate) fn with_max_payload(max_payload: usize) -> Self {
@@ -67,7 +83,14 @@ impl Config {
             peer_queue: 1024,
             backlog: 128,
             idle_timeout: Some(Duration::from_secs(60)),
+            max_peers: 16_384,
         }
+    }
+
+    /// Sets [`Config::max_peers`] (at least 1).
+    pub fn with_max_peers(mut self, n: usize) -> Self {
+        self.max_peers = n.max(1);
+        self
     }
 
     /// Sets [`Config::max_payload`].
@@ -389,6 +412,11 @@ pub(crate) struct Stats {
     pub(crate) dropped_oversize: AtomicU64,
     pub(crate) dropped_queue_full: AtomicU64,
     pub(crate) dropped_backlog_full: AtomicU64,
+    /// Datagrams from new peers dropped at [`Config::max_peers`] (no evictable peer).
+    pub(crate) dropped_peer_cap: AtomicU64,
+    /// Peers evicted to make room: new ones `accept` had not taken (at the cap, or past the
+    /// grace under pressure) and, at the cap, accepted ones still marked silent.
+    pub(crate) evicted: AtomicU64,
     /// Datagrams a connection read for itself, straight into its slots.
     pub(crate) direct: AtomicU64,
     /// Datagrams sorted into a peer queue (read by another task, or while older ones wait).
@@ -932,6 +960,12 @@ struct Peer<A> {
     idled: AtomicBool,
     /// When a message was last handed to the connection, in [`Shared::nanos_now`] units.
     last_rx: AtomicU64,
+    /// Marked by the layer above as not having sent anything valid yet
+    /// ([`chunnel::PeerHandoff::mark_silent`]): at the cap, a new peer may evict it.
+    silent: AtomicBool,
+    /// Listed in [`Demux::silent`] (changed under the demux lock only), so that marking a
+    /// connection again does not list it twice.
+    silent_listed: AtomicBool,
     /// How many receives of this connection wait for the reader's place (listed once in
     /// [`Shared::vacancy`] while any do); reset by the reader that offers it the place.
     wants_place: AtomicU32,
@@ -993,6 +1027,8 @@ impl<A> Peer<A> {
             notify: Notify::new(),
             closed: AtomicBool::new(false),
             idled: AtomicBool::new(false),
+            silent: AtomicBool::new(false),
+            silent_listed: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
             wants_place: AtomicU32::new(0),
         }
@@ -1117,6 +1153,9 @@ impl<A: DgramAddr> PeerMap<A> {
 struct Demux<A> {
     peers: PeerMap<A>,
     backlog: VecDeque<Arc<Peer<A>>>,
+    /// Accepted connections marked silent, oldest mark first (entries of connections gone,
+    /// closed or no longer silent are skipped when met; pruned at twice the peer cap).
+    silent: VecDeque<std::sync::Weak<Peer<A>>>,
 }
 
 impl<A: DgramAddr> Demux<A> {
@@ -1683,12 +1722,7 @@ impl<S: DgramSocket> Shared<S> {
                     let peer = match d.peers.get(&addr) {
                         Some(p) => p.clone(),
                         None => {
-                            if !self.listener_open.load(Ordering::Acquire)
-                                || d.backlog.len() >= self.cfg.backlog
-                            {
-                                self.stats
-                                    .dropped_backlog_full
-                                    .fetch_add(1, Ordering::Relaxed);
+                            if !self.admit_new(&mut d) {
                                 return;
                             }
                             // Nobody waits on a new peer's queue yet.
@@ -1701,7 +1735,7 @@ impl<S: DgramSocket> Shared<S> {
                                     .dropped_queue_full
                                     .fetch_add(1, Ordering::Relaxed);
                             }
-                            let p = Arc::new(Peer::new(addr, q));
+                            let p = self.new_peer(addr, q);
                             d.peers.insert(p.clone());
                             d.backlog.push_back(p);
                             drop(d);
@@ -1739,6 +1773,76 @@ impl<S: DgramSocket> Shared<S> {
 }
 
 impl<S: DgramSocket> Shared<S> {
+    /// Whether a datagram from a new address may start a peer (demux lock held), making
+    /// room first: while the table is more than half full, peers that waited for `accept`
+    /// longer than [`SILENT_GRACE`] are evicted; at [`Config::max_peers`], the oldest peer
+    /// still waiting for `accept` is, or the datagram is dropped and counted. Accepted
+    /// connections are never evicted here.
+    fn admit_new(&self, d: &mut Demux<S::Addr>) -> bool {
+        if !self.listener_open.load(Ordering::Acquire) {
+            self.stats
+                .dropped_backlog_full
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        let cap = self.cfg.max_peers;
+        if d.peers.len() > cap / 2 {
+            let now = self.nanos_now();
+            let grace = nanos(SILENT_GRACE);
+            while let Some(p) = d.backlog.front() {
+                if p.last_rx.load(Ordering::Relaxed).saturating_add(grace) > now {
+                    break;
+                }
+                self.evict_front(d);
+            }
+        }
+        if d.peers.len() >= cap && !self.evict_front(d) {
+            self.stats.dropped_peer_cap.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        if d.backlog.len() >= self.cfg.backlog {
+            self.stats
+                .dropped_backlog_full
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Evicts the oldest peer waiting for `accept`, or else the accepted connection marked
+    /// silent longest (its next `recv` reports [`Error::PeerClosed`]), demux lock held;
+    /// whether there was one.
+    fn evict_front(&self, d: &mut Demux<S::Addr>) -> bool {
+        if let Some(p) = d.backlog.pop_front() {
+            d.leave(&p);
+        } else {
+            let p = loop {
+                let Some(w) = d.silent.pop_front() else {
+                    return false;
+                };
+                if let Some(p) = w.upgrade() {
+                    p.silent_listed.store(false, Ordering::Relaxed);
+                    if p.silent.load(Ordering::Acquire) && !p.closed.load(Ordering::Acquire) {
+                        break p;
+                    }
+                }
+            };
+            p.idled.store(true, Ordering::Release);
+            d.leave(&p);
+            p.notify.notify_waiters();
+        }
+        self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// A new peer's state, stamped with its arrival (the grace under pressure counts from
+    /// it; `accept` restamps it for the idle sweep).
+    fn new_peer(&self, addr: S::Addr, q: PeerQueue) -> Arc<Peer<S::Addr>> {
+        let p = Peer::new(addr, q);
+        p.last_rx.store(self.nanos_now(), Ordering::Relaxed);
+        Arc::new(p)
+    }
+
     /// A datagram larger than `max_payload` from `addr`: its first bytes and length are kept
     /// (the latest one per peer) for the peer's connection to take
     /// ([`chunnel::PeerHandoff::take_oversized`]); from a new peer it starts a connection,
@@ -1757,17 +1861,14 @@ impl<S: DgramSocket> Shared<S> {
             lock(&p.queue).oversized = Some(ev);
             return;
         }
-        if !self.listener_open.load(Ordering::Acquire) || d.backlog.len() >= self.cfg.backlog {
-            self.stats
-                .dropped_backlog_full
-                .fetch_add(1, Ordering::Relaxed);
+        if !self.admit_new(&mut d) {
             return;
         }
         let q = PeerQueue {
             oversized: Some(ev),
             ..PeerQueue::default()
         };
-        let p = Arc::new(Peer::new(addr, q));
+        let p = self.new_peer(addr, q);
         d.peers.insert(p.clone());
         d.backlog.push_back(p);
         drop(d);
@@ -1822,6 +1923,7 @@ impl<S: DgramSocket> Listener<S> {
                 demux: Mutex::new(Demux {
                     peers: PeerMap::new(),
                     backlog: VecDeque::new(),
+                    silent: VecDeque::new(),
                 }),
                 rx: Mutex::new(RxScratch::new(MAX_BATCH)),
                 accept_notify: Notify::new(),
@@ -1878,6 +1980,17 @@ impl<S: DgramSocket> Listener<S> {
             s.dropped_oversize.load(Ordering::Relaxed),
             s.dropped_queue_full.load(Ordering::Relaxed),
             s.dropped_backlog_full.load(Ordering::Relaxed),
+        )
+    }
+
+    /// What [`Config::max_peers`] did so far: (peers evicted to admit new ones: waiting for
+    /// `accept`, or accepted and marked silent; datagrams from new peers dropped at the cap
+    /// with no peer to evict).
+    pub fn peer_cap_stats(&self) -> (u64, u64) {
+        let s = &self.shared.stats;
+        (
+            s.evicted.load(Ordering::Relaxed),
+            s.dropped_peer_cap.load(Ordering::Relaxed),
         )
     }
 }
@@ -2060,7 +2173,7 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
             && d.backlog.len() < sh.cfg.backlog
             && !d.peers.contains(&self.peer.addr);
         if admitted {
-            let p = Arc::new(Peer::new(self.peer.addr.clone(), PeerQueue::one(first)));
+            let p = sh.new_peer(self.peer.addr.clone(), PeerQueue::one(first));
             d.peers.insert(p.clone());
             d.backlog.push_back(p);
             sh.accept_notify.notify_one();
@@ -2077,6 +2190,40 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
 
     fn take_oversized(&self) -> Option<chunnel::Oversized> {
         lock(&self.peer.queue).oversized.take().map(|b| *b)
+    }
+
+    /// A silent connection is listed; at [`Config::max_peers`], with no new peer waiting for
+    /// `accept`, a new peer evicts the one marked longest ago.
+    fn mark_silent(&self, silent: bool) {
+        self.peer.silent.store(silent, Ordering::Release);
+        if !silent {
+            return; // its entry, if any, is skipped or pruned when met
+        }
+        let cap = self.shared.cfg.max_peers;
+        let mut d = lock(&self.shared.demux);
+        if self.peer.silent_listed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        // Entries of connections gone, closed or no longer silent are dropped at twice the
+        // cap (each live connection is listed at most once, so the list stays under it).
+        if d.silent.len() >= cap.saturating_mul(2) {
+            d.silent.retain(|w| {
+                w.upgrade().is_some_and(|p| {
+                    let keep =
+                        p.silent.load(Ordering::Acquire) && !p.closed.load(Ordering::Acquire);
+                    if !keep {
+                        p.silent_listed.store(false, Ordering::Relaxed);
+                    }
+                    keep
+                })
+            });
+        }
+        d.silent.push_back(Arc::downgrade(&self.peer));
+    }
+
+    /// More than half of [`Config::max_peers`] in use.
+    fn crowded(&self) -> bool {
+        lock(&self.shared.demux).peers.len() > self.shared.cfg.max_peers / 2
     }
 
     fn take_queued(&self) -> Option<Bytes> {

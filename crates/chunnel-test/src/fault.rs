@@ -642,6 +642,14 @@ impl<C: chunnel::PeerHandoff> chunnel::PeerHandoff for Faulty<C> {
     fn take_oversized(&self) -> Option<chunnel::Oversized> {
         self.inner.take_oversized()
     }
+
+    fn mark_silent(&self, silent: bool) {
+        self.inner.mark_silent(silent)
+    }
+
+    fn crowded(&self) -> bool {
+        self.inner.crowded()
+    }
 }
 
 impl<C: SendHeader> SendHeader for Faulty<C> {

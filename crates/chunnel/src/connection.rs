@@ -186,6 +186,20 @@ pub trait PeerHandoff {
     fn take_oversized(&self) -> Option<Oversized> {
         None
     }
+
+    /// Marks this connection as not having received anything valid yet (`true`: a layer
+    /// above is still waiting for its first valid message) or as past that (`false`). A
+    /// datagram listener at its peer cap may end a connection so marked (its next `recv`
+    /// reports [`Error::PeerClosed`]) to admit a new peer. The default does nothing.
+    fn mark_silent(&self, _silent: bool) {}
+
+    /// Whether the listener holding this connection is short of room for new peers (a
+    /// datagram listener over half its peer cap): a layer still waiting for this
+    /// connection's first valid message should give up soon rather than hold the room for
+    /// its full timeout. `false` (the default) when the connection cannot tell.
+    fn crowded(&self) -> bool {
+        false
+    }
 }
 
 /// A message too large for the connection that received it: what is kept of it (see
@@ -221,5 +235,13 @@ impl<C: PeerHandoff + ?Sized> PeerHandoff for std::sync::Arc<C> {
 
     fn take_oversized(&self) -> Option<Oversized> {
         (**self).take_oversized()
+    }
+
+    fn mark_silent(&self, silent: bool) {
+        (**self).mark_silent(silent)
+    }
+
+    fn crowded(&self) -> bool {
+        (**self).crowded()
     }
 }
