@@ -14,6 +14,7 @@ mod alloc;
 mod datapaths;
 mod kv;
 mod negotiate;
+mod negotiate_flood;
 mod overhead;
 mod probe;
 mod reconfig;

@@ -58,6 +58,24 @@ pub(crate) struct Args {
     /// Connections to run with `--profile`.
     #[arg(long, hide = true, default_value_t = 1000)]
     profile_conns: usize,
+    /// Flood mode: send this many well-formed hellos, each from a distinct source (address,
+    /// port) on 127.0.0.2..=127.0.0.9, while `--flood-clients` clients connect and echo once
+    /// each; reports their latencies (`"bench": "negotiate_flood"`). 0: off. Ignores
+    /// `--reps`, `--conns`, `--cpu`, `--server-cpu`, `--warmup-ms` and `--accept-loop`.
+    #[arg(long, default_value_t = 0)]
+    flood: usize,
+    /// Flood mode: well-behaved clients (1-RTT connect + one echo each) during the flood.
+    #[arg(long, default_value_t = 1000)]
+    flood_clients: usize,
+    /// Flood mode: the listener's peer cap (`Config::max_peers`); default: the listener's.
+    #[arg(long)]
+    flood_max_peers: Option<usize>,
+    /// Flood mode: hellos per second at most.
+    #[arg(long, default_value_t = 10_000)]
+    flood_rate: u64,
+    /// Flood mode: the flood stops after this many seconds, sent or not.
+    #[arg(long, default_value_t = 20)]
+    flood_secs: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -87,11 +105,22 @@ impl Variant {
 }
 
 /// The stack both ends use: a select, so there is something to negotiate.
-fn stack() -> chunnel::Select<Noop, Identity> {
+pub(crate) fn stack() -> chunnel::Select<Noop, Identity> {
     select(Noop, Identity)
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
+    if a.flood > 0 {
+        return crate::negotiate_flood::run(crate::negotiate_flood::FloodArgs {
+            hellos: a.flood,
+            clients: a.flood_clients,
+            max_peers: a.flood_max_peers,
+            rate: a.flood_rate,
+            max_secs: a.flood_secs,
+            idle_ms: a.idle_ms,
+            size: a.size,
+        });
+    }
     if a.cpu >= 0 {
         crate::pin_to(a.cpu as usize)?;
     }
@@ -232,7 +261,7 @@ async fn servers(idle: Duration, accept_loop: bool) -> Result<(SocketAddr, Socke
 /// The negotiating server's per-connection task: echoes every message. (A block, not an
 /// `async fn`, which would hold the connection twice in every task.)
 #[allow(clippy::manual_async_fn)]
-fn echo<C: ChunnelConnection<Data = Bytes>>(conn: C) -> impl Future<Output = ()> {
+pub(crate) fn echo<C: ChunnelConnection<Data = Bytes>>(conn: C) -> impl Future<Output = ()> {
     async move {
         while let Ok(m) = conn.recv_one().await {
             if conn.send_one(m).await.is_err() {

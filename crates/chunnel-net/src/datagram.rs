@@ -2011,6 +2011,17 @@ impl<S: DgramSocket> PeerCounter<S> {
     pub fn count(&self) -> usize {
         self.0.upgrade().map_or(0, |sh| lock(&sh.demux).peers.len())
     }
+
+    /// The listener's [`Listener::peer_cap_stats`] now; (0, 0) once the listener and all of
+    /// its connections are gone.
+    pub fn peer_cap_stats(&self) -> (u64, u64) {
+        self.0.upgrade().map_or((0, 0), |sh| {
+            (
+                sh.stats.evicted.load(Ordering::Relaxed),
+                sh.stats.dropped_peer_cap.load(Ordering::Relaxed),
+            )
+        })
+    }
 }
 
 impl<S: DgramSocket> Drop for Listener<S> {
