@@ -4,7 +4,6 @@
 //! and gives them up early while crowded (`CROWDED_HELLO_WAIT`); the peer table never exceeds the cap and every well-behaved
 //! client started during the flood connects (its hello retransmissions cover the drops).
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -13,12 +12,9 @@ use anyhow::{Result, ensure};
 use chunnel::{Capability, Chunnel, ChunnelConnection, Error as CErr, Negotiate};
 use chunnel_negotiate::{Client, Config, Error, listen};
 use chunnel_net::udp;
-use tokio::net::UdpSocket;
+use chunnel_test::flood::{PER_SOURCE, from_distinct_sources};
 
 const CAP: usize = 256;
-const POOL: usize = 500;
-const ROUNDS: u8 = 5;
-const PER_SOURCE: usize = 8;
 const CLIENTS: usize = 40;
 
 /// A pass-through layer with one capability.
@@ -39,29 +35,6 @@ impl<C: ChunnelConnection + Send> Chunnel<C> for Meter {
     async fn connect_wrap(&mut self, inner: C) -> Result<C, CErr> {
         Ok(inner)
     }
-}
-
-/// `PER_SOURCE` datagrams that are no hello from each of `ROUNDS * POOL` distinct sources
-/// (a pool of `POOL` sockets at a time, on 127.0.0.2..), paced so that loopback keeps up.
-async fn flood(to: SocketAddr) -> usize {
-    let mut sources = 0;
-    for r in 0..ROUNDS {
-        let ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2 + r));
-        let mut pool = Vec::with_capacity(POOL);
-        for _ in 0..POOL {
-            pool.push(UdpSocket::bind(SocketAddr::new(ip, 0)).await.unwrap());
-        }
-        for k in 0..PER_SOURCE {
-            for (i, s) in pool.iter().enumerate() {
-                s.send_to(&[0xee, k as u8, 1, 2, 3], to).await.unwrap();
-                if i % 10 == 9 {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        }
-        sources += pool.len();
-    }
-    sources
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,7 +79,7 @@ async fn negotiated_clients_connect_during_a_flood_and_peers_stay_under_the_cap(
     };
 
     let t0 = Instant::now();
-    let flooding = tokio::spawn(flood(addr));
+    let flooding = tokio::spawn(from_distinct_sources(addr));
     // Well-behaved clients, started while the flood runs.
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {

@@ -9,37 +9,10 @@ use std::time::{Duration, Instant};
 
 use chunnel::{Chunnel, ConnectionExt, Listener as _};
 use chunnel_net::udp;
+use chunnel_test::flood::{PER_SOURCE, from_distinct_sources};
 use tokio::net::UdpSocket;
 
 const CAP: usize = 256;
-/// Sockets open at once (file descriptors stay bounded); each round binds a fresh pool on
-/// another loopback address, so every socket is a distinct source.
-const POOL: usize = 500;
-const ROUNDS: u8 = 5;
-const PER_SOURCE: usize = 8;
-
-/// Sends `PER_SOURCE` non-empty datagrams from each of `ROUNDS * POOL` distinct sources
-/// (127.0.0.2.., ephemeral ports), paced so that loopback keeps up. Returns the sources.
-async fn flood(to: SocketAddr) -> usize {
-    let mut sources = 0;
-    for r in 0..ROUNDS {
-        let ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2 + r));
-        let mut pool = Vec::with_capacity(POOL);
-        for _ in 0..POOL {
-            pool.push(UdpSocket::bind(SocketAddr::new(ip, 0)).await.unwrap());
-        }
-        for k in 0..PER_SOURCE {
-            for (i, s) in pool.iter().enumerate() {
-                s.send_to(&[0xee, k as u8, 1, 2, 3], to).await.unwrap();
-                if i % 10 == 9 {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        }
-        sources += pool.len();
-    }
-    sources
-}
 
 /// Samples the listener's peer count every millisecond until `stop`; returns the peak.
 fn sample_peak(counter: udp::PeerCounter, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<usize> {
@@ -83,7 +56,7 @@ async fn a_flood_of_new_sources_never_grows_past_the_peer_cap_with_an_accepting_
         (l, held)
     });
     let t0 = Instant::now();
-    let sources = flood(addr).await;
+    let sources = from_distinct_sources(addr).await;
     let elapsed = t0.elapsed();
     // Whatever loopback still holds is read before the counters are looked at.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -152,7 +125,7 @@ async fn at_the_cap_new_sources_evict_the_oldest_unaccepted_peers() {
     let (mut l, addr) = listener_with_a_reader(cfg).await;
     let stop = Arc::new(AtomicBool::new(false));
     let peak = sample_peak(l.peer_counter(), stop.clone());
-    let sources = flood(addr).await;
+    let sources = from_distinct_sources(addr).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     stop.store(true, Ordering::Relaxed);
     let peak = peak.await.unwrap();

@@ -13,6 +13,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub mod fault;
+pub mod flood;
 pub mod netns;
 pub mod services;
 pub mod xor;
