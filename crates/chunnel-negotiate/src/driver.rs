@@ -969,7 +969,11 @@ where
             Box::pin(recv_hello(&base, cfg.hello_timeout)).await?
         }
     };
-    match server.handle_hello_bytes(&hello) {
+    let decision = match server.answer_from_memory(&hello) {
+        Some(d) => d,
+        None => Box::pin(decide_apart(server, hello.clone())).await?,
+    };
+    match decision {
         Decision::Accept {
             accept,
             early,
@@ -996,7 +1000,11 @@ where
                 }
                 None => Tagged::server(base, accept.conn_id, response, max),
             };
-            tagged.push_pending(early);
+            if early.is_empty() {
+                tagged.await_first_data();
+            } else {
+                tagged.push_pending(early);
+            }
             let control = control(&tagged);
             let conn = stack.connect_wrap(tagged).await?;
             Ok(Negotiated::new(conn, infos.get(accept, 0), control))
@@ -1024,6 +1032,29 @@ where
             })
         }
     }
+}
+
+/// Hellos that need a search (no answer remembered for their offer list:
+/// [`Server::answer_from_memory`]) are decided on tokio's blocking pool, at most this many at
+/// a time per process (more wait their turn): a search may take milliseconds (up to its
+/// [`chunnel::offer_tree::Limits`]), and the accept loop goes on serving everyone else
+/// meanwhile. Remembered answers (nearly every hello of a server's usual clients) are
+/// given where the hello is received.
+pub fn concurrent_searches() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
+/// Decides on a hello away from the accept loop (see [`concurrent_searches`]).
+async fn decide_apart(server: Arc<Server>, hello: Bytes) -> Result<Decision, Error> {
+    static HEAVY: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    let heavy = HEAVY.get_or_init(|| tokio::sync::Semaphore::new(concurrent_searches()));
+    // Never closed.
+    let _permit = heavy.acquire().await.ok();
+    tokio::task::spawn_blocking(move || server.handle_hello_bytes(&hello))
+        .await
+        .map_err(|e| Error::BadHello {
+            message: format!("the decision on this hello did not complete: {e}"),
+        })
 }
 
 /// Sends a REJECT (best effort), cut to fit (docs/wire.md §7.4.1): to `max` bytes, and if

@@ -83,6 +83,11 @@ pub struct Server {
     /// at most [`REMEMBERED_ACCEPTS`] entries, a server usually sees one or two offer lists,
     /// and hashing a key of ~100 bytes cost more than comparing it with the first entry.
     remembered: Mutex<Vec<(Box<[u8]>, Remembered)>>,
+    /// Refused offer lists (flags, decision part, the reject), most recently used first, at
+    /// most [`REMEMBERED_REJECTS`] of them and [`REMEMBERED_REJECT_BYTES`] of keys: a
+    /// client's retransmitted hello, or another client with the same offers, is refused
+    /// again without searching again (the search may take milliseconds at its limits).
+    refused: Mutex<Vec<Refused>>,
     /// Hellos refused as too large ([`Server::handle_oversized`]).
     too_large: std::sync::atomic::AtomicU64,
 }
@@ -91,12 +96,30 @@ pub struct Server {
 /// (bounded whatever clients send).
 pub const REMEMBERED_ACCEPTS: usize = 64;
 
+/// Distinct refused offer lists a [`Server`] remembers; when full (or when their keys reach
+/// [`REMEMBERED_REJECT_BYTES`]), it forgets them all.
+pub const REMEMBERED_REJECTS: usize = 64;
+
+/// Bytes of refused offer lists (decision parts of hellos) a [`Server`] keeps at most.
+pub const REMEMBERED_REJECT_BYTES: usize = 1 << 20;
+
 /// Server options a dictated hello (one that names implementations, not a stack) is
 /// matched against, in preference order.
 pub const DICTATED_OPTIONS: usize = 4096;
 
 /// Hellos whose decision part (offers and 0-RTT pick) is longer are decided afresh each time.
 pub const REMEMBERED_KEY_MAX: usize = 1024;
+
+/// A refused offer list: the hello's flags, its decision part, the reject.
+type Refused = (u8, Box<[u8]>, Reject);
+
+/// What [`Server::quick`] found.
+enum Quick {
+    /// The answer, without a search.
+    Answered(Decision),
+    /// A hello of this version that must be decided.
+    Search,
+}
 
 /// An accept decided once for an offer list (the key: [`Hello::split`]'s decision part).
 #[derive(Debug)]
@@ -165,6 +188,7 @@ impl Server {
             tree: tree.into(),
             limits: Limits::default(),
             remembered: Mutex::new(Vec::new()),
+            refused: Mutex::new(Vec::new()),
             too_large: std::sync::atomic::AtomicU64::new(0),
         }
     }
@@ -235,39 +259,117 @@ impl Server {
         Some(Decision::Reject { reject, response })
     }
 
-    fn handle(&self, msg: &[u8], early_bytes: &dyn Fn(&[u8]) -> Bytes) -> Decision {
+    /// The answer to a hello that needs no search: one remembered for its offer list (an
+    /// accept or a refusal), or a refusal of a message that is not a hello of this version.
+    /// `None`: the hello must be decided ([`Server::handle_hello_bytes`], which may search
+    /// for milliseconds up to the [`Limits`]); a listener can do that away from its accept
+    /// loop. Answers exactly as [`Server::handle_hello_bytes`] would.
+    pub fn answer_from_memory(&self, msg: &Bytes) -> Option<Decision> {
+        match self.quick(msg, &|part| msg.slice_ref(part)) {
+            Quick::Answered(d) => Some(d),
+            Quick::Search => None,
+        }
+    }
+
+    fn quick(&self, msg: &[u8], early_bytes: &dyn Fn(&[u8]) -> Bytes) -> Quick {
         let body = match msg.split_first() {
             Some((&t, body)) if t == Tag::Hello as u8 => body,
-            _ => return reject(0, RejectReason::Malformed, Vec::new(), "not a hello".into()),
+            _ => {
+                return Quick::Answered(reject(
+                    0,
+                    RejectReason::Malformed,
+                    Vec::new(),
+                    "not a hello".into(),
+                ));
+            }
         };
         let conn_id = Hello::peek_conn_id(body).unwrap_or(0);
         if let Some(&v) = body.first()
             && v != VERSION
         {
-            return reject(
+            return Quick::Answered(reject(
                 conn_id,
                 RejectReason::Version,
                 Vec::new(),
                 format!("server speaks version {VERSION}, hello has {v}"),
-            );
+            ));
         }
-        let split = Hello::split(body)
-            .ok()
-            .filter(|(_, key, _)| key.len() <= REMEMBERED_KEY_MAX);
-        if let Some((flags, key, early)) = split
-            && let Some(d) = self.recall(flags, key, early, conn_id, early_bytes)
-        {
+        if let Ok((flags, key, early)) = Hello::split(body) {
+            if key.len() <= REMEMBERED_KEY_MAX
+                && let Some(d) = self.recall(flags, key, early, conn_id, early_bytes)
+            {
+                return Quick::Answered(d);
+            }
+            if let Some(d) = self.recall_refusal(flags, key, early, conn_id) {
+                return Quick::Answered(d);
+            }
+        }
+        Quick::Search
+    }
+
+    fn handle(&self, msg: &[u8], early_bytes: &dyn Fn(&[u8]) -> Bytes) -> Decision {
+        if let Quick::Answered(d) = self.quick(msg, early_bytes) {
             return d;
         }
+        // `quick` found a hello of this version.
+        let body = &msg[1..];
+        let conn_id = Hello::peek_conn_id(body).unwrap_or(0);
         let hello = match Hello::decode(body) {
             Ok(h) => h,
             Err(e) => return reject(conn_id, RejectReason::Malformed, Vec::new(), e.to_string()),
         };
         let decision = self.decide(hello);
-        if let (Some((flags, key, _)), Decision::Accept { .. }) = (split, &decision) {
-            self.remember(flags, key, &decision);
+        match (Hello::split(body).ok(), &decision) {
+            (Some((flags, key, _)), Decision::Accept { .. }) if key.len() <= REMEMBERED_KEY_MAX => {
+                self.remember(flags, key, &decision)
+            }
+            (Some((flags, key, _)), Decision::Reject { reject, .. }) => {
+                self.remember_refusal(flags, key, reject)
+            }
+            _ => {}
         }
         decision
+    }
+
+    /// The remembered reject of this offer list, addressed to `conn_id`; `None` if there is
+    /// none, or if the early data does not decode (the full path then rejects the hello as
+    /// malformed, as a fresh server would).
+    fn recall_refusal(
+        &self,
+        flags: u8,
+        key: &[u8],
+        early: &[u8],
+        conn_id: u64,
+    ) -> Option<Decision> {
+        Hello::decode_early_with(flags, early, |_: &[u8]| Bytes::new()).ok()?;
+        let mut list = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        let i = list
+            .iter()
+            .position(|(f, k, _)| *f == flags && **k == *key)?;
+        list[..=i].rotate_right(1);
+        let reject = Reject {
+            conn_id,
+            ..list[0].2.clone()
+        };
+        drop(list);
+        let response = reject.encode();
+        Some(Decision::Reject { reject, response })
+    }
+
+    fn remember_refusal(&self, flags: u8, key: &[u8], reject: &Reject) {
+        let mut list = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = list.iter().map(|(_, k, _)| k.len()).sum();
+        if list.len() >= REMEMBERED_REJECTS || held + key.len() > REMEMBERED_REJECT_BYTES {
+            list.clear();
+        }
+        if key.len() <= REMEMBERED_REJECT_BYTES {
+            list.insert(0, (flags, key.into(), reject.clone()));
+        }
+    }
+
+    /// Offer lists refused and remembered now (see [`REMEMBERED_REJECTS`]).
+    pub fn remembered_refusals(&self) -> usize {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The remembered accept for this offer list, for connection `conn_id`; `None` if there

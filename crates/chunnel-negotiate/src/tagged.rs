@@ -88,6 +88,10 @@ struct Shared<C> {
     /// Multilateral reconfiguration, once enabled ([`crate::commit::Coordinator`]). Boxed:
     /// the state machine is a few hundred bytes that most connections never use.
     ctl: OnceLock<Box<Ctl>>,
+    /// Server side: accepted, but no data from the client yet. The base is marked silent
+    /// meanwhile ([`PeerHandoff::mark_silent`]): a listener at its peer cap may end this
+    /// connection for a new peer, as it may a peer that never sent a hello.
+    awaiting_data: AtomicBool,
 }
 
 /// The reconfiguration state machine of one connection and where its events go.
@@ -178,6 +182,7 @@ impl<C> Tagged<C> {
                 views: AtomicU64::new(2),
                 ended_upto: AtomicU64::new(0),
                 ctl: OnceLock::new(),
+                awaiting_data: AtomicBool::new(false),
             }),
             view: 1,
         }
@@ -702,6 +707,11 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                     }
                 }
                 if kept > 0 {
+                    if self.shared.awaiting_data.load(Ordering::Relaxed)
+                        && self.shared.awaiting_data.swap(false, Ordering::Relaxed)
+                    {
+                        self.shared.inner.mark_silent(false);
+                    }
                     return Ok(kept);
                 }
                 if closed {
@@ -713,6 +723,15 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
 }
 
 impl<C: SendHeader + PeerHandoff + 'static> Tagged<C> {
+    /// Server side, for a connection accepted without early data: until the client's first
+    /// data message arrives, the base stays marked silent, so a listener at its peer cap may
+    /// end it to admit a new peer (a flood of hellos that never go on to send data cannot
+    /// hold every place; docs/wire.md §13).
+    pub(crate) fn await_first_data(&self) {
+        self.shared.awaiting_data.store(true, Ordering::Relaxed);
+        self.shared.inner.mark_silent(true);
+    }
+
     /// The connection's in-band control channel, type erased (shares the connection; no
     /// allocation).
     pub(crate) fn control_plane(&self) -> Arc<dyn ControlPlane> {

@@ -1174,3 +1174,50 @@ fn the_deepest_empty_layer_round_trips() {
         assert!(Hello::decode(&deeper).is_err());
     }
 }
+
+/// A refused offer list is remembered: the same offers again (another connection id, as a
+/// retransmission or another client sends them) are refused from memory, addressed to the
+/// new id, exactly as a fresh search refuses them; the search is not run again.
+#[test]
+fn refusals_are_remembered_and_addressed_to_each_hello() {
+    let s = strict_server();
+    let hello = |conn_id| {
+        Hello {
+            version: chunnel_negotiate::wire::VERSION,
+            conn_id,
+            offers: OfferTree::Options(vec![StackOption {
+                chunnels: vec![chunnel(
+                    "a/1",
+                    vec![Capability::exact("serialize", ["xml"])],
+                )],
+                pick: Pick::from_branches(vec![0]),
+            }]),
+            zero_rtt: None,
+            early: Vec::new(),
+            dictated: false,
+        }
+        .encode()
+    };
+    assert!(
+        s.answer_from_memory(&hello(1)).is_none(),
+        "nothing remembered yet"
+    );
+    let first = s.handle_hello_bytes(&hello(1));
+    assert!(matches!(&first, Decision::Reject { reject, .. } if reject.conn_id == 1));
+    assert_eq!(s.remembered_refusals(), 1);
+    let again = s.answer_from_memory(&hello(2)).expect("remembered");
+    match (&again, &strict_server().handle_hello_bytes(&hello(2))) {
+        (
+            Decision::Reject { reject, response },
+            Decision::Reject {
+                reject: fresh,
+                response: fresh_bytes,
+            },
+        ) => {
+            assert_eq!(reject.conn_id, 2);
+            assert_eq!(reject, fresh);
+            assert_eq!(response, fresh_bytes);
+        }
+        other => panic!("{other:?}"),
+    }
+}
