@@ -71,6 +71,8 @@
 
 mod config;
 mod error;
+#[cfg(feature = "quic")]
+pub mod quic;
 pub mod tls;
 
 pub use config::{
@@ -78,4 +80,6 @@ pub use config::{
     ServerConfig, ServerConfigBuilder, TrustRoots,
 };
 pub use error::{DetectedBy, Error};
+#[cfg(feature = "quic")]
+pub use quinn;
 pub use rustls;
