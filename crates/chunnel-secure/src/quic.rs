@@ -369,7 +369,7 @@ enum Inner {
     /// The message stream: opened by the client at connect, accepted by the server when
     /// first used (a QUIC stream exists for the peer only once data flows on it).
     Stream {
-        framed: OnceCell<Framed>,
+        framed: Box<OnceCell<Framed>>,
         cfg: chunnel_net::framed::Config,
     },
     Datagram,
@@ -418,7 +418,7 @@ impl Connection {
                     None => OnceCell::new(),
                 };
                 Inner::Stream {
-                    framed,
+                    framed: Box::new(framed),
                     cfg: cfg.clone(),
                 }
             }
@@ -487,7 +487,7 @@ impl Connection {
     async fn framed(&self) -> Result<&Framed, chunnel::Error> {
         let Inner::Stream { framed, cfg } = &self.inner else {
             return Err(chunnel::Error::BadPick {
-                what: "a datagram-mode QUIC connection has no stream".into(),
+                what: "a datagram-mode QUIC connection has no stream",
             });
         };
         framed
