@@ -413,6 +413,7 @@ async fn a_peer_that_stops_reading_blocks_the_sender() {
             Err(_) => break sent,
         }
     };
+    eprintln!("send blocked after {blocked} bytes");
     // quinn's defaults: a 1.25 MB stream window at the receiver, ~10 MB send window here.
     assert!(
         blocked < 16 * 1024 * 1024,
