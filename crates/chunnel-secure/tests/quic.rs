@@ -633,3 +633,80 @@ async fn datagram_mode_refuses_a_peer_without_datagrams() {
         other => panic!("expected DatagramsUnsupported, got {other:?} ({e:?})"),
     }
 }
+
+#[tokio::test]
+async fn client_handshake_times_out_against_a_silent_peer() {
+    let pki = Pki::new();
+    // A UDP socket that never answers.
+    let silent = tokio::net::UdpSocket::bind(LOOPBACK).await.unwrap();
+    let cfg = ClientConfig::builder(pki.ca.roots(), "localhost")
+        .handshake_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = quic::Connect::new(silent.local_addr().unwrap(), cfg, Mode::Stream)
+        .connect_wrap(())
+        .await
+        .expect_err("nobody answers");
+    assert!(started.elapsed() < BOUND);
+    assert!(
+        matches!(Error::find(&e), Some(Error::HandshakeTimeout { .. })),
+        "{e:?}"
+    );
+}
+
+/// A client that sends its first flight and then stalls: the listener's handshake for it
+/// times out with a typed error, and a good client is served meanwhile.
+#[tokio::test]
+async fn a_client_stalled_mid_handshake_times_out_at_the_listener() {
+    let pki = Pki::new();
+    let mut l = quic::Listener::bind(
+        LOOPBACK.parse().unwrap(),
+        server_cfg(&pki.server)
+            .handshake_timeout(Duration::from_millis(500))
+            .build()
+            .unwrap(),
+        Mode::Stream,
+    )
+    .unwrap();
+    let addr = l.local_addr().unwrap();
+
+    // Capture a real client Initial on a socket of ours, then replay it to the listener
+    // from a socket that never says anything else.
+    let trap = tokio::net::UdpSocket::bind(LOOPBACK).await.unwrap();
+    let ep = plain_client_endpoint(&pki);
+    let _attempt = ep.connect(trap.local_addr().unwrap(), "localhost").unwrap();
+    let mut initial = vec![0u8; 2048];
+    let (n, _) = tokio::time::timeout(BOUND, trap.recv_from(&mut initial))
+        .await
+        .unwrap()
+        .unwrap();
+    trap.send_to(&initial[..n], addr).await.unwrap();
+
+    let good = tokio::spawn({
+        let cfg = client_cfg(&pki);
+        async move {
+            let c = connect(addr, cfg, Mode::Stream).await;
+            c.send_one("hi".into()).await.unwrap();
+            c
+        }
+    });
+    let mut served = false;
+    let mut timed_out = false;
+    while !(served && timed_out) {
+        match tokio::time::timeout(BOUND, l.accept_client())
+            .await
+            .expect("listener reports in time")
+            .unwrap()
+        {
+            Ok(c) => {
+                assert_eq!(c.recv_one().await.unwrap(), "hi");
+                served = true;
+            }
+            Err(Error::HandshakeTimeout { .. }) => timed_out = true,
+            Err(other) => panic!("unexpected failure {other:?}"),
+        }
+    }
+    assert_eq!(l.failed_handshakes(), 1);
+    good.await.unwrap();
+}
