@@ -5,7 +5,9 @@
 //!   QUIC stream** that the client opens, framed exactly like `chunnel_net::tcp` and
 //!   [`crate::tls`] (4-byte big-endian length, then the message; see
 //!   [`chunnel_net::framed`]). Flow control bounds what a sender may have in flight: a peer
-//!   that stops reading makes `send` wait, it never makes the sender's memory grow.
+//!   that stops reading makes `send` wait, it never makes the sender's memory grow. A QUIC
+//!   stream exists for the peer only once bytes flow on it, so the **client speaks first**:
+//!   a server's `send` or `recv` waits until the client's first message opens the stream.
 //! * [`Mode::Datagram`], id [`DATAGRAM_ID`]: unreliable, unordered messages, **one message per
 //!   QUIC DATAGRAM frame** (RFC 9221) with no framing of its own. A message larger than the
 //!   connection's current [`Connection::max_datagram_size`] fails with
@@ -65,7 +67,8 @@
 //! Dropping the last handle of a QUIC connection closes it at once, and data not yet
 //! acknowledged may be lost. [`Connection::close`] delivers first: in stream mode it finishes
 //! the stream and waits until the peer has acknowledged every byte; the peer's `recv` then
-//! fails with [`chunnel::Error::PeerClosed`] after the messages already sent.
+//! fails with [`chunnel::Error::PeerClosed`] after the messages already sent. A peer that
+//! has vanished makes it wait until the idle timeout (quinn's default: 30 s) fails it.
 //!
 //! ## Cancel safety
 //!
