@@ -113,6 +113,39 @@ pub enum Error {
         #[source]
         source: rustls::Error,
     },
+    /// A QUIC connection failed for a reason that is not one of the certificate variants
+    /// above (the peer closed it with a transport error, the idle timeout elapsed, the peer
+    /// violated the protocol...).
+    #[cfg(feature = "quic")]
+    #[error("QUIC connection with {peer} failed: {source}")]
+    Quic {
+        /// The peer's address.
+        peer: String,
+        /// quinn's error.
+        #[source]
+        source: quinn::ConnectionError,
+    },
+    /// A QUIC connection could not be started (bad server name, endpoint stopping...).
+    #[cfg(feature = "quic")]
+    #[error("cannot start a QUIC connection to {peer}: {source}")]
+    QuicConnect {
+        /// The peer's address.
+        peer: String,
+        /// quinn's error.
+        #[source]
+        source: quinn::ConnectError,
+    },
+    /// A QUIC connection in datagram mode, but DATAGRAM frames are not available: the peer
+    /// did not advertise `max_datagram_frame_size` (`by: Peer`) or this end disabled them
+    /// (`by: Local`).
+    #[cfg(feature = "quic")]
+    #[error("QUIC DATAGRAM frames are not available with {peer} (disabled by {by:?})")]
+    DatagramsUnsupported {
+        /// The peer's address.
+        peer: String,
+        /// Which end lacks datagram support.
+        by: DetectedBy,
+    },
     /// Certificates, keys or names given to the configuration are unusable.
     #[error("bad TLS configuration: {what}")]
     Config {
@@ -197,6 +230,81 @@ impl Error {
         None
     }
 
+    /// The typed error of `peer` for a failed QUIC connection: a TLS alert (sent by this end
+    /// when it refused the peer, received when the peer refused this end) becomes the same
+    /// certificate variant as over TCP; anything else is [`Error::Quic`].
+    #[cfg(feature = "quic")]
+    pub(crate) fn from_quic(peer: &str, e: quinn::ConnectionError) -> Self {
+        use DetectedBy::{Local, Peer};
+        use quinn::ConnectionError as C;
+        let (by, code, reason) = match &e {
+            C::TransportError(t) => (Local, u64::from(t.code), t.reason.clone()),
+            C::ConnectionClosed(c) => (
+                Peer,
+                u64::from(c.error_code),
+                String::from_utf8_lossy(&c.reason).into_owned(),
+            ),
+            _ => {
+                return Error::Quic {
+                    peer: peer.to_string(),
+                    source: e,
+                };
+            }
+        };
+        // QUIC carries a TLS alert as the transport error code 0x100 + alert (RFC 9001 §4.8).
+        let alert = match code.checked_sub(0x100) {
+            Some(a) if a <= 0xff => AlertDescription::from(a as u8),
+            _ => {
+                return Error::Quic {
+                    peer: peer.to_string(),
+                    source: e,
+                };
+            }
+        };
+        let p = peer.to_string();
+        // This end's rustls put its error's text in the reason; it names the name mismatch,
+        // which shares the `bad_certificate` alert with other certificate errors.
+        let wrong_name =
+            reason.contains("NotValidForName") || reason.contains("not valid for name");
+        match alert {
+            AlertDescription::UnknownCA => Error::UnknownCa { peer: p, by },
+            AlertDescription::CertificateExpired => Error::CertificateExpired {
+                peer: p,
+                by,
+                detail: reason,
+            },
+            AlertDescription::CertificateRequired => {
+                Error::MissingClientCertificate { peer: p, by }
+            }
+            AlertDescription::BadCertificate if by == Local && wrong_name => Error::WrongName {
+                peer: p,
+                by,
+                detail: reason,
+            },
+            AlertDescription::BadCertificate
+            | AlertDescription::UnsupportedCertificate
+            | AlertDescription::CertificateRevoked
+            | AlertDescription::CertificateUnknown => Error::BadCertificate {
+                peer: p,
+                by,
+                detail: if reason.is_empty() {
+                    format!("{alert:?} alert")
+                } else {
+                    reason
+                },
+            },
+            _ => Error::Quic { peer: p, source: e },
+        }
+    }
+
+    /// This error as a [`chunnel::Error::Layer`] of the datapath `layer` (its negotiation id).
+    pub(crate) fn at(self, layer: &'static str) -> chunnel::Error {
+        chunnel::Error::Layer {
+            layer,
+            source: Box::new(self),
+        }
+    }
+
     /// Finds this crate's error in a [`chunnel::Error`]: directly in
     /// [`chunnel::Error::Layer`], or inside the I/O error of [`chunnel::Error::Io`] (how a
     /// TLS failure on a live connection reaches `recv` and `send`), or anywhere in the
@@ -218,11 +326,10 @@ impl Error {
     }
 }
 
+/// A [`chunnel::Error::Layer`] of the TLS datapath ([`crate::tls::ID`]); the QUIC datapath
+/// names its own id.
 impl From<Error> for chunnel::Error {
     fn from(e: Error) -> Self {
-        chunnel::Error::Layer {
-            layer: crate::tls::ID,
-            source: Box::new(e),
-        }
+        e.at(crate::tls::ID)
     }
 }

@@ -5,6 +5,13 @@
 //! `chunnel_net::tcp`'s, and their connections carry the same length-framed messages — inside
 //! TLS. On the wire it is plain TLS 1.3: stock clients and servers interoperate.
 //!
+//! [`quic`] (feature `quic`, on by default): QUIC v1 with quinn, on the same certificates and
+//! configurations. [`quic::Connect`] (`Chunnel<()>`) and [`quic::Listener`] carry messages in
+//! one of two modes a stack states: [`quic::Mode::Stream`] (reliable, ordered, length-framed
+//! on one bidirectional stream, id `chunnel/quic-stream/1`) or [`quic::Mode::Datagram`]
+//! (unreliable, one message per QUIC DATAGRAM frame, id `chunnel/quic-dgram/1`). On the wire
+//! it is plain QUIC: a plain quinn peer interoperates.
+//!
 //! A short tour:
 //!
 //! * **Identity and trust** ([`Identity`], [`TrustRoots`]): a certificate chain and key from
@@ -22,11 +29,21 @@
 //!   (garbage instead of a handshake) — converted into [`chunnel::Error::Layer`]; see
 //!   [`Error::find`]. A client's failure never stops a [`tls::Listener`].
 //! * **Negotiation**: both ends advertise the id [`tls::ID`] and the exact capability
-//!   `secure` = `{tls13}` ([`tls::capability`]).
+//!   `secure` = `{tls13}` ([`tls::capability`]). QUIC adds `quic` = `{v1}` and `delivery` =
+//!   `{ordered, reliable}` or `{unreliable}` ([`quic::Mode::capabilities`]), so a QUIC option
+//!   never pairs with TLS over TCP nor one mode with the other.
+//!
+//! ## Feature flags
+//!
+//! * `platform-roots` (default): [`TrustRoots::platform`], the operating system's trust store.
+//! * `quic` (default): the [`quic`] module and its error variants ([`Error::Quic`],
+//!   [`Error::QuicConnect`], [`Error::DatagramsUnsupported`]); pulls in quinn (quinn,
+//!   quinn-proto, quinn-udp and 12 small crates: about 8 s more of a cold debug build on two
+//!   cores).
 //!
 //! ## Early data (0-RTT) is off
 //!
-//! Neither configuration enables TLS 1.3 early data, and this crate has no switch for it yet.
+//! Neither configuration enables TLS 1.3 early data (nor, therefore, QUIC 0-RTT), and this crate has no switch for it yet.
 //! Early data is not protected against replay: an attacker who records a client's first
 //! flight can send it to the server again, and the server would act on the application data
 //! in it twice. An application that enables it on the rustls configuration
@@ -62,6 +79,11 @@
 //! assert_eq!(client.session().alpn.as_deref(), Some(&b"echo/1"[..]));
 //! # Ok(()) }
 //! ```
+// The crate docs link to items of optional features; without them those links cannot resolve.
+#![cfg_attr(
+    not(all(feature = "quic", feature = "platform-roots")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -71,6 +93,8 @@
 
 mod config;
 mod error;
+#[cfg(feature = "quic")]
+pub mod quic;
 pub mod tls;
 
 pub use config::{
@@ -78,4 +102,6 @@ pub use config::{
     ServerConfig, ServerConfigBuilder, TrustRoots,
 };
 pub use error::{DetectedBy, Error};
+#[cfg(feature = "quic")]
+pub use quinn;
 pub use rustls;
