@@ -67,6 +67,11 @@ pub(crate) struct Args {
     /// Flood mode: well-behaved clients (1-RTT connect + one echo each) during the flood.
     #[arg(long, default_value_t = 1000)]
     flood_clients: usize,
+    /// Flood mode: slow-deciding clients during the flood, each sending, one after the
+    /// other, hellos the server must search tens of milliseconds for (see
+    /// `negotiate_flood.rs`).
+    #[arg(long, default_value_t = 0)]
+    flood_slow: usize,
     /// Flood mode: the listener's peer cap (`Config::max_peers`); default: the listener's.
     #[arg(long)]
     flood_max_peers: Option<usize>,
@@ -113,6 +118,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.flood > 0 {
         return crate::negotiate_flood::run(crate::negotiate_flood::FloodArgs {
             hellos: a.flood,
+            slow: a.flood_slow,
             clients: a.flood_clients,
             max_peers: a.flood_max_peers,
             rate: a.flood_rate,

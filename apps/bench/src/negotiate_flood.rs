@@ -5,6 +5,12 @@
 //! (address, port) pair on 127.0.0.2..=127.0.0.9, with a conn_id fixed per source) that never
 //! go on to send data; meanwhile `--flood-clients` clients, spread over the flood, each make
 //! a fresh 1-RTT connection and one echo, and their connect + echo latencies are reported.
+//!
+//! The stack is twelve two-way selects of a pass-through layer with one exact capability
+//! ([`Kind`]): identical offers are decided in microseconds (and then remembered), while
+//! `--flood-slow` clients send offers that are compatible only after a long search (each
+//! with a 0-RTT pick the server has not seen, so nothing remembered answers them): slow
+//! decisions mixed into the flood.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::sync::Arc;
@@ -19,7 +25,7 @@ use chunnel_negotiate::{Client, Config, listen_with};
 use chunnel_net::udp;
 use serde_json::json;
 
-use crate::negotiate::{echo, stack};
+use crate::negotiate::echo;
 use crate::stats::quantile;
 
 /// Source addresses of the flood: 127.0.0.2..=127.0.0.9.
@@ -33,8 +39,64 @@ const LANES: usize = 4;
 /// A client that has not connected and echoed by then fails the run.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A pass-through layer whose one exact capability of kind `k` carries a number.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Kind(u32);
+
+impl chunnel::Negotiate for Kind {
+    fn id(&self) -> &'static str {
+        "bench/kind/1"
+    }
+    fn capabilities(&self) -> Vec<chunnel::Capability> {
+        vec![chunnel::Capability::exact("k", [self.0.to_string()])]
+    }
+}
+
+impl chunnel::Layer for Kind {
+    type State = Kind;
+    fn state(&mut self) -> Result<Kind, chunnel::Error> {
+        Ok(*self)
+    }
+}
+
+impl chunnel::LayerState for Kind {
+    type Data = Bytes;
+    fn on_send(&self, m: Bytes) -> Bytes {
+        m
+    }
+    fn on_recv(&self, batch: &mut [Option<Bytes>]) -> Result<usize, chunnel::Error> {
+        Ok(batch.len())
+    }
+}
+
+/// Twelve two-way selects of [`Kind`]s; select `i` offers `base + 2i` and `base + 2i + 1`.
+/// The server and well-behaved clients use base 0; slow clients offer base 1: compatible,
+/// but found only after a long search (tens of milliseconds).
+macro_rules! kinds {
+    ($base:expr) => {{
+        use chunnel::{Layered, select, stack};
+        let b: u32 = $base;
+        let s = |i: u32| Layered(select(Kind(b + 2 * i), Kind(b + 2 * i + 1)));
+        stack![
+            s(0),
+            s(1),
+            s(2),
+            s(3),
+            s(4),
+            s(5),
+            s(6),
+            s(7),
+            s(8),
+            s(9),
+            s(10),
+            s(11)
+        ]
+    }};
+}
+
 pub(crate) struct FloodArgs {
     pub(crate) hellos: usize,
+    pub(crate) slow: usize,
     pub(crate) clients: usize,
     pub(crate) max_peers: Option<usize>,
     pub(crate) rate: u64,
@@ -58,7 +120,7 @@ fn flood(to: SocketAddr, n: usize, rate: u64, max: Duration) -> Result<(usize, u
     let template = Hello {
         version: VERSION,
         conn_id: 0,
-        offers: stack().offer_tree(),
+        offers: kinds!(0).offer_tree(),
         zero_rtt: None,
         early: Vec::new(),
         dictated: false,
@@ -111,7 +173,7 @@ async fn server(
     let l = udp::Listener::bind_with("127.0.0.1:0".parse()?, cfg).await?;
     let addr = l.local_addr()?;
     let counter = l.peer_counter();
-    let serving = listen_with(stack(), l, Config::default(), |r| {
+    let serving = listen_with(kinds!(0), l, Config::default(), |r| {
         if let Ok(conn) = r {
             tokio::spawn(echo(conn));
         }
@@ -126,12 +188,61 @@ async fn client(addr: SocketAddr, msg: Bytes) -> Result<f64> {
     let t = Instant::now();
     let base = udp::Connect::new(addr).connect_wrap(()).await?;
     let c = Client::new(Config::default())
-        .connect(&addr.to_string(), stack(), base)
+        .connect(&addr.to_string(), kinds!(0), base)
         .await?;
     c.send_one(msg.clone()).await?;
     let r = c.recv_one().await?;
     ensure!(r.len() == msg.len(), "echo of {} bytes", r.len());
     Ok(t.elapsed().as_secs_f64() * 1e6)
+}
+
+/// One slow-deciding client, until `stop`: from a fresh socket each time, a hello the server
+/// must search long for (offers of base 1, and a 0-RTT pick of no option, another each
+/// time, so nothing remembered answers it), then its answer (waited for at most 5 s).
+/// Returns the answers' latencies (µs) and the hellos left unanswered.
+async fn slow_client(
+    addr: SocketAddr,
+    lane: u64,
+    stop: Arc<AtomicBool>,
+) -> Result<(Vec<f64>, usize)> {
+    let offers = kinds!(1).offer_tree();
+    let (mut us, mut unanswered) = (Vec::new(), 0);
+    let mut buf = vec![0u8; 65_536];
+    let mut k: u64 = 0;
+    while !stop.load(Ordering::Relaxed) {
+        k += 1;
+        // 13 branches or more for 12 selects: no option. The rest spell (lane, k) in bits.
+        let id = lane << 32 | k;
+        let mut pick = vec![0u8; 13];
+        pick.extend((0..48).map(|i| ((id >> i) & 1) as u8));
+        let hello = Hello {
+            version: VERSION,
+            conn_id: id,
+            offers: offers.clone(),
+            zero_rtt: Some(chunnel::Pick::from_slice(&pick)),
+            early: Vec::new(),
+            dictated: false,
+        }
+        .encode();
+        let s = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+        let t = Instant::now();
+        s.send_to(&hello, addr).await?;
+        match tokio::time::timeout(Duration::from_secs(5), s.recv_from(&mut buf)).await {
+            Ok(Ok(_)) => us.push(t.elapsed().as_secs_f64() * 1e6),
+            _ => unanswered += 1,
+        }
+    }
+    Ok((us, unanswered))
+}
+
+/// The kernel's count of UDP datagrams dropped for a full receive buffer (all sockets of
+/// the host: `RcvbufErrors` in /proc/net/snmp).
+fn udp_rcvbuf_errors() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/net/snmp").ok()?;
+    let mut udp = s.lines().filter(|l| l.starts_with("Udp:"));
+    let (names, values) = (udp.next()?, udp.next()?);
+    let i = names.split_whitespace().position(|n| n == "RcvbufErrors")?;
+    values.split_whitespace().nth(i)?.parse().ok()
 }
 
 /// Peak resident set size of this process (the server's), in kB.
@@ -148,12 +259,14 @@ pub(crate) fn run(a: FloodArgs) -> Result<()> {
         .enable_all()
         .build()?;
     let started = Instant::now();
+    let drops_before = udp_rcvbuf_errors();
     let out = rt.block_on(async {
         tokio::time::timeout(Duration::from_secs(a.max_secs + 120), measure(&a))
             .await
             .context("negotiate flood benchmark stalled")?
     })?;
-    let (flood_sent, skipped, flood_secs, mut us, peak, stats, cap) = out;
+    let (flood_sent, skipped, flood_secs, mut us, peak, stats, cap, mut slow, slow_lost) = out;
+    slow.sort_by(f64::total_cmp);
     us.sort_by(f64::total_cmp);
     let connected = us.len();
     let rss = peak_rss_kb();
@@ -179,6 +292,13 @@ pub(crate) fn run(a: FloodArgs) -> Result<()> {
         "connect_p50_us": q(0.5),
         "connect_p99_us": q(0.99),
         "connect_max_us": us.last().copied().unwrap_or(f64::NAN),
+        "slow_clients": a.slow,
+        "slow_answers": slow.len(),
+        "slow_unanswered": slow_lost,
+        "slow_answer_p50_us": if slow.is_empty() { f64::NAN } else { quantile(&slow, 0.5) },
+        "kernel_udp_rcvbuf_drops": udp_rcvbuf_errors()
+            .zip(drops_before)
+            .map(|(a, b)| a.saturating_sub(b)),
         "server_peak_rss_kb": rss,
         "server_peak_peers": peak,
         "server_idle_ms": a.idle_ms,
@@ -195,7 +315,17 @@ pub(crate) fn run(a: FloodArgs) -> Result<()> {
     Ok(())
 }
 
-type Measured = (usize, usize, f64, Vec<f64>, usize, (u64, u64), usize);
+type Measured = (
+    usize,
+    usize,
+    f64,
+    Vec<f64>,
+    usize,
+    (u64, u64),
+    usize,
+    Vec<f64>,
+    usize,
+);
 
 async fn measure(a: &FloodArgs) -> Result<Measured> {
     let (addr, counter, cap) = server(Duration::from_millis(a.idle_ms), a.max_peers).await?;
@@ -215,6 +345,10 @@ async fn measure(a: &FloodArgs) -> Result<Measured> {
             peak.max(counter.count())
         })
     };
+    let slow_stop = Arc::new(AtomicBool::new(false));
+    let slow: Vec<_> = (0..a.slow as u64)
+        .map(|lane| tokio::spawn(slow_client(addr, lane, slow_stop.clone())))
+        .collect();
     let (n, rate, max) = (a.hellos, a.rate, Duration::from_secs(a.max_secs));
     let flooding = std::thread::Builder::new()
         .name("flood".into())
@@ -251,6 +385,13 @@ async fn measure(a: &FloodArgs) -> Result<Measured> {
         Ok(r) => r?,
         Err(_) => bail!("flood thread panicked"),
     };
+    slow_stop.store(true, Ordering::Relaxed);
+    let (mut slow_us, mut slow_lost) = (Vec::new(), 0);
+    for c in slow {
+        let (us, lost) = c.await??;
+        slow_us.extend(us);
+        slow_lost += lost;
+    }
     // Whatever loopback still holds is read before the counters are looked at.
     tokio::time::sleep(Duration::from_millis(200)).await;
     stop.store(true, Ordering::Relaxed);
@@ -261,5 +402,21 @@ async fn measure(a: &FloodArgs) -> Result<Measured> {
         a.clients,
         counter.peer_cap_stats()
     );
-    Ok((sent, skipped, secs, us, peak, counter.peer_cap_stats(), cap))
+    if a.slow > 0 {
+        eprintln!(
+            "slow-deciding clients: {} answers, {slow_lost} unanswered",
+            slow_us.len()
+        );
+    }
+    Ok((
+        sent,
+        skipped,
+        secs,
+        us,
+        peak,
+        counter.peer_cap_stats(),
+        cap,
+        slow_us,
+        slow_lost,
+    ))
 }
