@@ -69,6 +69,15 @@ pub struct Config {
     /// never evicted by new peers. While more than half the cap is in use, new peers that waited
     /// for `accept` longer than [`SILENT_GRACE`] are evicted first.
     pub max_peers: usize,
+    /// Bytes of datagrams buffered per server-side connection (besides the count,
+    /// [`Config::peer_queue`]) before new ones are dropped and counted as a full queue;
+    /// default 1 MiB.
+    pub peer_queue_bytes: usize,
+    /// Bytes of datagrams buffered by a listener for all its peers together (connections not
+    /// reading, new peers waiting for `accept`) before new ones are dropped and counted as
+    /// a full queue; default 64 MiB. With [`Config::max_peers`] it bounds what a flood of
+    /// peers that send and never read can make a listener hold.
+    pub queued_bytes: usize,
 }
 
 /// How long a new peer may wait for `accept` while the listener's peer table is more than
@@ -84,7 +93,21 @@ impl Config {
             backlog: 128,
             idle_timeout: Some(Duration::from_secs(60)),
             max_peers: 16_384,
+            peer_queue_bytes: 1 << 20,
+            queued_bytes: 64 << 20,
         }
+    }
+
+    /// Sets [`Config::peer_queue_bytes`] (at least 1).
+    pub fn with_peer_queue_bytes(mut self, n: usize) -> Self {
+        self.peer_queue_bytes = n.max(1);
+        self
+    }
+
+    /// Sets [`Config::queued_bytes`] (at least 1).
+    pub fn with_queued_bytes(mut self, n: usize) -> Self {
+        self.queued_bytes = n.max(1);
+        self
     }
 
     /// Sets [`Config::max_peers`] (at least 1).
@@ -985,15 +1008,48 @@ struct PeerQueue {
     /// The latest datagram too large for `max_payload`, by its first bytes (boxed: 8 bytes
     /// in every peer, most of which never see one).
     oversized: Option<Box<chunnel::Oversized>>,
+    /// Bytes of the datagrams queued here.
+    bytes: usize,
+    /// The listener's count of bytes queued for all its peers ([`Config::queued_bytes`]),
+    /// which this queue's bytes are part of until they leave it (or it is dropped).
+    total: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for PeerQueue {
+    fn drop(&mut self) {
+        if let Some(t) = &self.total {
+            t.fetch_sub(self.bytes, Ordering::Relaxed);
+        }
+    }
 }
 
 impl PeerQueue {
-    fn one(m: Bytes) -> Self {
+    /// An empty queue whose bytes count towards `total`.
+    fn counted(total: &Arc<AtomicUsize>) -> Self {
         PeerQueue {
-            first: Some(m),
+            first: None,
             rest: None,
             oversized: None,
+            bytes: 0,
+            total: Some(Arc::clone(total)),
         }
+    }
+
+    fn one(m: Bytes, total: &Arc<AtomicUsize>) -> Self {
+        let mut q = PeerQueue::counted(total);
+        q.push_back(m);
+        q
+    }
+
+    /// Whether `m` fits: under [`Config::peer_queue`] datagrams and
+    /// [`Config::peer_queue_bytes`] here, and [`Config::queued_bytes`] in all.
+    fn has_room(&self, m: &Bytes, cfg: &Config) -> bool {
+        self.len() < cfg.peer_queue
+            && self.bytes + m.len() <= cfg.peer_queue_bytes
+            && self
+                .total
+                .as_ref()
+                .is_none_or(|t| t.load(Ordering::Relaxed) + m.len() <= cfg.queued_bytes)
     }
 
     fn len(&self) -> usize {
@@ -1005,6 +1061,10 @@ impl PeerQueue {
     }
 
     fn push_back(&mut self, m: Bytes) {
+        self.bytes += m.len();
+        if let Some(t) = &self.total {
+            t.fetch_add(m.len(), Ordering::Relaxed);
+        }
         if self.first.is_none() {
             self.first = Some(m);
         } else {
@@ -1015,6 +1075,10 @@ impl PeerQueue {
     fn pop_front(&mut self) -> Option<Bytes> {
         let m = self.first.take()?;
         self.first = self.rest.as_mut().and_then(|r| r.pop_front());
+        self.bytes -= m.len();
+        if let Some(t) = &self.total {
+            t.fetch_sub(m.len(), Ordering::Relaxed);
+        }
         Some(m)
     }
 }
@@ -1188,6 +1252,8 @@ pub(crate) struct Shared<S: DgramSocket> {
     rx: Mutex<RxScratch>,
     accept_notify: Notify,
     stats: Stats,
+    /// Bytes queued for all peers ([`Config::queued_bytes`]).
+    queued_bytes: Arc<AtomicUsize>,
     listener_open: AtomicBool,
     /// Which task, if any, waits for the socket to become readable ([`NO_READER`],
     /// [`ACCEPT_READER`], [`CONN_READER`]). Only that task waits on the socket; the others
@@ -1726,8 +1792,8 @@ impl<S: DgramSocket> Shared<S> {
                                 return;
                             }
                             // Nobody waits on a new peer's queue yet.
-                            let mut q = PeerQueue::default();
-                            if self.cfg.peer_queue > 0 {
+                            let mut q = PeerQueue::counted(&self.queued_bytes);
+                            if q.has_room(&m, &self.cfg) {
                                 q.push_back(m);
                                 self.stats.queued.fetch_add(1, Ordering::Relaxed);
                             } else {
@@ -1748,7 +1814,7 @@ impl<S: DgramSocket> Shared<S> {
                     };
                     self.set_fresh(false);
                     let mut q = lock(&peer.queue);
-                    if q.len() >= self.cfg.peer_queue {
+                    if !q.has_room(&m, &self.cfg) {
                         self.stats
                             .dropped_queue_full
                             .fetch_add(1, Ordering::Relaxed);
@@ -1864,10 +1930,8 @@ impl<S: DgramSocket> Shared<S> {
         if !self.admit_new(&mut d) {
             return;
         }
-        let q = PeerQueue {
-            oversized: Some(ev),
-            ..PeerQueue::default()
-        };
+        let mut q = PeerQueue::counted(&self.queued_bytes);
+        q.oversized = Some(ev);
         let p = self.new_peer(addr, q);
         d.peers.insert(p.clone());
         d.backlog.push_back(p);
@@ -1928,6 +1992,7 @@ impl<S: DgramSocket> Listener<S> {
                 rx: Mutex::new(RxScratch::new(MAX_BATCH)),
                 accept_notify: Notify::new(),
                 stats: Stats::default(),
+                queued_bytes: Arc::default(),
                 listener_open: AtomicBool::new(true),
                 reader: AtomicU8::new(NO_READER),
                 fresh: AtomicBool::new(false),
@@ -1971,6 +2036,11 @@ impl<S: DgramSocket> Listener<S> {
             s.direct.load(Ordering::Relaxed),
             s.queued.load(Ordering::Relaxed),
         )
+    }
+
+    /// Bytes of datagrams queued now for all peers (at most [`Config::queued_bytes`]).
+    pub fn queued_bytes(&self) -> usize {
+        self.shared.queued_bytes.load(Ordering::Relaxed)
     }
 
     /// Datagrams dropped so far: (over `max_payload`, peer queue full, backlog full).
@@ -2184,7 +2254,10 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
             && d.backlog.len() < sh.cfg.backlog
             && !d.peers.contains(&self.peer.addr);
         if admitted {
-            let p = sh.new_peer(self.peer.addr.clone(), PeerQueue::one(first));
+            let p = sh.new_peer(
+                self.peer.addr.clone(),
+                PeerQueue::one(first, &sh.queued_bytes),
+            );
             d.peers.insert(p.clone());
             d.backlog.push_back(p);
             sh.accept_notify.notify_one();
@@ -2463,7 +2536,10 @@ mod tests {
             assert_eq!(m.get(&addr(i)).map(|p| p.addr), Some(addr(i)));
         }
         assert!(!m.contains(&addr(3001)));
-        let again = Arc::new(Peer::new(addr(7), PeerQueue::one(Bytes::from_static(b"x"))));
+        let again = Arc::new(Peer::new(
+            addr(7),
+            PeerQueue::one(Bytes::from_static(b"x"), &Arc::default()),
+        ));
         m.insert(Arc::clone(&again));
         assert_eq!(m.len(), 3000, "replaced, not added");
         assert!(Arc::ptr_eq(m.get(&addr(7)).expect("there"), &again));

@@ -243,3 +243,62 @@ async fn at_the_cap_a_new_source_evicts_the_longest_silent_accepted_connection()
     assert_eq!(l.peer_cap_stats(), (2, 1));
     assert_eq!(l.peer_count(), 4);
 }
+
+/// What a listener holds for peers that send and are not read is capped in bytes: per peer
+/// (`peer_queue_bytes`) and for all peers together (`queued_bytes`). Datagrams over either
+/// cap are dropped and counted as a full queue; a connection that reads later gets what was
+/// kept, in order; the count goes back to zero as queues are read or their peers leave.
+#[tokio::test]
+async fn queued_bytes_are_capped_per_peer_and_for_the_listener() {
+    const SIZE: usize = 1000;
+    let cfg = udp::Config::default()
+        .with_peer_queue_bytes(10 * SIZE)
+        .with_queued_bytes(50 * SIZE);
+    let mut l = udp::Listener::bind_with("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let addr = l.local_addr().unwrap();
+    // `accept` reads the socket and sorts datagrams into queues; with no new peer it runs
+    // until the timeout.
+    async fn pump(l: &mut udp::Listener) {
+        let _ = tokio::time::timeout(Duration::from_millis(300), l.accept()).await;
+    }
+
+    // One peer sends 60 datagrams; its connection is accepted and not read.
+    let one = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    one.send_to(&[0u8; SIZE], addr).await.unwrap();
+    let conn = l.accept().await.unwrap();
+    let first = conn.recv_one().await.unwrap();
+    assert_eq!(first[0], 0);
+    for i in 1..60u8 {
+        one.send_to(&[i; SIZE], addr).await.unwrap();
+    }
+    pump(&mut l).await;
+    assert_eq!(l.queued_bytes(), 10 * SIZE, "per-peer cap");
+    assert_eq!(l.dropped().1, 49, "the rest dropped as a full queue");
+    for i in 1..=10u8 {
+        let m = conn.recv_one().await.unwrap();
+        assert_eq!((m.len(), m[0]), (SIZE, i), "kept in order");
+    }
+    assert_eq!(l.queued_bytes(), 0);
+
+    // Eight new peers, 10 datagrams each (each within its own cap): 80 KB offered, the
+    // listener keeps 50 KB in all.
+    let mut peers = Vec::new();
+    for _ in 0..8 {
+        let s = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        for i in 0..10u8 {
+            s.send_to(&[i; SIZE], addr).await.unwrap();
+        }
+        peers.push(s);
+    }
+    let mut accepted = Vec::new();
+    while let Ok(Ok(c)) = tokio::time::timeout(Duration::from_millis(300), l.accept()).await {
+        accepted.push(c);
+    }
+    assert_eq!(l.queued_bytes(), 50 * SIZE, "listener-wide cap");
+    assert_eq!(l.dropped().1, 49 + 30, "80 offered, 50 kept");
+    // Dropping the connections frees what their queues held.
+    drop(accepted);
+    assert_eq!(l.queued_bytes(), 0);
+}
