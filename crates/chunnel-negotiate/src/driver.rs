@@ -852,6 +852,10 @@ where
     // The task below does nothing but accept and hand on (a handshake that must wait gets a
     // task of its own).
     listener.accepting_in_loop();
+    // A hello with another connection id from a known address is a new client (one that
+    // restarted on the same local port): handed to `accept` even if the old connection is
+    // not read.
+    listener.recognise_sessions(crate::wire::hello_session);
     let server = Arc::new(Server::new(stack.offer_tree()));
     let held = Arc::new(Held {
         queue: Mutex::new(std::collections::VecDeque::new()),

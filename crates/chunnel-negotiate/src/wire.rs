@@ -1136,6 +1136,15 @@ impl Hello {
     }
 }
 
+/// The session a message starts, for [`chunnel::Listener::recognise_sessions`]: a HELLO's
+/// connection id (tag included in `m`); `None` for any other message.
+pub fn hello_session(m: &[u8]) -> Option<u64> {
+    match m.split_first() {
+        Some((&t, body)) if t == Tag::Hello as u8 => Hello::peek_conn_id(body).ok(),
+        _ => None,
+    }
+}
+
 impl Accept {
     /// Decodes an accept body (the bytes after the tag).
     pub fn decode(body: &[u8]) -> Result<Accept, WireError> {

@@ -151,3 +151,49 @@ async fn a_server_that_closes_ends_the_clients_receive() -> Result<()> {
     ensure!(matches!(recv(&conn).await?, Err(CErr::Closed)));
     Ok(())
 }
+
+/// A client that starts again on the same local port while the server holds its old
+/// connection and does not read it: the new hello (another connection id) reaches `accept`
+/// as a new connection (the listener recognises sessions by the hello's id), and the old
+/// connection ends. Before, the hello sat in the old connection's queue, unanswered, and the
+/// client gave up after its last retransmission.
+#[tokio::test]
+async fn a_client_restarted_on_the_same_port_is_answered_while_the_old_connection_is_unread()
+-> Result<()> {
+    let (addr, mut server, _peers) = server().await?;
+    let local = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?;
+    let connect = || async move {
+        let base = udp::Connect::new(addr)
+            .with_local_addr(local)
+            .connect_wrap(())
+            .await?;
+        timeout(
+            WAIT,
+            Client::new(Config::default()).connect(&addr.to_string(), Identity, base),
+        )
+        .await
+        .context("no answer to the hello")?
+        .map_err(anyhow::Error::from)
+    };
+    let first = connect().await?;
+    let old = timeout(WAIT, server.accept()).await.context("accept")??;
+    first.send_one(Bytes::from_static(b"one")).await?;
+    // The first client goes away (its CLOSE, if any, waits unread in the old queue).
+    drop(first);
+
+    let second = connect().await?;
+    let new = timeout(WAIT, server.accept()).await.context("accept")??;
+    ensure!(new.conn_id() == second.conn_id() && new.conn_id() != old.conn_id());
+    second.send_one(Bytes::from_static(b"two")).await?;
+    ensure!(recv(&new).await?? == "two");
+    // The old connection gives what it had, then ends.
+    let mut ended = false;
+    for _ in 0..3 {
+        if recv(&old).await?.is_err() {
+            ended = true;
+            break;
+        }
+    }
+    ensure!(ended, "the old connection did not end");
+    Ok(())
+}

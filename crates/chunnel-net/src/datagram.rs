@@ -444,6 +444,8 @@ pub(crate) struct Stats {
     pub(crate) direct: AtomicU64,
     /// Datagrams sorted into a peer queue (read by another task, or while older ones wait).
     pub(crate) queued: AtomicU64,
+    /// Known addresses that started another session ([`chunnel::Listener::recognise_sessions`]).
+    pub(crate) new_sessions: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -992,6 +994,9 @@ struct Peer<A> {
     /// How many receives of this connection wait for the reader's place (listed once in
     /// [`Shared::vacancy`] while any do); reset by the reader that offers it the place.
     wants_place: AtomicU32,
+    /// The session its datagrams started ([`chunnel::Listener::recognise_sessions`]); 0:
+    /// none yet. Changed under the demux lock only.
+    session: AtomicU64,
 }
 
 /// A peer's received messages, oldest first: the first inline (a connection usually
@@ -1095,6 +1100,7 @@ impl<A> Peer<A> {
             silent_listed: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
             wants_place: AtomicU32::new(0),
+            session: AtomicU64::new(0),
         }
     }
 }
@@ -1243,6 +1249,9 @@ struct Direct<'a, A> {
     slots: &'a mut [Option<Bytes>],
 }
 
+/// Recognises a datagram that starts a session ([`chunnel::Listener::recognise_sessions`]).
+type SessionOf = fn(&[u8]) -> Option<u64>;
+
 /// State shared by a listener and its connections.
 #[derive(Debug)]
 pub(crate) struct Shared<S: DgramSocket> {
@@ -1254,6 +1263,9 @@ pub(crate) struct Shared<S: DgramSocket> {
     stats: Stats,
     /// Bytes queued for all peers ([`Config::queued_bytes`]).
     queued_bytes: Arc<AtomicUsize>,
+    /// How to recognise a datagram that starts a session
+    /// ([`chunnel::Listener::recognise_sessions`]).
+    session_of: std::sync::OnceLock<SessionOf>,
     listener_open: AtomicBool,
     /// Which task, if any, waits for the socket to become readable ([`NO_READER`],
     /// [`ACCEPT_READER`], [`CONN_READER`]). Only that task waits on the socket; the others
@@ -1785,13 +1797,27 @@ impl<S: DgramSocket> Shared<S> {
                     // The queue is filled under the demux lock, so a connection that finds its
                     // queue empty under that lock and leaves the map can never miss a message.
                     let mut d = lock(&self.demux);
-                    let peer = match d.peers.get(&addr) {
-                        Some(p) => p.clone(),
+                    let known = match d.peers.get(&addr) {
+                        Some(p) if self.starts_another_session(p, &m) => {
+                            // A new client on a known address: the old connection ends (after
+                            // what it has queued) and this datagram starts a new one.
+                            let p = p.clone();
+                            p.idled.store(true, Ordering::Release);
+                            d.leave(&p);
+                            p.notify.notify_waiters();
+                            self.stats.new_sessions.fetch_add(1, Ordering::Relaxed);
+                            None
+                        }
+                        known => known.cloned(),
+                    };
+                    let peer = match known {
+                        Some(p) => p,
                         None => {
                             if !self.admit_new(&mut d) {
                                 return;
                             }
                             // Nobody waits on a new peer's queue yet.
+                            let session = self.session_of.get().and_then(|f| f(&m)).unwrap_or(0);
                             let mut q = PeerQueue::counted(&self.queued_bytes);
                             if q.has_room(&m, &self.cfg) {
                                 q.push_back(m);
@@ -1802,6 +1828,7 @@ impl<S: DgramSocket> Shared<S> {
                                     .fetch_add(1, Ordering::Relaxed);
                             }
                             let p = self.new_peer(addr, q);
+                            p.session.store(session, Ordering::Relaxed);
                             d.peers.insert(p.clone());
                             d.backlog.push_back(p);
                             drop(d);
@@ -1901,6 +1928,22 @@ impl<S: DgramSocket> Shared<S> {
         true
     }
 
+    /// Whether `m`, queued for the known peer `p`, starts another session than `p`'s
+    /// ([`chunnel::Listener::recognise_sessions`]); a peer without one yet takes `m`'s.
+    /// Demux lock held.
+    fn starts_another_session(&self, p: &Peer<S::Addr>, m: &[u8]) -> bool {
+        let Some(id) = self.session_of.get().and_then(|f| f(m)) else {
+            return false;
+        };
+        match p.session.load(Ordering::Relaxed) {
+            0 => {
+                p.session.store(id, Ordering::Relaxed);
+                false
+            }
+            s => s != id,
+        }
+    }
+
     /// A new peer's state, stamped with its arrival (the grace under pressure counts from
     /// it; `accept` restamps it for the idle sweep).
     fn new_peer(&self, addr: S::Addr, q: PeerQueue) -> Arc<Peer<S::Addr>> {
@@ -1993,6 +2036,7 @@ impl<S: DgramSocket> Listener<S> {
                 accept_notify: Notify::new(),
                 stats: Stats::default(),
                 queued_bytes: Arc::default(),
+                session_of: std::sync::OnceLock::new(),
                 listener_open: AtomicBool::new(true),
                 reader: AtomicU8::new(NO_READER),
                 fresh: AtomicBool::new(false),
@@ -2036,6 +2080,13 @@ impl<S: DgramSocket> Listener<S> {
             s.direct.load(Ordering::Relaxed),
             s.queued.load(Ordering::Relaxed),
         )
+    }
+
+    /// Datagrams from known addresses that started another session than their address had
+    /// ([`chunnel::Listener::recognise_sessions`]): each ended the old connection and started
+    /// a new one.
+    pub fn new_sessions(&self) -> u64 {
+        self.shared.stats.new_sessions.load(Ordering::Relaxed)
     }
 
     /// Bytes of datagrams queued now for all peers (at most [`Config::queued_bytes`]).
@@ -2185,6 +2236,10 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                 notified.as_mut().enable();
             }
         }
+    }
+
+    fn recognise_sessions(&mut self, session_of: fn(&[u8]) -> Option<u64>) {
+        let _ = self.shared.session_of.set(session_of);
     }
 
     fn accepting_in_loop(&mut self) {

@@ -186,6 +186,10 @@ impl chunnel::Listener for DatagramListener {
     fn accepting_in_loop(&mut self) {
         chunnel::Listener::accepting_in_loop(&mut self.inner);
     }
+
+    fn recognise_sessions(&mut self, session_of: fn(&[u8]) -> Option<u64>) {
+        chunnel::Listener::recognise_sessions(&mut self.inner, session_of);
+    }
 }
 
 /// Removes a listener's socket file when the listener goes away.

@@ -368,4 +368,11 @@ where
             EitherListener::Right(r) => r.accepting_in_loop(),
         }
     }
+
+    fn recognise_sessions(&mut self, session_of: fn(&[u8]) -> Option<u64>) {
+        match self {
+            EitherListener::Left(l) => l.recognise_sessions(session_of),
+            EitherListener::Right(r) => r.recognise_sessions(session_of),
+        }
+    }
 }

@@ -80,6 +80,16 @@ pub trait Listener: Send {
     /// connections waiting to receive until the next `accept` call or the drop. Default:
     /// nothing.
     fn accepting_in_loop(&mut self) {}
+
+    /// Tells the listener how to recognise a message that starts a session: `session_of`
+    /// returns the session's id for such a message (negotiation: a HELLO's connection id)
+    /// and `None` for any other. A datagram listener then treats a datagram from a known
+    /// address that starts *another* session than the one that address started as a new
+    /// peer: the old connection ends (its `recv` reports [`Error::PeerClosed`] after what it
+    /// had queued) and `accept` hands out a new one, whether or not anybody reads the old one
+    /// (a client that restarts on the same local port is answered). Must be cheap: it sees
+    /// every datagram queued for a known peer. Default: nothing.
+    fn recognise_sessions(&mut self, _session_of: fn(&[u8]) -> Option<u64>) {}
 }
 
 /// A listener that wraps every accepted connection in a stack: `accept` returns the finished
