@@ -94,6 +94,8 @@
 mod config;
 mod error;
 #[cfg(feature = "quic")]
+pub mod negotiated;
+#[cfg(feature = "quic")]
 pub mod quic;
 pub mod tls;
 
