@@ -100,7 +100,7 @@ pub struct Negotiated<C> {
 
 /// The two messages that decided a 1-RTT negotiated connection, exactly as this end sent or
 /// received them (tag byte included), for binding them to a secure channel (docs/wire.md
-/// §10). Both are empty where the driver does not record them: a 0-RTT or dictated
+/// §16). Both are empty where the driver does not record them: a 0-RTT or dictated
 /// connection's, and a server's answer held for its first reply.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Transcript {
@@ -545,12 +545,10 @@ impl Client {
         let control = control(&tagged);
         let conn = stack.connect_wrap(tagged).await?;
         self.remember(server, &out.accept.client_pick, out.known, None);
-        Ok(Negotiated::new(
-            conn,
-            self.infos.get(out.accept, out.hellos_sent),
-            control,
+        Ok(
+            Negotiated::new(conn, self.infos.get(out.accept, out.hellos_sent), control)
+                .with_transcript(transcript),
         )
-        .with_transcript(transcript))
     }
 
     /// 0-RTT: if a pick for `server` is remembered, builds that stack at once, sends `early`

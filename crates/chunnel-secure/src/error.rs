@@ -160,7 +160,7 @@ pub enum Error {
     },
     /// The negotiation transcript the two ends saw differs, or the server's account of it
     /// cannot be authenticated: an on-path attacker (or a fault) changed the hello or the
-    /// accept. The connection is refused at both ends (docs/wire.md §10).
+    /// accept. The connection is refused at both ends (docs/wire.md §16).
     #[cfg(feature = "quic")]
     #[error("downgrade detected with {peer} (by {by:?}): {tampered}: {detail}")]
     Downgrade {

@@ -13,7 +13,7 @@
 //! option in common gets chunnel-negotiate's `Incompatible` error (inside
 //! [`Error::Negotiation`]).
 //!
-//! ## Downgrade protection (docs/wire.md §10)
+//! ## Downgrade protection (docs/wire.md §16)
 //!
 //! The HELLO and ACCEPT cross the network unprotected, so an on-path attacker could strip
 //! the secure offers from the hello or change the pick in the accept. Before either end hands
@@ -154,7 +154,8 @@ pub struct Option3 {
 
 impl Negotiate for Option3 {
     fn id(&self) -> &'static str {
-        self.transport.map_or("chunnel/endpoint-none/1", Transport::id)
+        self.transport
+            .map_or("chunnel/endpoint-none/1", Transport::id)
     }
 
     fn capabilities(&self) -> Vec<Capability> {
@@ -272,7 +273,7 @@ impl ChunnelConnection for Connection {
 }
 
 // ---------------------------------------------------------------------------------------
-// The binding messages (docs/wire.md §10).
+// The binding messages (docs/wire.md §16).
 
 /// BIND's type byte.
 const BIND: u8 = 0xb1;
@@ -724,11 +725,8 @@ impl ServerBuilder {
         let local = udp.local_addr().map_err(io)?;
         let recs = Arc::clone(&records);
         let etx = tx.clone();
-        let serving = chunnel_negotiate::listen_with(
-            choice(&order),
-            udp,
-            self.negotiate,
-            move |r| match r {
+        let serving =
+            chunnel_negotiate::listen_with(choice(&order), udp, self.negotiate, move |r| match r {
                 Ok(n) => {
                     if let Some((t, _)) = parse_server_stack(&n.info().server_stack) {
                         recs.insert(
@@ -748,8 +746,7 @@ impl ServerBuilder {
                         source,
                     }));
                 }
-            },
-        );
+            });
         Ok(Server {
             local,
             endpoints,
@@ -805,7 +802,9 @@ impl Serve {
         let record = self.records.take(conn_id).await;
         let (status, view) = match &record {
             None => (Status::Unknown, Transcript::default()),
-            Some(r) if r.transport != self.transport => (Status::WrongEndpoint, r.transcript.clone()),
+            Some(r) if r.transport != self.transport => {
+                (Status::WrongEndpoint, r.transcript.clone())
+            }
             Some(r) if transcript_hash(&r.transcript) != client_hash => {
                 (Status::Differ, r.transcript.clone())
             }
@@ -954,8 +953,8 @@ impl ClientBuilder {
     pub fn build(self) -> Result<Client, Error> {
         let mut offers = Vec::new();
         for t in self.offers {
-            if !offers.contains(&t) && !(t == Transport::Plain && self.policy == Policy::SecureOnly)
-            {
+            let refused = t == Transport::Plain && self.policy == Policy::SecureOnly;
+            if !offers.contains(&t) && !refused {
                 offers.push(t);
             }
         }
@@ -1114,19 +1113,28 @@ impl Client {
                 quic::Connect::new(ep, t.cfg.clone(), quic::Mode::Stream)
                     .connect_wrap(())
                     .await
-                    .map_err(|e| Error::Datapath { transport, source: e })?,
+                    .map_err(|e| Error::Datapath {
+                        transport,
+                        source: e,
+                    })?,
             ),
             (Transport::Tls, Some(t)) => Connection::Tls(
                 tls::Connect::new(ep, t.cfg.clone())
                     .connect_wrap(())
                     .await
-                    .map_err(|e| Error::Datapath { transport, source: e })?,
+                    .map_err(|e| Error::Datapath {
+                        transport,
+                        source: e,
+                    })?,
             ),
             (Transport::Plain, _) => Connection::Plain(
                 chunnel_net::tcp::Connect::new(ep)
                     .connect_wrap(())
                     .await
-                    .map_err(|e| Error::Datapath { transport, source: e })?,
+                    .map_err(|e| Error::Datapath {
+                        transport,
+                        source: e,
+                    })?,
             ),
             (_, None) => {
                 return Err(bad_accept(format!(
@@ -1137,7 +1145,7 @@ impl Client {
         self.check(&peer, conn, conn_id, &transcript).await
     }
 
-    /// The BIND / BOUND exchange on the new datapath (docs/wire.md §10).
+    /// The BIND / BOUND exchange on the new datapath (docs/wire.md §16).
     async fn check(
         &self,
         peer: &str,
