@@ -260,13 +260,15 @@ enum Attack {
 
 /// Everything the relays carried, both ways.
 type Captured = Arc<Mutex<Vec<u8>>>;
+/// The hello the client sent and the accept the attacker gave it.
+type Views = Arc<Mutex<(Vec<u8>, Vec<u8>)>>;
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
 /// A TCP relay to `to`; returns its address.
-async fn tcp_relay(to: SocketAddr, cap: Captured) -> SocketAddr {
+async fn tcp_relay(to: SocketAddr, cap: Captured, forge: Option<Views>) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
@@ -276,8 +278,8 @@ async fn tcp_relay(to: SocketAddr, cap: Captured) -> SocketAddr {
             };
             let (ar, aw) = a.into_split();
             let (br, bw) = b.into_split();
-            tokio::spawn(pump(ar, bw, Arc::clone(&cap)));
-            tokio::spawn(pump(br, aw, Arc::clone(&cap)));
+            tokio::spawn(pump(ar, bw, Arc::clone(&cap), None));
+            tokio::spawn(pump(br, aw, Arc::clone(&cap), forge.clone()));
         }
     });
     addr
@@ -287,7 +289,40 @@ async fn pump(
     mut r: tokio::net::tcp::OwnedReadHalf,
     mut w: tokio::net::tcp::OwnedWriteHalf,
     cap: Captured,
+    forge: Option<Views>,
 ) {
+    if let Some(views) = forge {
+        // The server's first message is its BOUND: replace its account of the negotiation
+        // with the client's (status "agreed"), keeping the server's chain and signature.
+        let mut len = [0u8; 4];
+        if r.read_exact(&mut len).await.is_err() {
+            return;
+        }
+        let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+        if r.read_exact(&mut body).await.is_err() {
+            return;
+        }
+        cap.lock().unwrap().extend_from_slice(&len);
+        cap.lock().unwrap().extend_from_slice(&body);
+        let (hello, accept) = views.lock().unwrap().clone();
+        let mut at = 2;
+        for _ in 0..2 {
+            let n = u32::from_be_bytes(body[at..at + 4].try_into().unwrap()) as usize;
+            at += 4 + n;
+        }
+        let rest = body[at..].to_vec(); // scheme, chain, signature
+        let mut forged = vec![0xb2, 0];
+        for part in [&hello, &accept] {
+            forged.extend_from_slice(&(part.len() as u32).to_be_bytes());
+            forged.extend_from_slice(part);
+        }
+        forged.extend_from_slice(&rest);
+        let mut out = (forged.len() as u32).to_be_bytes().to_vec();
+        out.extend_from_slice(&forged);
+        if w.write_all(&out).await.is_err() {
+            return;
+        }
+    }
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = match r.read(&mut buf).await {
@@ -332,6 +367,7 @@ async fn udp_attacker(
     to_plain: SocketAddr,
     to_tls: SocketAddr,
     cap: Captured,
+    views: Views,
 ) -> SocketAddr {
     let front = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
     let addr = front.local_addr().unwrap();
@@ -343,12 +379,16 @@ async fn udp_attacker(
     let peer: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
     {
         let (front, back, cap, peer) = (front.clone(), back.clone(), cap.clone(), peer.clone());
+        let views = Arc::clone(&views);
         tokio::spawn(async move {
             let mut buf = vec![0u8; 65536];
             while let Ok((n, from)) = front.recv_from(&mut buf).await {
                 *peer.lock().unwrap() = Some(from);
                 let mut m = buf[..n].to_vec();
                 cap.lock().unwrap().extend_from_slice(&m);
+                if m[0] == Tag::Hello as u8 {
+                    views.lock().unwrap().0 = m.clone();
+                }
                 if m[0] == Tag::Hello as u8 && matches!(attack, Attack::StripHello | Attack::Both) {
                     let mut h = Hello::decode(&m[1..]).unwrap();
                     h.offers = stripped.clone();
@@ -377,6 +417,7 @@ async fn udp_attacker(
                     }
                 }
                 m = a.encode().to_vec();
+                views.lock().unwrap().1 = m.clone();
             }
             let to = *peer.lock().unwrap();
             if let Some(to) = to {
@@ -398,7 +439,7 @@ async fn an_on_path_attacker_cannot_downgrade() {
     ] {
         let mut s = serve(&[Quic, Tls, Plain], Some(pki.server.identity())).await;
         let cap: Captured = Arc::default();
-        let plain_relay = tcp_relay(s.endpoint(Plain).unwrap(), Arc::clone(&cap)).await;
+        let plain_relay = tcp_relay(s.endpoint(Plain).unwrap(), Arc::clone(&cap), None).await;
         let victim = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
         let front = udp_attacker(
             s.addr,
@@ -407,6 +448,7 @@ async fn an_on_path_attacker_cannot_downgrade() {
             plain_relay,
             s.endpoint(Tls).unwrap(),
             Arc::clone(&cap),
+            Views::default(),
         )
         .await;
         let r = victim.connect(front).await;
@@ -458,7 +500,7 @@ async fn secure_only_refuses_a_plaintext_accept_outright() {
     let pki = Pki::new();
     let s = serve(&[Quic, Tls, Plain], Some(pki.server.identity())).await;
     let cap: Captured = Arc::default();
-    let plain_relay = tcp_relay(s.endpoint(Plain).unwrap(), Arc::clone(&cap)).await;
+    let plain_relay = tcp_relay(s.endpoint(Plain).unwrap(), Arc::clone(&cap), None).await;
     let victim = client(&pki, &[Quic, Tls], Policy::SecureOnly);
     // The victim never offered plaintext, so the attacker has no plaintext pick of its tree
     // to name; it names the TLS pick with a plaintext server stack.
@@ -470,10 +512,54 @@ async fn secure_only_refuses_a_plaintext_accept_outright() {
         plain_relay,
         s.endpoint(Tls).unwrap(),
         Arc::clone(&cap),
+        Views::default(),
     )
     .await;
     let e = victim.connect(front).await.unwrap_err();
     assert!(matches!(e, Error::PlaintextRefused { .. }), "{e:?}");
     let seen = cap.lock().unwrap().clone();
     assert!(!contains(&seen, MARKER));
+}
+
+/// The attacker changes the pick to plaintext and, on its TCP relay, rewrites the server's
+/// BOUND to agree with what the client saw: the server's signature no longer verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_plaintext_bound_does_not_verify() {
+    let pki = Pki::new();
+    let mut s = serve(&[Quic, Tls, Plain], Some(pki.server.identity())).await;
+    let cap: Captured = Arc::default();
+    let views = Views::default();
+    let plain_relay = tcp_relay(
+        s.endpoint(Plain).unwrap(),
+        Arc::clone(&cap),
+        Some(Arc::clone(&views)),
+    )
+    .await;
+    let victim = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
+    let front = udp_attacker(
+        s.addr,
+        Attack::AcceptToPlain,
+        &victim,
+        plain_relay,
+        s.endpoint(Tls).unwrap(),
+        Arc::clone(&cap),
+        Arc::clone(&views),
+    )
+    .await;
+    let r = victim.connect(front).await;
+    if let Ok(c) = &r {
+        let _ = c.send_one(Bytes::from_static(MARKER)).await;
+    }
+    let e = r.expect_err("a forged BOUND was accepted");
+    assert!(
+        matches!(e, Error::Downgrade { tampered: Tampered::Unverified, ref detail, .. } if detail.contains("signature")),
+        "{e:?}"
+    );
+    let se = tokio::time::timeout(BOUND, s.errors.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(se, Error::Downgrade { .. }), "{se:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(!contains(&cap.lock().unwrap(), MARKER));
 }
