@@ -92,8 +92,22 @@ pub struct Negotiated<C> {
     /// Shared with the other connections that got the same decision (see [`InfoCache`]).
     info: Arc<Info>,
     control: Control,
+    /// The messages that decided this connection (see [`Negotiated::transcript`]).
+    transcript: Transcript,
     /// Dropped after `conn` (fields drop in order): the CLOSE leaves once the stack is gone.
     on_drop: CloseOnDrop,
+}
+
+/// The two messages that decided a 1-RTT negotiated connection, exactly as this end sent or
+/// received them (tag byte included), for binding them to a secure channel (docs/wire.md
+/// §16). Both are empty where the driver does not record them: a 0-RTT or dictated
+/// connection's, and a server's answer held for its first reply.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Transcript {
+    /// The HELLO: as the client sent it, as the server received it.
+    pub hello: Bytes,
+    /// The ACCEPT: as the server sent it, as the client received it.
+    pub accept: Bytes,
 }
 
 /// The in-band control channel of a negotiated connection (its [`Tagged`] base), type
@@ -161,7 +175,19 @@ impl<C> Negotiated<C> {
             info,
             on_drop: CloseOnDrop(Some(control.clone())),
             control,
+            transcript: Transcript::default(),
         }
+    }
+
+    fn with_transcript(mut self, transcript: Transcript) -> Self {
+        self.transcript = transcript;
+        self
+    }
+
+    /// The HELLO and ACCEPT that decided this connection, as this end sent or received them
+    /// (see [`Transcript`]).
+    pub fn transcript(&self) -> &Transcript {
+        &self.transcript
     }
 
     pub(crate) fn control(&self) -> &Control {
@@ -294,13 +320,18 @@ fn coarse_by(t: Instant, grain: Duration) -> Instant {
 }
 
 /// Runs a client handshake over `base` to its outcome. `started` is the time the handshake
-/// was made with.
+/// was made with. With `record`, the hello sent and the accept the outcome is made of are
+/// kept there.
 async fn drive<C: SendHeader>(
     base: &C,
     hs: &mut ClientHandshake,
     ticker: &Arc<Ticker>,
     started: Instant,
+    mut record: Option<&mut Transcript>,
 ) -> Result<Outcome, Error> {
+    // Accepts for this connection id, as received (a few, without allocating: the outcome
+    // names the one taken).
+    let mut accepts: [Option<Bytes>; 4] = Default::default();
     // Two: the accept and, for 0-RTT, the first reply (more only means more receive memory).
     let mut slots: [Option<Bytes>; 2] = Default::default();
     // The clock is read again only after a wait: until then no time worth a retransmission
@@ -308,10 +339,22 @@ async fn drive<C: SendHeader>(
     let mut now = Some(started);
     loop {
         if let Some(r) = hs.poll_outcome() {
+            if let (Ok(out), Some(t)) = (&r, record) {
+                t.accept = accepts
+                    .into_iter()
+                    .flatten()
+                    .find(|m| crate::wire::Accept::decode(&m[1..]).as_ref() == Ok(&out.accept))
+                    .unwrap_or_default();
+            }
             return r;
         }
         let t = *now.get_or_insert_with(Instant::now);
         if let Some(m) = hs.poll_transmit_ref(t.into_std()) {
+            if let Some(t) = record.as_deref_mut()
+                && t.hello.is_empty()
+            {
+                t.hello = m.clone();
+            }
             // At once if the socket takes it (no handle to share the hello, no future).
             match base.try_send_with_header(&[], m) {
                 Some(r) => r?,
@@ -334,6 +377,13 @@ async fn drive<C: SendHeader>(
                 let n = r?;
                 for s in slots[..n].iter_mut() {
                     if let Some(m) = s.take() {
+                        if record.is_some()
+                            && m.first() == Some(&(Tag::Accept as u8))
+                            && m.get(2..10) == Some(&hs.conn_id().to_be_bytes()[..])
+                            && let Some(free) = accepts.iter_mut().find(|a| a.is_none())
+                        {
+                            *free = Some(m.clone());
+                        }
                         hs.handle_message(m);
                     }
                 }
@@ -487,18 +537,18 @@ impl Client {
         if let Some(r) = self.recall(server) {
             hs.expect(r.known);
         }
-        let out = drive(&base, &mut hs, &self.ticker, started).await?;
+        let mut transcript = Transcript::default();
+        let out = drive(&base, &mut hs, &self.ticker, started, Some(&mut transcript)).await?;
         apply_known(&mut stack, &out.accept.client_pick)?;
         let tagged = Tagged::client(base, out.accept.conn_id);
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);
         let conn = stack.connect_wrap(tagged).await?;
         self.remember(server, &out.accept.client_pick, out.known, None);
-        Ok(Negotiated::new(
-            conn,
-            self.infos.get(out.accept, out.hellos_sent),
-            control,
-        ))
+        Ok(
+            Negotiated::new(conn, self.infos.get(out.accept, out.hellos_sent), control)
+                .with_transcript(transcript),
+        )
     }
 
     /// 0-RTT: if a pick for `server` is remembered, builds that stack at once, sends `early`
@@ -590,7 +640,7 @@ impl Client {
             )?,
         };
         hs.expect(known);
-        let out = drive(tagged.get_ref(), &mut hs, &self.ticker, started).await?;
+        let out = drive(tagged.get_ref(), &mut hs, &self.ticker, started, None).await?;
         tagged.push_pending(out.early_replies);
         // Nothing to remember when the server answered as last time to the same hello.
         if !(template.is_some() && out.recognised && out.accept.client_pick == pick) {
@@ -985,12 +1035,17 @@ where
             coalesce,
             ..
         } => {
+            let mut transcript = Transcript::default();
             // An accepted 0-RTT answer waits (briefly) for the reply to the early data.
             let hold = match coalesce {
                 Some(h) if !early.is_empty() && !cfg.accept_hold.is_zero() => Some(h),
                 _ => {
                     // Boxed, as the receive above (one allocation per 1-RTT connection).
                     Box::pin(base.send_with_header(&[], [response.clone()])).await?;
+                    transcript = Transcript {
+                        hello: hello.clone(),
+                        accept: response.clone(),
+                    };
                     None
                 }
             };
@@ -1011,7 +1066,7 @@ where
             }
             let control = control(&tagged);
             let conn = stack.connect_wrap(tagged).await?;
-            Ok(Negotiated::new(conn, infos.get(accept, 0), control))
+            Ok(Negotiated::new(conn, infos.get(accept, 0), control).with_transcript(transcript))
         }
         Decision::Reject { reject, response } => {
             // Best effort: the client retransmits if this is lost and gets the same answer.
@@ -1227,7 +1282,7 @@ impl Client {
             self.cfg.timing,
             started.into_std(),
         )?;
-        let out = drive(&base, &mut hs, &self.ticker, started).await?;
+        let out = drive(&base, &mut hs, &self.ticker, started, None).await?;
         let tagged = Tagged::client(base, out.accept.conn_id);
         tagged.push_pending(out.early_replies);
         let control = control(&tagged);

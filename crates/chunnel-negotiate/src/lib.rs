@@ -67,7 +67,7 @@ pub mod wire;
 
 pub use crate::driver::{
     CROWDED_HELLO_WAIT, Client, Config, DynLayer, Info, Negotiated, NegotiatedListener, Registry,
-    Serving, concurrent_searches, listen, listen_with,
+    Serving, Transcript, concurrent_searches, listen, listen_with,
 };
 pub use crate::error::Error;
 pub use crate::tagged::Tagged;

@@ -46,6 +46,18 @@ impl Clone for Identity {
 }
 
 impl Identity {
+    /// The certificate chain, leaf first.
+    #[cfg(feature = "quic")]
+    pub(crate) fn chain(&self) -> &[CertificateDer<'static>] {
+        &self.chain
+    }
+
+    /// The private key.
+    #[cfg(feature = "quic")]
+    pub(crate) fn key(&self) -> &PrivateKeyDer<'static> {
+        &self.key
+    }
+
     /// From DER certificates (leaf first) and a DER private key (PKCS#8, PKCS#1 or SEC1).
     pub fn from_der(chain: Vec<CertificateDer<'static>>, key: PrivateKeyDer<'static>) -> Self {
         Identity { chain, key }
@@ -93,6 +105,12 @@ impl Default for TrustRoots {
 }
 
 impl TrustRoots {
+    /// The roots as rustls holds them.
+    #[cfg(feature = "quic")]
+    pub(crate) fn store(&self) -> &RootCertStore {
+        &self.store
+    }
+
     /// No root: add some before use.
     pub fn empty() -> Self {
         TrustRoots::default()

@@ -146,6 +146,51 @@ pub enum Error {
         /// Which end lacks datagram support.
         by: DetectedBy,
     },
+    /// Negotiation with a [`crate::negotiated::Server`] failed: no option in common
+    /// (`chunnel_negotiate::Error::Incompatible`, naming every mismatch), no answer, a
+    /// malformed message...
+    #[cfg(feature = "quic")]
+    #[error("negotiation with {peer} failed: {source}")]
+    Negotiation {
+        /// The server's negotiation address (the client's; `client` on the server).
+        peer: String,
+        /// chunnel-negotiate's error.
+        #[source]
+        source: chunnel_negotiate::Error,
+    },
+    /// The negotiation transcript the two ends saw differs, or the server's account of it
+    /// cannot be authenticated: an on-path attacker (or a fault) changed the hello or the
+    /// accept. The connection is refused at both ends (docs/wire.md §16).
+    #[cfg(feature = "quic")]
+    #[error("downgrade detected with {peer} (by {by:?}): {tampered}: {detail}")]
+    Downgrade {
+        /// The peer's address.
+        peer: String,
+        /// `Local` on the end that found it (each end reports its own finding).
+        by: DetectedBy,
+        /// What was changed, as far as the transcripts tell.
+        tampered: crate::negotiated::Tampered,
+        /// The differences found (offers sent and received, picks sent and received).
+        detail: String,
+    },
+    /// A client with [`crate::negotiated::Policy::SecureOnly`] was told to use plaintext.
+    #[cfg(feature = "quic")]
+    #[error("{peer} picked plaintext, which this client refuses (secure only)")]
+    PlaintextRefused {
+        /// The server's negotiation address.
+        peer: String,
+    },
+    /// The picked datapath could not be set up (its own typed error is inside; see
+    /// [`Error::find`]).
+    #[cfg(feature = "quic")]
+    #[error("the {transport} datapath failed: {source}")]
+    Datapath {
+        /// The picked transport.
+        transport: crate::negotiated::Transport,
+        /// The datapath's error.
+        #[source]
+        source: chunnel::Error,
+    },
     /// Certificates, keys or names given to the configuration are unusable.
     #[error("bad TLS configuration: {what}")]
     Config {

@@ -12,6 +12,11 @@
 //! (unreliable, one message per QUIC DATAGRAM frame, id `chunnel/quic-dgram/1`). On the wire
 //! it is plain QUIC: a plain quinn peer interoperates.
 //!
+//! [`negotiated`] (feature `quic`): QUIC, TLS over TCP or plaintext, negotiated between a
+//! [`negotiated::Client`] and a [`negotiated::Server`] (the server's preference decides),
+//! with the negotiation transcript bound to the picked datapath so that an on-path attacker
+//! cannot downgrade it ([`Error::Downgrade`]; docs/wire.md §16).
+//!
 //! A short tour:
 //!
 //! * **Identity and trust** ([`Identity`], [`TrustRoots`]): a certificate chain and key from
@@ -93,6 +98,8 @@
 
 mod config;
 mod error;
+#[cfg(feature = "quic")]
+pub mod negotiated;
 #[cfg(feature = "quic")]
 pub mod quic;
 pub mod tls;
