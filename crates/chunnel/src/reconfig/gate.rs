@@ -7,9 +7,9 @@
 //! learns it from the same access that admits it.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::task::Waker;
+
+use super::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering};
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -146,7 +146,11 @@ impl Mechanism for Lock {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct LockFree;
 
+#[cfg(not(loom))]
 const STRIPES: usize = 8;
+/// Two stripes under loom: threads 0 and 2 of a model share one, thread 1 has its own.
+#[cfg(loom)]
+const STRIPES: usize = 2;
 const SWITCH: u64 = 1 << 63;
 const CARRY: u64 = 1 << 62;
 const COUNT: u64 = CARRY - 1;
@@ -161,12 +165,20 @@ pub struct StripedGate {
     stripes: [Stripe; STRIPES],
 }
 
+#[cfg(not(loom))]
 fn my_stripe() -> usize {
+    use std::sync::atomic::AtomicUsize;
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
         static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
     }
     STRIPE.with(|s| *s)
+}
+
+/// Under loom the stripe follows the model's thread ids, so every execution is the same.
+#[cfg(loom)]
+fn my_stripe() -> usize {
+    super::sync::loom_thread_id() % STRIPES
 }
 
 impl Mechanism for LockFree {
@@ -189,6 +201,10 @@ impl Mechanism for LockFree {
     #[inline]
     fn exit(g: &StripedGate, ticket: usize) -> bool {
         // Release: our use of the implementation happens before the switcher sees zero.
+        #[cfg(loom)]
+        if super::sync::planted(super::sync::PlantedBug::RelaxedExit) {
+            return g.stripes[ticket].0.fetch_sub(1, Ordering::Relaxed) & SWITCH != 0;
+        }
         g.stripes[ticket].0.fetch_sub(1, Ordering::Release) & SWITCH != 0
     }
 
