@@ -114,7 +114,7 @@ pub use crate::reconfig::{
     Handoff, Handover, Lock, LockFree, Mechanism, PreparedSwitch, ReconfigConnection,
     ReconfigHandle, Reconfigurable, Shared,
 };
-#[cfg(loom)]
+#[cfg(chunnel_loom)]
 #[doc(hidden)]
 pub use crate::reconfig::{PlantedBug, plant_bug};
 pub use crate::select::{Either, EitherFuture, Select, Side, select};

@@ -51,7 +51,7 @@ use self::gate::{Event, lock};
 pub use self::gate::{Lock, LockFree, Mechanism};
 pub use self::handover::{Handoff, Handover};
 use self::sync::{AtomicBool, AtomicU8, AtomicU64, Mutex, Ordering, Slot, SlotRef};
-#[cfg(loom)]
+#[cfg(chunnel_loom)]
 #[doc(hidden)]
 pub use self::sync::{PlantedBug, plant_bug};
 use crate::negotiate::{Offers, PickReader, StackOption};
@@ -436,15 +436,15 @@ where
                     if let Poll::Ready(r) = fut.as_mut().poll(cx) {
                         return Poll::Ready(Some(r));
                     }
-                    if M::is_switching(&core.rx) {
+                    if M::is_closed(&core.rx, ticket.t) {
                         return Poll::Ready(None);
                     }
                     waiter.register(cx.waker());
-                    #[cfg(loom)]
+                    #[cfg(chunnel_loom)]
                     if sync::planted(sync::PlantedBug::NoRecheck) {
                         return Poll::Pending;
                     }
-                    if M::is_switching(&core.rx) {
+                    if M::is_closed(&core.rx, ticket.t) {
                         return Poll::Ready(None);
                     }
                     Poll::Pending
@@ -557,7 +557,7 @@ const SPLIT_WAITING: u8 = 3;
 unsafe impl<L: ChunnelConnection, R: Send + Sync, M: Mechanism> Sync for Core<L, R, M> {}
 
 /// The implementation in a slot, borrowed for as long as a ticket is held (loom tracks the
-/// access under `cfg(loom)`).
+/// access under `cfg(chunnel_loom)`).
 struct Current<'a, L, R>(SlotRef<'a, Option<Either<L, R>>>);
 
 impl<L, R> std::ops::Deref for Current<'_, L, R> {
