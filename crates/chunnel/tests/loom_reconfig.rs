@@ -44,8 +44,8 @@ use std::sync::atomic::AtomicUsize;
 use std::task::{Poll, Waker};
 
 use chunnel::{
-    Chunnel, ChunnelConnection, ConnectionExt, Error, Handoff, Handover, Lock, LockFree,
-    Mechanism, Negotiate, PlantedBug, ReconfigConnection, Shared, Side, plant_bug, select, stack,
+    Chunnel, ChunnelConnection, ConnectionExt, Error, Handoff, Handover, Lock, LockFree, Mechanism,
+    Negotiate, PlantedBug, ReconfigConnection, Shared, Side, plant_bug, select, stack,
 };
 use loom::sync::Mutex;
 use loom::sync::atomic::{AtomicBool, Ordering};
@@ -217,18 +217,19 @@ type Conn<M> = ReconfigConnection<TagConn<0>, TagConn<1>, M>;
 /// A connection on the left implementation over a fresh pipe (built inside the model).
 fn connect<M: Mechanism>() -> Conn<M> {
     let sel = select(Tag::<0>, Tag::<1>).reconfigurable::<M>();
-    let conn = loom::future::block_on(stack![sel, Shared].connect_wrap(Pipe::default()))
-        .expect("connect");
+    let conn =
+        loom::future::block_on(stack![sel, Shared].connect_wrap(Pipe::default())).expect("connect");
     assert_eq!(conn.side(), Side::Left);
     conn
 }
 
-/// Runs `f` under loom with the bug `bug` planted; prints the executions explored.
-fn check(name: &str, bug: PlantedBug, f: impl Fn() + Sync + Send + 'static) {
+/// Runs `f` under loom with the bug `bug` planted, at most `bound` preemptions per execution
+/// (`LOOM_MAX_PREEMPTIONS` overrides it); prints the executions explored.
+fn check(name: &str, bug: PlantedBug, bound: usize, f: impl Fn() + Sync + Send + 'static) {
     static EXECUTIONS: AtomicUsize = AtomicUsize::new(0);
     let mut builder = loom::model::Builder::new();
     if builder.preemption_bound.is_none() {
-        builder.preemption_bound = Some(3);
+        builder.preemption_bound = Some(bound);
     }
     // A switch is a few hundred loom operations (two gates closed, drained and opened, the
     // waker lists): more than loom's default 1,000 branches per execution.
@@ -274,7 +275,11 @@ fn blocked_recv_moves<M: Mechanism>() {
     };
     let got = recv_n(&conn, 1);
     switcher.join().unwrap();
-    assert_eq!(got, [Msg { v: 7, by: 1 }], "sent after the switch, so by the new one");
+    assert_eq!(
+        got,
+        [Msg { v: 7, by: 1 }],
+        "sent after the switch, so by the new one"
+    );
     assert_eq!(conn.side(), Side::Right);
 }
 
@@ -298,7 +303,8 @@ fn carry_over<M: Mechanism>() {
 
 /// Three threads: one sends two messages, one switches then sends one, the main thread
 /// receives all three. The sender's messages change implementation at most once (left, then
-/// right), the switcher's goes through the new one, nothing is lost or duplicated.
+/// right), the switcher's goes through the new one, nothing is lost or duplicated. (Three
+/// threads multiply the interleavings: this one runs at preemption bound 1 in CI.)
 fn send_recv_switch<M: Mechanism>() {
     let conn = connect::<M>();
     let sender = {
@@ -320,8 +326,15 @@ fn send_recv_switch<M: Mechanism>() {
     switcher.join().unwrap();
     assert!(got.contains(&Msg { v: 3, by: 1 }), "{got:?}");
     let ours: Vec<Msg> = got.iter().copied().filter(|m| m.v != 3).collect();
-    assert_eq!(ours.iter().map(|m| m.v).collect::<Vec<_>>(), [1, 2], "{got:?}");
-    assert!(ours[0].by <= ours[1].by, "back to the old implementation: {got:?}");
+    assert_eq!(
+        ours.iter().map(|m| m.v).collect::<Vec<_>>(),
+        [1, 2],
+        "{got:?}"
+    );
+    assert!(
+        ours[0].by <= ours[1].by,
+        "back to the old implementation: {got:?}"
+    );
     got.sort_by_key(|m| m.v);
     assert_eq!(got.len(), 3);
 }
@@ -334,6 +347,7 @@ fn lock_free_blocked_recv_moves() {
     check(
         "lock_free_blocked_recv_moves",
         PlantedBug::None,
+        3,
         blocked_recv_moves::<LockFree>,
     );
 }
@@ -343,6 +357,7 @@ fn lock_blocked_recv_moves() {
     check(
         "lock_blocked_recv_moves",
         PlantedBug::None,
+        3,
         blocked_recv_moves::<Lock>,
     );
 }
@@ -352,13 +367,14 @@ fn lock_free_carry_over() {
     check(
         "lock_free_carry_over",
         PlantedBug::None,
+        3,
         carry_over::<LockFree>,
     );
 }
 
 #[test]
 fn lock_carry_over() {
-    check("lock_carry_over", PlantedBug::None, carry_over::<Lock>);
+    check("lock_carry_over", PlantedBug::None, 3, carry_over::<Lock>);
 }
 
 #[test]
@@ -366,6 +382,7 @@ fn lock_free_send_recv_switch() {
     check(
         "lock_free_send_recv_switch",
         PlantedBug::None,
+        1,
         send_recv_switch::<LockFree>,
     );
 }
@@ -375,6 +392,7 @@ fn lock_send_recv_switch() {
     check(
         "lock_send_recv_switch",
         PlantedBug::None,
+        1,
         send_recv_switch::<Lock>,
     );
 }
@@ -383,11 +401,12 @@ fn lock_send_recv_switch() {
 /// drained without the receiver's use of the old implementation happening before its state
 /// transfer; loom reports the unordered slot accesses.
 #[test]
-#[should_panic]
+#[should_panic(expected = "Causality violation")]
 fn planted_relaxed_exit_is_caught() {
     check(
         "planted_relaxed_exit_is_caught",
         PlantedBug::RelaxedExit,
+        3,
         carry_over::<LockFree>,
     );
 }
@@ -395,12 +414,41 @@ fn planted_relaxed_exit_is_caught() {
 /// Planted bug: a blocked `recv` does not look at the gate again after registering its waker.
 /// A switch that starts between the look and the registration never wakes it: the switcher
 /// waits for it to leave the old implementation forever, and loom reports the deadlock.
+///
+/// Unwinding out of a loom deadlock panics again in destructors (an abort), so the model runs
+/// in a child process (this test binary, filtered to this test) that must fail with loom's
+/// deadlock report.
 #[test]
-#[should_panic]
 fn planted_lost_wakeup_is_caught() {
-    check(
-        "planted_lost_wakeup_is_caught",
-        PlantedBug::NoRecheck,
-        blocked_recv_moves::<LockFree>,
+    const CHILD: &str = "CHUNNEL_LOOM_PLANTED_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        check(
+            "planted_lost_wakeup_is_caught",
+            PlantedBug::NoRecheck,
+            3,
+            blocked_recv_moves::<LockFree>,
+        );
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "planted_lost_wakeup_is_caught",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env(CHILD, "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the planted lost wake-up went unnoticed"
     );
+    assert!(
+        stderr.contains("deadlock"),
+        "failed, but not on a deadlock: {stderr}"
+    );
+    println!("loom planted_lost_wakeup_is_caught: the child failed with loom's deadlock report");
 }
