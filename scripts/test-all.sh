@@ -50,6 +50,14 @@ cargo test --workspace --locked --features "$FEATURES"
 log "Ordered over Reliable with 8 concurrent senders: 5,000,000 messages in release (0 lost, 0 duplicated)"
 CHUNNEL_CONCURRENT_MESSAGES=5000000 cargo test --release --locked -p chunnel-std --test ordered_concurrent
 
+log "loom: the reconfiguration cell's switch against send/recv, every interleaving up to the preemption bound"
+# Its own cfg and target directory: --cfg chunnel_loom swaps the cell's atomics for loom's.
+RUSTFLAGS="--cfg chunnel_loom" CARGO_TARGET_DIR=target/loom \
+  cargo test --release --locked -p chunnel --test loom_reconfig -- --test-threads=1 --nocapture
+
+log "fuzzing: every cargo-fuzz target 20 s on its committed seeds"
+./scripts/fuzz-ci.sh
+
 log "cargo doc with warnings denied"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet --features "$FEATURES"
 

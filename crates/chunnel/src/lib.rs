@@ -114,5 +114,8 @@ pub use crate::reconfig::{
     Handoff, Handover, Lock, LockFree, Mechanism, PreparedSwitch, ReconfigConnection,
     ReconfigHandle, Reconfigurable, Shared,
 };
+#[cfg(chunnel_loom)]
+#[doc(hidden)]
+pub use crate::reconfig::{PlantedBug, plant_bug};
 pub use crate::select::{Either, EitherFuture, Select, Side, select};
 pub use crate::stack::Stack;

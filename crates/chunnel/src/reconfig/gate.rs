@@ -7,9 +7,9 @@
 //! learns it from the same access that admits it.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::task::Waker;
+
+use super::sync::{AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering};
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -36,8 +36,17 @@ pub trait Mechanism: Send + Sync + 'static {
     #[doc(hidden)]
     fn exit(g: &Self::Gate, ticket: usize) -> bool;
 
+    /// Whether a switch is under way: true from the moment `close` made any call wait until
+    /// `open` admits calls again everywhere (so a call refused by `enter` that waits for this to
+    /// turn false never spins).
     #[doc(hidden)]
     fn is_switching(g: &Self::Gate) -> bool;
+
+    /// Whether `close` has reached the holder of `ticket` (a call inside the implementation
+    /// leaves it when this turns true; checked per ticket so that a call admitted just before
+    /// `close` reached it does not spin between leaving and being admitted again).
+    #[doc(hidden)]
+    fn is_closed(g: &Self::Gate, ticket: usize) -> bool;
 
     #[doc(hidden)]
     fn close(g: &Self::Gate);
@@ -101,8 +110,17 @@ impl Mechanism for Lock {
         g.switching.load(Ordering::Acquire)
     }
 
+    fn is_closed(g: &LockGate, _: usize) -> bool {
+        Self::is_switching(g)
+    }
+
+    // `close` and `open` change the flag in the mutex and its atomic copy in one critical
+    // section: a call that `enter` refused always finds `is_switching` true until `open`, and
+    // one it admitted finds it false until the next `close` (otherwise a call could spin
+    // between `enter` and `is_switching`; loom found the window).
     fn close(g: &LockGate) {
-        lock(&g.st).switching = true;
+        let mut st = lock(&g.st);
+        st.switching = true;
         g.switching.store(true, Ordering::Release);
     }
 
@@ -146,7 +164,11 @@ impl Mechanism for Lock {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct LockFree;
 
+#[cfg(not(chunnel_loom))]
 const STRIPES: usize = 8;
+/// Two stripes under loom: threads 0 and 2 of a model share one, thread 1 has its own.
+#[cfg(chunnel_loom)]
+const STRIPES: usize = 2;
 const SWITCH: u64 = 1 << 63;
 const CARRY: u64 = 1 << 62;
 const COUNT: u64 = CARRY - 1;
@@ -161,12 +183,20 @@ pub struct StripedGate {
     stripes: [Stripe; STRIPES],
 }
 
+#[cfg(not(chunnel_loom))]
 fn my_stripe() -> usize {
+    use std::sync::atomic::AtomicUsize;
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
         static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
     }
     STRIPE.with(|s| *s)
+}
+
+/// Under loom the stripe follows the model's thread ids, so every execution is the same.
+#[cfg(chunnel_loom)]
+fn my_stripe() -> usize {
+    super::sync::loom_thread_id() % STRIPES
 }
 
 impl Mechanism for LockFree {
@@ -189,11 +219,21 @@ impl Mechanism for LockFree {
     #[inline]
     fn exit(g: &StripedGate, ticket: usize) -> bool {
         // Release: our use of the implementation happens before the switcher sees zero.
+        #[cfg(chunnel_loom)]
+        if super::sync::planted(super::sync::PlantedBug::RelaxedExit) {
+            return g.stripes[ticket].0.fetch_sub(1, Ordering::Relaxed) & SWITCH != 0;
+        }
         g.stripes[ticket].0.fetch_sub(1, Ordering::Release) & SWITCH != 0
     }
 
+    /// Stripe 0 is flagged first by `close` and cleared last by `open`, so it shows the flag
+    /// whenever any stripe does.
     fn is_switching(g: &StripedGate) -> bool {
         g.stripes[0].0.load(Ordering::Acquire) & SWITCH != 0
+    }
+
+    fn is_closed(g: &StripedGate, ticket: usize) -> bool {
+        g.stripes[ticket].0.load(Ordering::Acquire) & SWITCH != 0
     }
 
     fn close(g: &StripedGate) {
@@ -210,7 +250,8 @@ impl Mechanism for LockFree {
 
     fn open(g: &StripedGate, carry: bool) {
         let flag = if carry { CARRY } else { 0 };
-        for s in &g.stripes {
+        // Stripe 0 last: see `is_switching`.
+        for s in g.stripes.iter().rev() {
             let _ = s.0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
                 Some((v & COUNT) | flag)
             });

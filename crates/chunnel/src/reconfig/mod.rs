@@ -37,20 +37,23 @@
 
 mod gate;
 mod handover;
+mod sync;
 
-use std::cell::UnsafeCell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::{Future, poll_fn};
 use std::marker::PhantomData;
 use std::pin::{Pin, pin};
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Poll, Waker};
 
 use self::gate::{Event, lock};
 pub use self::gate::{Lock, LockFree, Mechanism};
 pub use self::handover::{Handoff, Handover};
+use self::sync::{AtomicBool, AtomicU8, AtomicU64, Mutex, Ordering, Slot, SlotRef};
+#[cfg(chunnel_loom)]
+#[doc(hidden)]
+pub use self::sync::{PlantedBug, plant_bug};
 use crate::negotiate::{Offers, PickReader, StackOption};
 use crate::{Chunnel, ChunnelConnection, Either, Error, Select, Side};
 
@@ -425,18 +428,23 @@ where
                 continue;
             }
             let res = {
-                let mut fut = pin!(core.receiver(&ticket).recv(&mut *slots));
+                let current = core.receiver(&ticket);
+                let mut fut = pin!(current.recv(&mut *slots));
                 let mut waiter = core.event.waiter();
                 // Race the receive against the start of a switch.
                 poll_fn(|cx| {
                     if let Poll::Ready(r) = fut.as_mut().poll(cx) {
                         return Poll::Ready(Some(r));
                     }
-                    if M::is_switching(&core.rx) {
+                    if M::is_closed(&core.rx, ticket.t) {
                         return Poll::Ready(None);
                     }
                     waiter.register(cx.waker());
-                    if M::is_switching(&core.rx) {
+                    #[cfg(chunnel_loom)]
+                    if sync::planted(sync::PlantedBug::NoRecheck) {
+                        return Poll::Pending;
+                    }
+                    if M::is_closed(&core.rx, ticket.t) {
                         return Poll::Ready(None);
                     }
                     Poll::Pending
@@ -506,7 +514,7 @@ struct Core<L: ChunnelConnection, R, M: Mechanism> {
     /// the same one except during a multilateral switch, when this end already sends on the
     /// new implementation but still receives, on the old one, what the peer sent before its
     /// switch point. The other slot is empty.
-    slots: [UnsafeCell<Option<Either<L, R>>>; 2],
+    slots: [Slot<Option<Either<L, R>>>; 2],
     /// Read under a `tx` ticket; written only while `tx` is closed and drained.
     send_at: AtomicU8,
     /// Read under an `rx` ticket; written only while `rx` is closed and drained.
@@ -548,6 +556,19 @@ const SPLIT_WAITING: u8 = 3;
 // `L::Data` behind its mutex when it is `Send`.
 unsafe impl<L: ChunnelConnection, R: Send + Sync, M: Mechanism> Sync for Core<L, R, M> {}
 
+/// The implementation in a slot, borrowed for as long as a ticket is held (loom tracks the
+/// access under `cfg(chunnel_loom)`).
+struct Current<'a, L, R>(SlotRef<'a, Option<Either<L, R>>>);
+
+impl<L, R> std::ops::Deref for Current<'_, L, R> {
+    type Target = Either<L, R>;
+
+    #[inline]
+    fn deref(&self) -> &Either<L, R> {
+        self.0.as_ref().expect("an index names a filled slot")
+    }
+}
+
 /// Proof of admission through a gate; leaving it (drop) lets a switch proceed.
 struct Ticket<'a, L: ChunnelConnection, R, M: Mechanism> {
     core: &'a Core<L, R, M>,
@@ -580,7 +601,7 @@ impl<L: ChunnelConnection, R, M: Mechanism> Core<L, R, M> {
             tx: M::Gate::default(),
             rx: M::Gate::default(),
             side: AtomicU8::new(side_u8(conn.side())),
-            slots: [UnsafeCell::new(Some(conn)), UnsafeCell::new(None)],
+            slots: [Slot::new(Some(conn)), Slot::new(None)],
             send_at: AtomicU8::new(0),
             recv_at: AtomicU8::new(0),
             split: AtomicU8::new(SPLIT_NONE),
@@ -597,20 +618,19 @@ impl<L: ChunnelConnection, R, M: Mechanism> Core<L, R, M> {
         side_of(self.side.load(Ordering::Acquire))
     }
 
-    fn slot_ref(&self, i: u8) -> &Either<L, R> {
+    fn slot_ref(&self, i: u8) -> Current<'_, L, R> {
         // SAFETY: callers hold a ticket of the gate whose index is `i` (see `Sync`).
-        let s = unsafe { &*self.slots[usize::from(i & 1)].get() };
-        s.as_ref().expect("an index names a filled slot")
+        Current(unsafe { self.slots[usize::from(i & 1)].get() })
     }
 
     /// The implementation that sends, for as long as `ticket` (a `tx` ticket) is held.
-    fn sender<'a>(&'a self, ticket: &'a Ticket<'_, L, R, M>) -> &'a Either<L, R> {
+    fn sender<'a>(&'a self, ticket: &'a Ticket<'_, L, R, M>) -> Current<'a, L, R> {
         debug_assert!(std::ptr::eq(ticket.gate, &self.tx));
         self.slot_ref(self.send_at.load(Ordering::Acquire))
     }
 
     /// The implementation that receives, for as long as `ticket` (an `rx` ticket) is held.
-    fn receiver<'a>(&'a self, ticket: &'a Ticket<'_, L, R, M>) -> &'a Either<L, R> {
+    fn receiver<'a>(&'a self, ticket: &'a Ticket<'_, L, R, M>) -> Current<'a, L, R> {
         debug_assert!(std::ptr::eq(ticket.gate, &self.rx));
         self.slot_ref(self.recv_at.load(Ordering::Acquire))
     }
@@ -770,15 +790,17 @@ where
         let i = usize::from(self.send_at.load(Ordering::Acquire) & 1);
         // SAFETY: both gates are closed and drained and both indices name slot `i` (no
         // multilateral switch is in progress), so nothing else refers to it.
-        let slot = unsafe { &mut *self.slots[i].get() };
-        let mut handoff = Handoff::new();
-        if let Some(old) = slot.as_ref() {
-            old.export(&mut handoff);
-        }
-        new.import(&mut handoff);
-        let carry = self.add_carry(handoff.buffered.drain(..));
-        self.side.store(side_u8(new.side()), Ordering::Release);
-        let old = slot.replace(new);
+        let (carry, old) = {
+            let mut slot = unsafe { self.slots[i].get_mut() };
+            let mut handoff = Handoff::new();
+            if let Some(old) = slot.as_ref() {
+                old.export(&mut handoff);
+            }
+            new.import(&mut handoff);
+            let carry = self.add_carry(handoff.buffered.drain(..));
+            self.side.store(side_u8(new.side()), Ordering::Release);
+            (carry, slot.replace(new))
+        };
         self.switches.fetch_add(1, Ordering::Relaxed);
         guard.reopen(carry);
         drop(guard);
@@ -810,7 +832,8 @@ where
         // this end on the old side). If the marker cannot be sent (or the switch is
         // cancelled while sending it), the side goes back and nothing changes.
         let old_side = self.side.swap(side_u8(new.side()), Ordering::AcqRel);
-        let marked = AtomicBool::new(false);
+        // A local flag (std's even under loom: only this task reads it).
+        let marked = std::sync::atomic::AtomicBool::new(false);
         let _restore = Undo(|| {
             if !marked.load(Ordering::Relaxed) {
                 self.side.store(old_side, Ordering::Release);
@@ -822,10 +845,10 @@ where
         let new_at = old_at ^ 1;
         {
             // SAFETY: no index names `new_at` (it is empty, see `slots`): nobody reaches it.
-            let free = unsafe { &mut *self.slots[usize::from(new_at)].get() };
+            let mut free = unsafe { self.slots[usize::from(new_at)].get_mut() };
             // SAFETY: `tx` is drained, and receivers only read `slot_ref(recv_at)` through
             // shared references, as this does; `export` takes `&self`.
-            let old = unsafe { &*self.slots[usize::from(old_at)].get() };
+            let old = unsafe { self.slots[usize::from(old_at)].get() };
             let mut handoff = Handoff::new();
             if let Some(old) = old.as_ref() {
                 old.export(&mut handoff);
@@ -858,7 +881,7 @@ where
         self.close_one(&self.rx).await;
         // SAFETY: `rx` is drained and `send_at` names `new_at`, so nothing refers to
         // `old_at`.
-        let old = unsafe { (*self.slots[usize::from(old_at)].get()).take() };
+        let old = unsafe { self.slots[usize::from(old_at)].get_mut().take() };
         let mut handoff = Handoff::new();
         if let Some(old) = &old {
             old.export(&mut handoff);
