@@ -20,7 +20,11 @@ fuzz_target!(|body: &[u8]| {
         assert!(back.mismatches.len() <= r.mismatches.len());
         if cut.len() > max {
             // Only when the reject without mismatches and message does not fit either.
-            assert!(back.mismatches.is_empty(), "{} > {max} with mismatches left", cut.len());
+            assert!(
+                back.mismatches.is_empty(),
+                "{} > {max} with mismatches left",
+                cut.len()
+            );
         }
     }
 });

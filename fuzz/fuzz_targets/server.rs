@@ -221,10 +221,7 @@ fn check_dictated(server: &Server, hello: &Hello, decision: &Decision) {
     let server_offers = server.tree().options();
     let first = server_offers.iter().position(|s| missing(s).is_none());
     match (decision, first) {
-        (
-            Decision::Accept { accept, early, .. },
-            Some(si),
-        ) => {
+        (Decision::Accept { accept, early, .. }, Some(si)) => {
             assert_eq!(accept.conn_id, hello.conn_id);
             assert_eq!(accept.client_pick, Pick::default());
             assert_eq!(accept.server_pick, server_offers[si].pick);

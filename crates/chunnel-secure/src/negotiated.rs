@@ -424,6 +424,22 @@ impl Bound {
     }
 }
 
+/// The fuzz target's entry (not a stable API): decodes `m` as a BIND and as a BOUND message
+/// (docs/wire.md §16); whatever decodes must re-encode to the same bytes.
+#[doc(hidden)]
+pub fn fuzz_decode(m: &[u8]) {
+    if let Some((id, h)) = decode_bind(m) {
+        assert_eq!(
+            &encode_bind(id, &h)[..],
+            m,
+            "a BIND that does not re-encode"
+        );
+    }
+    if let Ok(b) = Bound::decode(Bytes::copy_from_slice(m)) {
+        assert_eq!(&b.encode()[..], m, "a BOUND that does not re-encode");
+    }
+}
+
 /// What an attacker (or a fault) changed, as far as the two transcripts tell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tampered {
