@@ -16,6 +16,7 @@
 //! mode when a second receiver joins and back when it leaves (paper §7.2).
 //!
 //! Run: `cargo run --release -p chunnel-demo` (add `-- --messages N` to change the count).
+#![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

@@ -55,6 +55,7 @@
 //! assert_eq!(client.delete(b"k").await?.as_deref(), Some(&b"v"[..]));
 //! # Ok(()) }
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 
 use std::collections::{HashMap, VecDeque};

@@ -6,6 +6,7 @@
 //! chunnel-kv get   --addr 127.0.0.1:7000 KEY
 //! chunnel-kv delete --addr 127.0.0.1:7000 KEY
 //! ```
+#![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
 

@@ -136,6 +136,7 @@
 //! # .and_then(|()| Ok(std::fs::remove_dir_all(&dir)?))
 //! # }
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 #[doc(hidden)]

@@ -85,6 +85,7 @@
 //! # Ok(()) }
 //! ```
 // The crate docs link to items of optional features; without them those links cannot resolve.
+#![forbid(unsafe_code)]
 #![cfg_attr(
     not(all(feature = "quic", feature = "platform-roots")),
     allow(rustdoc::broken_intra_doc_links)

@@ -6,6 +6,7 @@
 //! * [`reliable`] and [`ordered`]: acknowledgement and retransmission with an adaptive
 //!   timeout and a bounded window, and in-order delivery, over a best-effort datagram base;
 //!   usable apart or together. The protocol logic is sans-IO.
+#![forbid(unsafe_code)]
 #![warn(
     missing_docs,
     missing_debug_implementations,
