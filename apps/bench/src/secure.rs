@@ -81,6 +81,10 @@ pub(crate) struct Args {
     /// Only these transports (comma-separated: tls, quic).
     #[arg(long, value_delimiter = ',', default_value = "tls,quic")]
     transports: Vec<String>,
+    /// Profiling aid: measure only this side (raw or library); its figures stand in for the
+    /// other's, so the ratios are meaningless. For callgrind / perf on one side.
+    #[arg(long, hide = true)]
+    only: Option<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -129,6 +133,20 @@ struct Sample {
     echo_p50_us: f64,
     echo_p99_us: f64,
     bulk_mib_s: f64,
+    /// Bulk MiB per CPU-second of this thread (client, servers and quinn's drivers all run
+    /// on it): what the transfer costs, whatever else the core ran meanwhile.
+    bulk_mib_cpu_s: f64,
+}
+
+/// CPU time of the calling thread, in seconds.
+fn thread_cpu_secs() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -206,6 +224,7 @@ fn report(t: Transport, raw: &[Sample], lib: &[Sample]) -> (Value, bool, bool, f
             "echo_p50_us": spread(&col(xs, |s| s.echo_p50_us)),
             "echo_p99_us": spread(&col(xs, |s| s.echo_p99_us)),
             "bulk_mib_per_s": spread(&col(xs, |s| s.bulk_mib_s)),
+            "bulk_mib_per_cpu_s": spread(&col(xs, |s| s.bulk_mib_cpu_s)),
         })
     };
     let ratio = |f: fn(&Sample) -> f64| -> Vec<f64> {
@@ -218,6 +237,8 @@ fn report(t: Transport, raw: &[Sample], lib: &[Sample]) -> (Value, bool, bool, f
     let connect = ratio(|s| s.connect_p50_us);
     let echo = ratio(|s| s.echo_p50_us);
     let tput = ratio(|s| s.bulk_mib_s);
+    let tput_cpu = ratio(|s| s.bulk_mib_cpu_s);
+    let b_cpu = med(tput_cpu.clone());
     let (c, e, b) = (med(connect.clone()), med(echo.clone()), med(tput.clone()));
     let (raw_what, lib_what) = match t {
         Transport::Tls => (
@@ -239,12 +260,15 @@ fn report(t: Transport, raw: &[Sample], lib: &[Sample]) -> (Value, bool, bool, f
             "echo_p50": spread(&echo),
             "echo_p99": spread(&ratio(|s| s.echo_p99_us)),
             "bulk_throughput": spread(&tput),
+            "bulk_throughput_per_cpu_s": spread(&tput_cpu),
         },
         "bar": {
             "echo_p50_ratio": e,
             "echo_p50_within_1_05x": echo_ok,
             "throughput_ratio": b,
             "throughput_at_least_0_95x": tput_ok,
+            "throughput_per_cpu_s_ratio": b_cpu,
+            "throughput_per_cpu_s_at_least_0_95x": b_cpu >= 0.95,
         },
     });
     (v, echo_ok, tput_ok, c)
@@ -267,19 +291,28 @@ async fn measure_all(a: &Args, transports: &[Transport]) -> Result<Vec<[Vec<Samp
         for (ti, &t) in transports.iter().enumerate() {
             let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
             for si in order {
+                if let Some(only) = &a.only
+                    && clients[ti][si].side.name() != only
+                {
+                    let o = 1 - si;
+                    let s = clients[ti][o].sample(a, &echo_msg, &bulk_msg).await?;
+                    out[ti][si].push(s);
+                    continue;
+                }
                 let c = &mut clients[ti][si];
                 let s = c
                     .sample(a, &echo_msg, &bulk_msg)
                     .await
                     .with_context(|| format!("{} {} rep {rep}", t.name(), c.side.name()))?;
                 eprintln!(
-                    "rep {rep} {:<12} {:<7}: connect+echo p50 {:>8.1} us  echo p50 {:>7.1} us p99 {:>7.1} us  bulk {:>7.1} MiB/s",
+                    "rep {rep} {:<12} {:<7}: connect+echo p50 {:>8.1} us  echo p50 {:>7.1} us p99 {:>7.1} us  bulk {:>7.1} MiB/s ({:>7.1} MiB/cpu-s)",
                     t.name(),
                     c.side.name(),
                     s.connect_p50_us,
                     s.echo_p50_us,
                     s.echo_p99_us,
-                    s.bulk_mib_s
+                    s.bulk_mib_s,
+                    s.bulk_mib_cpu_s
                 );
                 out[ti][si].push(s);
             }
@@ -496,9 +529,9 @@ impl Client {
         let warm = MIB.div_ceil(bulk_msg.len());
         c.bulk(bulk_msg, warm).await?;
         let n = (a.bulk_mib * MIB).div_ceil(bulk_msg.len());
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), thread_cpu_secs());
         c.bulk(bulk_msg, n).await?;
-        let secs = t.elapsed().as_secs_f64();
+        let (secs, cpu) = (t.elapsed().as_secs_f64(), thread_cpu_secs() - cpu);
         c.close().await?;
         Ok(Sample {
             connect_p50_us,
@@ -506,6 +539,7 @@ impl Client {
             echo_p50_us,
             echo_p99_us,
             bulk_mib_s: (n * bulk_msg.len()) as f64 / MIB as f64 / secs,
+            bulk_mib_cpu_s: (n * bulk_msg.len()) as f64 / MIB as f64 / cpu,
         })
     }
 }
