@@ -19,6 +19,7 @@ mod overhead;
 mod probe;
 mod reconfig;
 mod rendezvous;
+mod secure;
 mod shm;
 mod stats;
 mod uring;
@@ -60,6 +61,8 @@ enum Cmd {
     Datapaths(datapaths::Args),
     /// AF_XDP alone (as in `datapaths`): kernel UDP client vs raw and library AF_XDP echo.
     Xdp(xdp::Args),
+    /// TLS over TCP and QUIC: chunnel-secure vs tokio-rustls and quinn used directly.
+    Secure(secure::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -76,6 +79,7 @@ fn main() -> Result<()> {
         Cmd::Uring(a) => uring::run(a),
         Cmd::Datapaths(a) => datapaths::run(a),
         Cmd::Xdp(a) => xdp::run(a),
+        Cmd::Secure(a) => secure::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }
