@@ -73,6 +73,8 @@ for server in "" "--accept-loop"; do
   cargo run --release --locked -q -p chunnel-bench -- negotiate --reps 1 --conns 200 $server \
     | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==4, d; print("bench JSON ok:", d["server_accept"], d["checks"])'
 done
+cargo run --release --locked -q -p chunnel-bench -- secure --reps 1 --conns 20 --msgs 500 --bulk-mib 4 \
+  | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="secure" and len(d["transports"])==2, d; print("bench JSON ok:", d["checks"])'
 cargo run --release --locked -q -p chunnel-bench -- negotiate --flood 2000 --flood-clients 50 --flood-slow 1 \
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate_flood" and d["clients_connected"]==50 and d["flood_hellos"]==2000 and d["slow_answers"]>0, d; print("bench JSON ok:", d["connect_p50_us"], d["peer_cap_stats"], d["slow_answers"])'
 
