@@ -277,6 +277,10 @@ pub(crate) struct Stats {
     pub(crate) dropped_oversize: AtomicU64,
     pub(crate) dropped_queue_full: AtomicU64,
     pub(crate) dropped_backlog_full: AtomicU64,
+    /// Datagrams from new peers dropped at the listener's peer cap.
+    pub(crate) dropped_peer_cap: AtomicU64,
+    /// Peers waiting for `accept` evicted at the peer cap.
+    pub(crate) evicted: AtomicU64,
 }
 
 /// Where reaped datagrams go: the client's queue, or the listener's demultiplexer.

@@ -45,6 +45,12 @@ pub struct Config {
     pub peer_queue: usize,
     /// New peers waiting for `accept` before datagrams from further new peers are dropped.
     pub backlog: usize,
+    /// Most peers a listener keeps state for (accepted connections and new peers waiting
+    /// for `accept`); default 16,384. At the cap, a datagram from a new address evicts the
+    /// oldest peer still waiting for `accept`, or is dropped and counted
+    /// ([`Listener::peer_cap_stats`]); accepted connections are never evicted by new peers
+    /// (the idle timeout ends those whose peer went away).
+    pub max_peers: usize,
     /// A server-side connection that receives nothing for this long ends with
     /// [`Error::PeerClosed`]. `None` keeps it until dropped.
     pub idle_timeout: Option<Duration>,
@@ -70,6 +76,7 @@ impl Default for Config {
             recv_buffers: 64,
             peer_queue: 1024,
             backlog: 128,
+            max_peers: 16_384,
             idle_timeout: Some(Duration::from_secs(60)),
             forced_unavailable: false,
             single_thread: None,
@@ -93,6 +100,12 @@ impl Config {
     /// Sets [`Config::recv_buffers`] (clamped to 1..=32768).
     pub fn with_recv_buffers(mut self, n: usize) -> Self {
         self.recv_buffers = n.clamp(1, 32768);
+        self
+    }
+
+    /// Sets [`Config::max_peers`] (at least 1).
+    pub fn with_max_peers(mut self, n: usize) -> Self {
+        self.max_peers = n.max(1);
         self
     }
 
@@ -392,6 +405,7 @@ pub(crate) struct Demux {
     accept_notify: Arc<Notify>,
     peer_queue: usize,
     max_backlog: usize,
+    max_peers: usize,
 }
 
 impl Rx for Demux {
@@ -409,6 +423,16 @@ impl Rx for Demux {
                 if !self.listener_open || self.backlog.len() >= self.max_backlog {
                     stats.dropped_backlog_full.fetch_add(1, Ordering::Relaxed);
                     return;
+                }
+                if self.peers.len() >= self.max_peers {
+                    // Room is made only from peers nobody accepted yet, oldest first.
+                    let Some((old, p)) = self.backlog.pop_front() else {
+                        stats.dropped_peer_cap.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    };
+                    p.closed.store(true, Ordering::Release);
+                    self.peers.remove(&old);
+                    stats.evicted.fetch_add(1, Ordering::Relaxed);
                 }
                 let p = Peer::new(None);
                 self.backlog.push_back((addr, p.clone()));
@@ -462,6 +486,7 @@ impl Listener {
             accept_notify: accept_notify.clone(),
             peer_queue: cfg.peer_queue,
             max_backlog: cfg.backlog,
+            max_peers: cfg.max_peers,
         };
         Ok(Listener {
             driver: Arc::new(Driver::new(sock, cfg, rx)?),
@@ -489,6 +514,18 @@ impl Listener {
             s.dropped_oversize.load(Ordering::Relaxed),
             s.dropped_queue_full.load(Ordering::Relaxed),
             s.dropped_backlog_full.load(Ordering::Relaxed),
+        )
+    }
+}
+
+impl Listener {
+    /// What [`Config::max_peers`] did so far: (peers waiting for `accept` evicted to admit
+    /// new ones, datagrams from new peers dropped at the cap with no peer to evict).
+    pub fn peer_cap_stats(&self) -> (u64, u64) {
+        let s = &self.driver.stats;
+        (
+            s.evicted.load(Ordering::Relaxed),
+            s.dropped_peer_cap.load(Ordering::Relaxed),
         )
     }
 }

@@ -119,6 +119,10 @@ pub struct Config {
     pub peer_queue: usize,
     /// New peers waiting for `accept` before their datagrams are dropped (default 128).
     pub backlog: usize,
+    /// Most peers the listener keeps state for (default 16,384). At the cap, peers whose
+    /// connection was dropped are forgotten first; a datagram from a new source is dropped
+    /// and counted ([`crate::listener::Stats::dropped_peer_cap`]) if none was.
+    pub max_peers: usize,
     /// Largest payload sent (default [`MAX_PAYLOAD`]; capped by the chunk size).
     pub max_payload: usize,
 }
@@ -137,6 +141,7 @@ impl Config {
             batch: 64,
             peer_queue: 1024,
             backlog: 128,
+            max_peers: 16_384,
             max_payload: MAX_PAYLOAD,
         }
     }

@@ -36,6 +36,8 @@ pub struct Stats {
     pub malformed: u64,
     /// Datagrams dropped because a peer's queue or the accept backlog was full.
     pub dropped: u64,
+    /// Datagrams from new sources dropped at [`crate::Config::max_peers`].
+    pub dropped_peer_cap: u64,
     /// Frames transmitted (queued on the TX ring).
     pub sent: u64,
     /// TX kicks (`sendto` system calls).
@@ -68,6 +70,7 @@ pub(crate) struct Shared {
     delivered: AtomicU64,
     malformed: AtomicU64,
     dropped: AtomicU64,
+    dropped_peer_cap: AtomicU64,
     sent: AtomicU64,
     rx_batches: AtomicU64,
 }
@@ -165,6 +168,7 @@ impl Listener {
             delivered: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            dropped_peer_cap: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             rx_batches: AtomicU64::new(0),
         });
@@ -232,6 +236,7 @@ impl Shared {
             delivered: self.delivered.load(Ordering::Relaxed),
             malformed: self.malformed.load(Ordering::Relaxed),
             dropped: self.dropped.load(Ordering::Relaxed),
+            dropped_peer_cap: self.dropped_peer_cap.load(Ordering::Relaxed),
             sent: self.sent.load(Ordering::Relaxed),
             tx_kicks: self
                 .xsk
@@ -347,6 +352,15 @@ fn new_peer(
     ep: Endpoints,
     first: Bytes,
 ) {
+    if peers.len() >= shared.cfg.max_peers {
+        // Forget the peers whose connection is gone (their entries are otherwise removed
+        // lazily, when they send again); if none is, the newcomer is dropped.
+        peers.retain(|_, p| !p.tx.is_closed());
+        if peers.len() >= shared.cfg.max_peers {
+            shared.dropped_peer_cap.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    }
     let (tx, rx) = mpsc::channel(shared.cfg.peer_queue.max(1));
     let _ = tx.try_send(first);
     // Replies go back the way the datagram came: swap the ends.

@@ -311,3 +311,76 @@ fn unknown_interface_is_not_available() {
         other => panic!("expected NotAvailable, got {other:?}"),
     }
 }
+
+/// The listener's peer table is capped (`Config::max_peers`): with three connections held, a
+/// datagram from a fourth source is dropped and counted, never given state.
+#[test]
+fn the_peer_table_is_capped() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    if !chunnel_xdp::embedded_program_available() {
+        assert!(
+            std::env::var_os("CHUNNEL_XDP_REQUIRE").is_none(),
+            "CHUNNEL_XDP_REQUIRE is set but the XDP program was not built (is clang installed?)"
+        );
+        eprintln!("skipping: the XDP program was not built (is clang installed?)");
+        return Ok(());
+    }
+    const CAP: usize = 3;
+    let ns = netns()?;
+    let (ready_tx, ready_rx) = std_mpsc::sync_channel(1);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = in_netns(&ns.b, move || async move {
+        let local: SocketAddrV4 = SERVER.parse()?;
+        let mut cfg = Config::new("xb", local);
+        cfg.max_peers = CAP;
+        let mut listener = AfXdpUdp::new(cfg).listen().await?;
+        ready_tx.send(())?;
+        let mut held = Vec::new();
+        for _ in 0..CAP {
+            let c = chunnel::Listener::accept(&mut listener).await?;
+            let m = c.recv_one().await?;
+            c.send_one(m).await?;
+            held.push(c);
+        }
+        let _ = stop_rx.await;
+        Ok(listener.stats())
+    });
+    ready_rx
+        .recv_timeout(Duration::from_secs(20))
+        .context("server did not start")?;
+    let client = in_netns(&ns.a, move || async move {
+        let addr: SocketAddr = SERVER.parse()?;
+        let mut echoed = Vec::new();
+        let mut sockets = Vec::new();
+        for i in 0..2 * CAP {
+            let s = tokio::net::UdpSocket::bind("0.0.0.0:0").await?;
+            let tries = if i < CAP { 3 } else { 1 };
+            let mut got = false;
+            for _ in 0..tries {
+                s.send_to(&[i as u8], addr).await?;
+                let mut buf = [0u8; 16];
+                if let Ok(Ok((n, _))) =
+                    tokio::time::timeout(Duration::from_millis(500), s.recv_from(&mut buf)).await
+                {
+                    got = n == 1 && buf[0] == i as u8;
+                    break;
+                }
+            }
+            echoed.push(got);
+            sockets.push(s);
+        }
+        Ok(echoed)
+    });
+    let echoed = client.join().expect("client thread panicked")?;
+    let _ = stop_tx.send(());
+    let stats = server.join().expect("server thread panicked")?;
+    eprintln!("echoed {echoed:?}; datapath {stats:?}");
+    ensure!(
+        echoed == [true, true, true, false, false, false],
+        "{echoed:?}"
+    );
+    ensure!(stats.dropped_peer_cap == CAP as u64, "{stats:?}");
+    Ok(())
+}
