@@ -117,6 +117,9 @@ impl Chunnel<()> for Connect {
     }
 }
 
+/// The receive buffer a UDP [`Listener`]'s socket asks for: 4 MiB.
+pub const LISTENER_RECV_BUFFER: usize = 4 << 20;
+
 /// A UDP server socket; see [`datagram`] for how peers are demultiplexed.
 pub type Listener = datagram::Listener<UdpSocket>;
 /// Reads a UDP [`Listener`]'s peer count from elsewhere ([`Listener::peer_counter`]).
@@ -128,12 +131,60 @@ impl Listener {
         Self::bind_with(addr, Config::default()).await
     }
 
-    /// Binds `addr` with `cfg`.
+    /// Binds `addr` with `cfg`. The socket asks for a receive buffer of
+    /// [`LISTENER_RECV_BUFFER`] bytes (the kernel caps it at `net.core.rmem_max`), so a burst
+    /// of new peers waits in the kernel instead of being dropped there.
     pub async fn bind_with(addr: SocketAddr, cfg: Config) -> Result<Self, Error> {
         let sock = UdpSocket::bind(addr)
             .await
             .map_err(|e| Error::from_io("bind", addr, e))?;
-        Ok(datagram::Listener::new(sock, cfg))
+        let l = datagram::Listener::new(sock, cfg);
+        l.set_recv_buffer(LISTENER_RECV_BUFFER)?;
+        Ok(l)
+    }
+
+    /// Asks the kernel for a receive buffer of `bytes` for this listener's socket
+    /// (`SO_RCVBUF`; the kernel doubles the figure for its bookkeeping and caps it at
+    /// `net.core.rmem_max`). Returns the size the kernel granted, as it reports it.
+    pub fn set_recv_buffer(&self, bytes: usize) -> Result<usize, Error> {
+        use std::os::fd::AsRawFd;
+        let fd = self.get_ref().as_raw_fd();
+        let io = |e| Error::Io {
+            op: "SO_RCVBUF",
+            source: e,
+        };
+        let want = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+        let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `fd` is this listener's open socket; the option value is a c_int of the
+        // length given.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&raw const want).cast(),
+                len,
+            )
+        };
+        if r != 0 {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        let mut got: libc::c_int = 0;
+        let mut got_len = len;
+        // SAFETY: as above; `got` has room for the c_int the kernel writes.
+        let r = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&raw mut got).cast(),
+                &mut got_len,
+            )
+        };
+        if r != 0 {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        Ok(usize::try_from(got).unwrap_or(0))
     }
 
     /// The bound address.

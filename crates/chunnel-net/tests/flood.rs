@@ -302,3 +302,23 @@ async fn queued_bytes_are_capped_per_peer_and_for_the_listener() {
     drop(accepted);
     assert_eq!(l.queued_bytes(), 0);
 }
+
+/// A UDP listener's socket asks for a large receive buffer (`udp::LISTENER_RECV_BUFFER`,
+/// capped by the kernel at `net.core.rmem_max`), so a burst of new peers waits in the kernel
+/// rather than being dropped there; `set_recv_buffer` changes it.
+#[tokio::test]
+async fn a_listener_asks_for_a_large_receive_buffer() {
+    let l = udp::Listener::bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let max: usize = std::fs::read_to_string("/proc/sys/net/core/rmem_max")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let want = udp::LISTENER_RECV_BUFFER.min(max);
+    // The kernel reports twice what it granted (its bookkeeping).
+    let granted = l.set_recv_buffer(udp::LISTENER_RECV_BUFFER).unwrap();
+    assert!(granted >= want, "granted {granted} < {want}");
+    assert!(l.set_recv_buffer(64 << 10).unwrap() < granted);
+}
