@@ -58,6 +58,7 @@
 )]
 
 pub mod commit;
+pub mod control;
 mod driver;
 mod error;
 pub mod proto;
