@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Error;
+use crate::plane::Control;
 use crate::proto::{
     ClientHandshake, Decision, HelloTemplate, KnownAccept, Outcome, Server, Timing,
 };
@@ -108,47 +109,6 @@ pub struct Transcript {
     pub hello: Bytes,
     /// The ACCEPT: as the server sent it, as the client received it.
     pub accept: Bytes,
-}
-
-/// The in-band control channel of a negotiated connection (its [`Tagged`] base), type
-/// erased: what [`crate::commit::Coordinator`] needs to run a two-phase commit on it.
-#[derive(Clone)]
-pub(crate) struct Control(pub(crate) Arc<dyn ControlPlane>);
-
-impl std::fmt::Debug for Control {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Control")
-    }
-}
-
-pub(crate) type SendFuture<'a> =
-    Pin<Box<dyn Future<Output = Result<(), chunnel::Error>> + Send + 'a>>;
-
-/// See [`Control`]. Off the data path: boxed futures are fine here.
-pub(crate) trait ControlPlane: Send + Sync {
-    fn enable(
-        &self,
-        machine: crate::commit::Multilateral,
-    ) -> Option<mpsc::Receiver<crate::commit::Work>>;
-    fn machine(&self) -> Option<&Mutex<crate::commit::Multilateral>>;
-    /// Proposes `pick` as transaction `txn` under the machine's lock; on success calls
-    /// `proposed` (still under the lock, before any answer can be handled) and queues the
-    /// prepare for the coordinator's task behind everything queued before. `None` if
-    /// reconfiguration is not enabled.
-    fn propose(
-        &self,
-        pick: &chunnel::Pick,
-        txn: u64,
-        proposed: &mut dyn FnMut(),
-    ) -> Option<Result<(), crate::commit::ProposeError>>;
-    fn send(&self, m: Bytes) -> SendFuture<'_>;
-    /// The connection's id (see [`Negotiated::conn_id`]).
-    fn conn_id(&self) -> u64;
-    /// Closes the connection (see [`Negotiated::close`]).
-    fn close(&self) -> SendFuture<'_>;
-    /// A client connection's best-effort CLOSE when it is dropped (see [`Negotiated`]); no
-    /// wait. Nothing on the server side or when the connection is already over.
-    fn close_on_drop(self: Arc<Self>);
 }
 
 /// Sends the connection's best-effort CLOSE when the [`Negotiated`] holding it is dropped

@@ -20,9 +20,9 @@ use chunnel::{ChunnelConnection, EitherFuture, Error, PeerHandoff, SendHeader};
 
 use tokio::sync::mpsc;
 
-use crate::commit::{Event, Multilateral, Work};
 use crate::control::{Inbound, Role, SideState, classify};
-use crate::driver::{ControlPlane, SendFuture};
+use crate::multilateral::{Event, Multilateral, ProposeError};
+use crate::plane::{ControlPlane, SendFuture, Work};
 use crate::wire::Tag;
 
 const DATA: &[u8] = &[Tag::Data as u8];
@@ -739,7 +739,7 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
         pick: &chunnel::Pick,
         txn: u64,
         proposed: &mut dyn FnMut(),
-    ) -> Option<Result<(), crate::commit::ProposeError>> {
+    ) -> Option<Result<(), ProposeError>> {
         let ctl = self.ctl.get()?;
         let mut machine = lock(&ctl.machine);
         let r = machine.propose(pick, txn, std::time::Instant::now());
