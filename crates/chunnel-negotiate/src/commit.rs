@@ -52,7 +52,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use bytes::Bytes;
 use chunnel::{Handover, Mechanism, Offers, ReconfigConnection, Side, StackOption};
@@ -60,6 +59,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::driver::Negotiated;
 use crate::multilateral::txn_msg;
+pub use crate::plane::{Clock, TokioClock};
 use crate::plane::{Control as ControlPlaneHandle, Work};
 use crate::wire::{Refusal, Tag};
 use crate::{Error, wire::WireError};
@@ -120,6 +120,8 @@ struct CoordShared {
     /// The driver re-reads the machine's timer.
     kick: Notify,
     refusals: Mutex<Vec<(Refusal, String)>>,
+    /// The machine's time.
+    clock: Arc<dyn Clock>,
     /// The branch the connection runs on now.
     side: Box<dyn Fn() -> Side + Send + Sync>,
 }
@@ -131,6 +133,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Coordinator {
     /// Starts the protocol on `conn`; `stack` is the reconfigurable select it was built from
     /// (its options are what this end can switch between). Must run within a tokio runtime.
+    /// The machine's timers run on tokio's clock ([`TokioClock`]), so a runtime whose time is
+    /// paused drives them.
     pub fn start<L, R, M, S>(
         conn: &Negotiated<ReconfigConnection<L, R, M>>,
         stack: &S,
@@ -143,11 +147,33 @@ impl Coordinator {
         M: Mechanism,
         S: Offers,
     {
+        Self::start_with_clock(conn, stack, policy, Arc::new(TokioClock))
+    }
+
+    /// As [`Coordinator::start`], with the machine's time read from `clock`. The task still
+    /// waits on tokio's timer, for the time `clock` says is left until the machine's next
+    /// timeout, and then gives the machine `clock`'s time.
+    pub fn start_with_clock<L, R, M, S>(
+        conn: &Negotiated<ReconfigConnection<L, R, M>>,
+        stack: &S,
+        policy: Policy,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Coordinator, Error>
+    where
+        L: Handover + 'static,
+        R: Handover<Data = L::Data> + 'static,
+        L::Data: 'static,
+        M: Mechanism,
+        S: Offers,
+    {
         let offers = stack.offers();
         let control = conn.control().clone();
         let events = control
             .0
-            .enable(Multilateral::new(offers.clone(), policy))
+            .enable(
+                Multilateral::new(offers.clone(), policy),
+                Arc::clone(&clock),
+            )
             .ok_or(Error::Wire(WireError(
                 "multilateral reconfiguration is already running on this connection",
             )))?;
@@ -157,6 +183,7 @@ impl Coordinator {
             waiters: Mutex::new(HashMap::new()),
             kick: Notify::new(),
             refusals: Mutex::new(Vec::new()),
+            clock,
             side: Box::new({
                 let conn = conn.get_ref().clone();
                 move || conn.side()
@@ -253,7 +280,7 @@ async fn drive<L, R, M>(
         let deadline = lock(machine).poll_timeout();
         let timer = async {
             match deadline {
-                Some(d) => tokio::time::sleep_until(d.into()).await,
+                Some(d) => tokio::time::sleep(d.saturating_duration_since(sh.clock.now())).await,
                 None => std::future::pending().await,
             }
         };
@@ -273,7 +300,7 @@ async fn drive<L, R, M>(
             () = timer => {
                 let (out, evs): (Vec<Bytes>, Vec<Event>) = {
                     let mut m = lock(machine);
-                    m.handle_timeout(Instant::now());
+                    m.handle_timeout(sh.clock.now());
                     (
                         std::iter::from_fn(|| m.poll_transmit()).collect(),
                         std::iter::from_fn(|| m.poll_event()).collect(),

@@ -5,6 +5,7 @@
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -22,12 +23,34 @@ impl std::fmt::Debug for Control {
     }
 }
 
+/// Where the two-phase-commit machine's time comes from: the coordinator's timer and the
+/// receive path read it, the machine itself never does ([`crate::commit::Multilateral`]
+/// takes `now` as an argument). Inject one with
+/// [`Coordinator::start_with_clock`](crate::commit::Coordinator::start_with_clock).
+pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
+    /// The current time.
+    fn now(&self) -> Instant;
+}
+
+/// Tokio's clock, as a [`std::time::Instant`]: the wall clock, unless the runtime's time is
+/// paused (`tokio::time::pause`), when it moves only as the paused runtime advances it. The
+/// default of [`Coordinator::start`](crate::commit::Coordinator::start).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TokioClock;
+
+impl Clock for TokioClock {
+    fn now(&self) -> Instant {
+        tokio::time::Instant::now().into_std()
+    }
+}
+
 pub(crate) type SendFuture<'a> =
     Pin<Box<dyn Future<Output = Result<(), chunnel::Error>> + Send + 'a>>;
 
 /// See [`Control`]. Off the data path: boxed futures are fine here.
 pub(crate) trait ControlPlane: Send + Sync {
-    fn enable(&self, machine: Multilateral) -> Option<mpsc::Receiver<Work>>;
+    /// Starts feeding reconfiguration messages to `machine`, at the times `clock` reads.
+    fn enable(&self, machine: Multilateral, clock: Arc<dyn Clock>) -> Option<mpsc::Receiver<Work>>;
     fn machine(&self) -> Option<&Mutex<Multilateral>>;
     /// Proposes `pick` as transaction `txn` under the machine's lock; on success calls
     /// `proposed` (still under the lock, before any answer can be handled) and queues the

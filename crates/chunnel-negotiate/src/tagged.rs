@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::control::{Inbound, Role, SideState, classify};
 use crate::multilateral::{Event, Multilateral, ProposeError};
-use crate::plane::{ControlPlane, SendFuture, Work};
+use crate::plane::{Clock, ControlPlane, SendFuture, Work};
 use crate::wire::Tag;
 
 const DATA: &[u8] = &[Tag::Data as u8];
@@ -101,6 +101,8 @@ struct Shared<C> {
 pub(crate) struct Ctl {
     pub(crate) machine: Mutex<Multilateral>,
     pub(crate) events: mpsc::Sender<Work>,
+    /// The time the machine is given (the coordinator's clock).
+    clock: Arc<dyn Clock>,
     /// Messages received after a peer's switch point, tag included, for the next view to
     /// handle as if they had just arrived (there is a switch point only with reconfiguration
     /// enabled).
@@ -716,7 +718,7 @@ impl<C: SendHeader + PeerHandoff + 'static> Tagged<C> {
 }
 
 impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
-    fn enable(&self, machine: Multilateral) -> Option<mpsc::Receiver<Work>> {
+    fn enable(&self, machine: Multilateral, clock: Arc<dyn Clock>) -> Option<mpsc::Receiver<Work>> {
         // Bounded: a transaction makes a handful of work items; only a peer flooding control
         // messages fills it, and then loses the answers to its own flood.
         let (tx, rx) = mpsc::channel(256);
@@ -724,6 +726,7 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
             .set(Box::new(Ctl {
                 machine: Mutex::new(machine),
                 events: tx,
+                clock,
                 raw: Mutex::new(VecDeque::new()),
             }))
             .ok()
@@ -742,7 +745,7 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
     ) -> Option<Result<(), ProposeError>> {
         let ctl = self.ctl.get()?;
         let mut machine = lock(&ctl.machine);
-        let r = machine.propose(pick, txn, std::time::Instant::now());
+        let r = machine.propose(pick, txn, ctl.clock.now());
         if r.is_ok() {
             proposed();
             // Full only under a peer's flood of control messages; the machine resends the
@@ -801,7 +804,7 @@ impl<C> Shared<C> {
     /// switch point.
     fn control(&self, ctl: &Ctl, m: &[u8]) -> bool {
         let mut machine = lock(&ctl.machine);
-        machine.handle_message(m, std::time::Instant::now());
+        machine.handle_message(m, ctl.clock.now());
         // The receiver lives as long as the coordinator; without it nobody acts anyway.
         while let Some(t) = machine.poll_transmit() {
             let _ = ctl.events.try_send(Work::Send(t));
