@@ -62,6 +62,7 @@ def main() -> int:
                         break
     for m in sorted(edges):
         print(f"{m} -> {', '.join(sorted(edges[m])) or '(nothing)'}")
+    fine = {m: set(ns) for m, ns in edges.items()}
     # Depth-first search for a back edge.
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -86,7 +87,24 @@ def main() -> int:
             if c:
                 print("cycle: " + " -> ".join(c))
                 return 1
-    print("no import cycle")
+    # A child module sees its parent's imports (`use super::*`), and an edge into a child is
+    # an edge into its parent's subtree: check the graph of top-level modules too.
+    top = lambda m: m.split("::")[0]
+    edges = {t: set() for t in {top(m) for m in mods}}
+    for m, ns in fine.items():
+        for n in ns:
+            if top(n) != top(m):
+                edges[top(m)].add(top(n))
+    mods = set(edges)
+    state.clear()
+    stack.clear()
+    for m in sorted(mods):
+        if m not in state:
+            c = visit(m)
+            if c:
+                print("cycle between top-level modules: " + " -> ".join(c))
+                return 1
+    print("no import cycle (between modules, nor between top-level modules)")
     return 0
 
 
