@@ -11,7 +11,7 @@
 //!
 //! ## A short tour
 //!
-//! * [`wire`]: the version-1 messages and their decoders (`docs/wire.md` specifies them).
+//! * [`wire`]: the wire messages, their encoders and decoders (`docs/wire.md` specifies them).
 //! * [`proto`]: the protocol as sans-IO state machines ([`proto::Server`],
 //!   [`proto::ClientHandshake`]); deterministic to test, no sockets or clocks inside.
 //! * [`control`]: what an established connection does with each inbound message
@@ -28,14 +28,16 @@
 //! Modules import only from the layers below them (`scripts/module-cycles.py` checks that the
 //! graph has no cycle):
 //!
-//! 1. `wire`: codecs, no other module of the crate.
+//! 1. [`wire`]: codecs (`wire/decode.rs` holds the decoders), no other module of the crate.
 //! 2. Sans-IO cores, no sockets, tasks or clocks: `multilateral` (the two-phase-commit machine,
-//!    re-exported by [`commit`]), `error`, [`proto`] (handshakes), [`control`] (inbound
-//!    classification).
+//!    re-exported by [`commit`]; it is given `now`), `error`, [`proto`] (handshakes; the
+//!    client's in `proto/client.rs`), [`control`] (inbound classification).
 //! 3. `plane`: the type-erased control plane of a connection ([`Tagged`] implements it, the
-//!    coordinator uses it), so neither depends on the other.
-//! 4. I/O: [`Tagged`] (moves bytes, applies [`control::classify`]), then the drivers (client,
-//!    listener, [`Negotiated`]), then [`commit::Coordinator`] on top of them.
+//!    coordinator uses it, so neither depends on the other) and the injected
+//!    [`commit::Clock`].
+//! 4. I/O: [`Tagged`] (moves bytes, applies [`control::classify`]), then the drivers
+//!    (`driver.rs`: [`Config`], [`Negotiated`], [`Client`]; `driver/server.rs`: [`listen`]),
+//!    then [`commit::Coordinator`] on top of them.
 //!
 //! ## Example
 //!
