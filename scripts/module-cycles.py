@@ -87,7 +87,7 @@ def main() -> int:
             if c:
                 print("cycle: " + " -> ".join(c))
                 return 1
-    # A child module sees its parent's imports (`use super::*`), and an edge into a child is
+    # A child module may use its parent's items (`use super::...`), and an edge into a child is
     # an edge into its parent's subtree: check the graph of top-level modules too.
     top = lambda m: m.split("::")[0]
     edges = {t: set() for t in {top(m) for m in mods}}

@@ -13,19 +13,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chunnel::negotiate::ChunnelInfo;
-use chunnel::{
-    Chunnel, ChunnelConnection, Listener, OfferTree, Offers, PeerHandoff, Pick, SendHeader,
-};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use chunnel::{Chunnel, ChunnelConnection, OfferTree, Offers, PeerHandoff, Pick, SendHeader};
 use tokio::time::Instant;
 
 use crate::Error;
 use crate::plane::Control;
-use crate::proto::{
-    ClientHandshake, Decision, HelloTemplate, KnownAccept, Outcome, Server, Timing,
-};
-use crate::tagged::{Tagged, WeakTagged};
+use crate::proto::{ClientHandshake, HelloTemplate, KnownAccept, Outcome, Timing};
+use crate::tagged::Tagged;
 use crate::ticker::Ticker;
 use crate::wire::{Tag, ZeroRtt};
 

@@ -9,9 +9,9 @@
 //!   an [`Outcome`] or an [`Error`].
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use chunnel::negotiate::End;
 use chunnel::offer_tree::{Limits, NoChoice, choose_tree};
 use chunnel::{ChunnelInfo, OfferTree, Pick, StackOption};
@@ -19,7 +19,7 @@ use chunnel::{ChunnelInfo, OfferTree, Pick, StackOption};
 use crate::Error;
 use crate::wire::{
     ACCEPT_CONN_ID, ACCEPT_DATA_PREFIX, Accept, Hello, Reject, RejectReason, Tag, TooLarge,
-    VERSION, WireError, ZeroRtt, split_accept_data,
+    VERSION, ZeroRtt,
 };
 
 mod client;

@@ -8,10 +8,9 @@
 //! `u16` byte length and UTF-8; lists are a `u16` count and their elements. Decoders return [`WireError`] on any input they cannot parse
 //! and never panic.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
 use chunnel::{Capability, OfferTree, Pick, StackOption};
 

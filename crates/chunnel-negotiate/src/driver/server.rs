@@ -2,7 +2,26 @@
 //! base listener, one task per connection until its hello is decided, and hand out
 //! [`Negotiated`] connections.
 
-use super::*;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use chunnel::{Chunnel, ChunnelConnection, Listener, Offers, PeerHandoff, SendHeader};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::proto::{Decision, Server};
+use crate::tagged::{Tagged, WeakTagged};
+use crate::wire::Tag;
+
+use super::{
+    Config, HOLD_GRAIN, InfoCache, Negotiated, Transcript, apply_known, coarse_by, control,
+    poll_once,
+};
 
 /// A listener whose connections are negotiated: each accepted base connection negotiates
 /// independently and concurrently (a slow or silent client delays no one else).

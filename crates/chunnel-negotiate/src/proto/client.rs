@@ -1,7 +1,19 @@
 //! The client's side of the handshake: [`ClientHandshake`] sends a hello, retransmits it
 //! with exponential backoff, and ends in an [`Outcome`] or an [`Error`].
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Buf, Bytes};
+use chunnel::negotiate::End;
+use chunnel::{ChunnelInfo, OfferTree, Pick, StackOption};
+
+use crate::Error;
+use crate::wire::{
+    ACCEPT_CONN_ID, Accept, Hello, Reject, RejectReason, Tag, VERSION, WireError, split_accept_data,
+};
+
+use super::Timing;
 
 /// A finished client handshake.
 #[derive(Debug)]

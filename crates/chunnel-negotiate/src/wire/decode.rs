@@ -1,7 +1,17 @@
 //! Decoding: a bounds-checked reader and the decoders of every message. Never panics on
 //! bytes from a peer; each failure is a [`WireError`] naming what was being read.
 
-use super::*;
+use std::borrow::Cow;
+
+use bytes::{Buf, Bytes};
+use chunnel::negotiate::{ChunnelInfo, Match, Mismatch};
+use chunnel::{Capability, OfferTree, Pick, StackOption};
+
+use super::{
+    ACCEPT_DATA_PREFIX, Accept, Close, Control, HELLO_DICTATED, HELLO_KNOWN_FLAGS, HELLO_ZERO_RTT,
+    Hello, MAX_TREE_CHOICES, MAX_TREE_DEPTH, MAX_TREE_NODES, NODE_LEAF, NODE_OPTIONS, NODE_SELECT,
+    NODE_SEQ, Prepare, Reject, RejectReason, Tag, TooLarge, Txn, VERSION, Vote, WireError, ZeroRtt,
+};
 
 /// A bounds-checked reader over one message.
 pub(super) struct Reader<'a> {
