@@ -81,7 +81,7 @@ pub enum Error {
     Wire(#[from] WireError),
     /// A reconfiguration could not be proposed.
     #[error("cannot propose a switch: {0}")]
-    Propose(#[from] crate::commit::ProposeError),
+    Propose(#[from] crate::multilateral::ProposeError),
     /// The base connection or a Chunnel failed.
     #[error(transparent)]
     Chunnel(#[from] chunnel::Error),

@@ -11,13 +11,33 @@
 //!
 //! ## A short tour
 //!
-//! * [`wire`]: the version-1 messages and their decoders (`docs/wire.md` specifies them).
+//! * [`wire`]: the wire messages, their encoders and decoders (`docs/wire.md` specifies them).
 //! * [`proto`]: the protocol as sans-IO state machines ([`proto::Server`],
 //!   [`proto::ClientHandshake`]); deterministic to test, no sockets or clocks inside.
+//! * [`control`]: what an established connection does with each inbound message
+//!   ([`control::classify`], a pure function).
+//! * [`commit`]: multilateral reconfiguration, a two-phase commit whose machine
+//!   ([`commit::Multilateral`]) is sans-IO and whose [`commit::Coordinator`] drives it.
 //! * [`Client::connect`], [`Client::connect_0rtt`] and [`listen`]: thin tokio drivers over any
 //!   base connection that implements [`chunnel::SendHeader`] (every `chunnel-net` datapath).
 //! * [`Tagged`]: the connection the picked stack is built on; one tag byte per message, sent
 //!   without copying the payload.
+//!
+//! ## Layers
+//!
+//! Modules import only from the layers below them (`scripts/module-cycles.py` checks that the
+//! graph has no cycle):
+//!
+//! 1. [`wire`]: codecs (`wire/decode.rs` holds the decoders), no other module of the crate.
+//! 2. Sans-IO cores, no sockets, tasks or clocks: `multilateral` (the two-phase-commit machine,
+//!    re-exported by [`commit`]; it is given `now`), `error`, [`proto`] (handshakes; the
+//!    client's in `proto/client.rs`), [`control`] (inbound classification).
+//! 3. `plane`: the type-erased control plane of a connection ([`Tagged`] implements it, the
+//!    coordinator uses it, so neither depends on the other) and the injected
+//!    [`commit::Clock`].
+//! 4. I/O: [`Tagged`] (moves bytes, applies [`control::classify`]), then the drivers
+//!    (`driver.rs`: [`Config`], [`Negotiated`], [`Client`]; `driver/server.rs`: [`listen`]),
+//!    then [`commit::Coordinator`] on top of them.
 //!
 //! ## Example
 //!
@@ -58,8 +78,11 @@
 )]
 
 pub mod commit;
+pub mod control;
 mod driver;
 mod error;
+mod multilateral;
+mod plane;
 pub mod proto;
 mod tagged;
 mod ticker;

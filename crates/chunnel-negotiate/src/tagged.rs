@@ -1,8 +1,9 @@
 //! [`Tagged`]: the connection a negotiated stack is built on. It puts the `DATA` tag in
 //! front of every message (without copying it, through [`SendHeader`]), strips it on
-//! receive, and handles the control messages that can still arrive after the handshake (a
-//! retransmitted hello is answered with the cached accept; a duplicate accept is ignored; a
-//! CLOSE with this connection's id ends it, docs/wire.md §7.6).
+//! receive, and applies what [`crate::control::classify`] decides for the control messages
+//! that can still arrive after the handshake (a retransmitted hello is answered with the
+//! cached accept; a duplicate accept is ignored; a CLOSE with this connection's id ends it,
+//! docs/wire.md §7.6).
 //!
 //! A server connection may *hold* its accept (an accepted 0-RTT answer): the first message
 //! the application sends then carries it (`ACCEPT_DATA`, one datagram instead of two), and
@@ -19,9 +20,10 @@ use chunnel::{ChunnelConnection, EitherFuture, Error, PeerHandoff, SendHeader};
 
 use tokio::sync::mpsc;
 
-use crate::commit::{Event, Multilateral, Work};
-use crate::driver::{ControlPlane, SendFuture};
-use crate::wire::{Accept, Hello, Tag, split_accept_data};
+use crate::control::{Inbound, Role, SideState, classify};
+use crate::multilateral::{Event, Multilateral, ProposeError};
+use crate::plane::{Clock, ControlPlane, SendFuture, Work};
+use crate::wire::Tag;
 
 const DATA: &[u8] = &[Tag::Data as u8];
 
@@ -99,6 +101,8 @@ struct Shared<C> {
 pub(crate) struct Ctl {
     pub(crate) machine: Mutex<Multilateral>,
     pub(crate) events: mpsc::Sender<Work>,
+    /// The time the machine is given (the coordinator's clock).
+    clock: Arc<dyn Clock>,
     /// Messages received after a peer's switch point, tag included, for the next view to
     /// handle as if they had just arrived (there is a switch point only with reconfiguration
     /// enabled).
@@ -112,7 +116,6 @@ pub(crate) struct Ctl {
 /// header (before an empty message when alone).
 #[derive(Debug)]
 struct Answer {
-    conn_id: u64,
     accept_at: usize,
     stored: Stored,
 }
@@ -129,7 +132,7 @@ impl Stored {
 }
 
 impl Answer {
-    fn new(conn_id: u64, bytes: Bytes, accept_at: usize) -> Self {
+    fn new(bytes: Bytes, accept_at: usize) -> Self {
         let stored = match u8::try_from(bytes.len()) {
             Ok(len) if bytes.len() <= Stored::INLINE => {
                 let mut b = [0; Stored::INLINE];
@@ -138,11 +141,7 @@ impl Answer {
             }
             _ => Stored::Heap(bytes),
         };
-        Answer {
-            conn_id,
-            accept_at,
-            stored,
-        }
+        Answer { accept_at, stored }
     }
 
     /// All of it (the `ACCEPT_DATA` header when held).
@@ -196,7 +195,7 @@ impl<C> Tagged<C> {
     /// A server's tagged connection that answers hellos with `conn_id` by `response`;
     /// `max_message` bounds a coalesced accept and reply.
     pub(crate) fn server(inner: C, conn_id: u64, response: Bytes, max_message: usize) -> Self {
-        let answer = Answer::new(conn_id, response, 0);
+        let answer = Answer::new(response, 0);
         Self::with(inner, conn_id, Some(answer), max_message)
     }
 
@@ -210,7 +209,7 @@ impl<C> Tagged<C> {
         max_message: usize,
     ) -> Self {
         debug_assert_eq!(header.first(), Some(&(Tag::AcceptData as u8)));
-        let answer = Answer::new(conn_id, header, crate::wire::ACCEPT_DATA_PREFIX);
+        let answer = Answer::new(header, crate::wire::ACCEPT_DATA_PREFIX);
         Self::with(inner, conn_id, Some(answer), max_message)
     }
 
@@ -602,6 +601,16 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                     }
                     self.shared.inner.recv(slots).await?
                 };
+                // What `classify` needs, once per batch.
+                let side = SideState {
+                    role: if self.shared.answer.is_some() {
+                        Role::Server
+                    } else {
+                        Role::Client
+                    },
+                    conn_id: self.shared.conn_id,
+                    reconfig: self.shared.ctl.get().is_some(),
+                };
                 let mut kept = 0;
                 let mut cut = false;
                 let mut closed = false;
@@ -625,73 +634,42 @@ impl<C: SendHeader + PeerHandoff> ChunnelConnection for Tagged<C> {
                     let Some(mut m) = slots[i].take() else {
                         continue;
                     };
-                    match m.first().copied() {
-                        Some(t) if t == Tag::Data as u8 => {
-                            m.advance(1);
+                    match classify(&m, &side) {
+                        Inbound::Data(at) => {
+                            m.advance(at);
                             slots[kept] = Some(m);
                             kept += 1;
                         }
-                        // Client side: an accept with the server's first reply that arrives after
-                        // the handshake ended on another copy of the accept (a retransmission's
-                        // answer overtook it). The server sends it once, so the reply is new.
-                        Some(t) if t == Tag::AcceptData as u8 && self.shared.answer.is_none() => {
-                            match split_accept_data(&m) {
-                                Ok((body, at)) if Accept::decode(body).is_ok() => {
-                                    m.advance(at);
-                                    slots[kept] = Some(m);
-                                    kept += 1;
-                                }
-                                _ => {
-                                    self.shared.ignored.fetch_add(1, Ordering::Relaxed);
-                                }
+                        Inbound::AnswerHello => {
+                            self.shared.reply_due.store(true, Ordering::Release);
+                        }
+                        // This connection ends (after the data already taken), unless the
+                        // base has no listener to hand the hello to.
+                        Inbound::NewClient => {
+                            if self.shared.inner.hand_off(m) {
+                                self.shared.end_by_peer();
+                            } else {
+                                self.shared.ignored.fetch_add(1, Ordering::Relaxed);
                             }
                         }
-                        // Server side: a retransmission of the accepted hello is answered again;
-                        // a hello with another connection id means a new client reuses this
-                        // peer's address, so it is handed to the listener as a new connection and
-                        // this one ends (after the data already taken).
-                        Some(t) if t == Tag::Hello as u8 && self.shared.answer.is_some() => {
-                            match (&self.shared.answer, Hello::peek_conn_id(&m[1..])) {
-                                (Some(a), Ok(c)) if c == a.conn_id => {
-                                    self.shared.reply_due.store(true, Ordering::Release);
-                                }
-                                (_, Ok(_)) if self.shared.inner.hand_off(m) => {
-                                    self.shared.end_by_peer();
-                                }
-                                _ => {
-                                    self.shared.ignored.fetch_add(1, Ordering::Relaxed);
-                                }
-                            }
-                        }
-                        // The peer ends the connection (docs/wire.md §7.6): what came before
-                        // is delivered, nothing after; the base is released at once (a
-                        // listener frees this peer's state now). A CLOSE of another
-                        // connection, or malformed, is ignored.
-                        Some(t)
-                            if t == Tag::Close as u8
-                                && crate::proto::close_ends(&m, self.shared.conn_id) =>
-                        {
+                        // The base is released at once (a listener frees this peer's state
+                        // now).
+                        Inbound::Close => {
                             if self.shared.end_by_peer() {
                                 self.shared.inner.release();
                             }
                             closed = true;
                         }
-                        // Reconfiguration control: to the state machine, if enabled.
-                        Some(t) if (Tag::Prepare as u8..=Tag::Done as u8).contains(&t) => {
-                            match self.shared.ctl.get() {
-                                Some(ctl) => {
-                                    if self.shared.control(ctl, &m) {
-                                        // The peer's switch point: this view ends after the
-                                        // messages before it.
-                                        cut = true;
-                                    }
-                                }
-                                None => {
-                                    self.shared.ignored.fetch_add(1, Ordering::Relaxed);
-                                }
+                        Inbound::Control => {
+                            if let Some(ctl) = self.shared.ctl.get()
+                                && self.shared.control(ctl, &m)
+                            {
+                                // The peer's switch point: this view ends after the
+                                // messages before it.
+                                cut = true;
                             }
                         }
-                        _ => {
+                        Inbound::Ignore(_) => {
                             self.shared.ignored.fetch_add(1, Ordering::Relaxed);
                         }
                     }
@@ -740,7 +718,7 @@ impl<C: SendHeader + PeerHandoff + 'static> Tagged<C> {
 }
 
 impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
-    fn enable(&self, machine: Multilateral) -> Option<mpsc::Receiver<Work>> {
+    fn enable(&self, machine: Multilateral, clock: Arc<dyn Clock>) -> Option<mpsc::Receiver<Work>> {
         // Bounded: a transaction makes a handful of work items; only a peer flooding control
         // messages fills it, and then loses the answers to its own flood.
         let (tx, rx) = mpsc::channel(256);
@@ -748,6 +726,7 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
             .set(Box::new(Ctl {
                 machine: Mutex::new(machine),
                 events: tx,
+                clock,
                 raw: Mutex::new(VecDeque::new()),
             }))
             .ok()
@@ -763,10 +742,10 @@ impl<C: SendHeader + PeerHandoff + 'static> ControlPlane for Shared<C> {
         pick: &chunnel::Pick,
         txn: u64,
         proposed: &mut dyn FnMut(),
-    ) -> Option<Result<(), crate::commit::ProposeError>> {
+    ) -> Option<Result<(), ProposeError>> {
         let ctl = self.ctl.get()?;
         let mut machine = lock(&ctl.machine);
-        let r = machine.propose(pick, txn, std::time::Instant::now());
+        let r = machine.propose(pick, txn, ctl.clock.now());
         if r.is_ok() {
             proposed();
             // Full only under a peer's flood of control messages; the machine resends the
@@ -825,7 +804,7 @@ impl<C> Shared<C> {
     /// switch point.
     fn control(&self, ctl: &Ctl, m: &[u8]) -> bool {
         let mut machine = lock(&ctl.machine);
-        machine.handle_message(m, std::time::Instant::now());
+        machine.handle_message(m, ctl.clock.now());
         // The receiver lives as long as the coordinator; without it nobody acts anyway.
         while let Some(t) = machine.poll_transmit() {
             let _ = ctl.events.try_send(Work::Send(t));
@@ -878,7 +857,7 @@ mod tests {
     fn answers_keep_their_bytes_inline_or_not() {
         for len in [5, Stored::INLINE, Stored::INLINE + 1, 300] {
             let all: Vec<u8> = (0..len).map(|i| i as u8).collect();
-            let a = Answer::new(9, Bytes::from(all.clone()), 3);
+            let a = Answer::new(Bytes::from(all.clone()), 3);
             assert_eq!(a.bytes(), &all[..], "{len} bytes");
             assert_eq!(a.accept(), &all[3..], "{len} bytes");
             assert_eq!(
@@ -888,6 +867,6 @@ mod tests {
             );
         }
         // An answer shorter than its prefix has no accept, rather than a panic.
-        assert_eq!(Answer::new(1, Bytes::from_static(b"ab"), 3).accept(), b"");
+        assert_eq!(Answer::new(Bytes::from_static(b"ab"), 3).accept(), b"");
     }
 }
