@@ -59,7 +59,7 @@ pub trait Chunnel<I> {
 /// A source of incoming base connections: the server side of a datapath.
 ///
 /// A listener plays the role `Chunnel<()>` plays on the client: it produces the connection at
-/// the bottom of a stack. [`Serve`] applies the rest of a stack to every accepted connection.
+/// the bottom of a stack. [`Serve`](crate::Serve) applies the rest of a stack to every accepted connection.
 pub trait Listener: Send {
     /// The base connection handed out for each new peer.
     type Connection: ChunnelConnection;
@@ -67,7 +67,7 @@ pub trait Listener: Send {
     /// Waits for the next peer.
     ///
     /// The datapath listeners are cancel safe: a peer that arrives while the future is dropped
-    /// is handed out by the next call. [`Serve`] is not once a base connection was accepted and
+    /// is handed out by the next call. [`Serve`](crate::Serve) is not once a base connection was accepted and
     /// its stack is being built (dropping then drops that connection).
     fn accept(&mut self) -> impl Future<Output = Result<Self::Connection, Error>> + Send;
 
@@ -91,62 +91,3 @@ pub trait Listener: Send {
     /// every datagram queued for a known peer. Default: nothing.
     fn recognise_sessions(&mut self, _session_of: fn(&[u8]) -> Option<u64>) {}
 }
-
-/// A listener that wraps every accepted connection in a stack: `accept` returns the finished
-/// connection. Built by [`ChunnelExt::serve`].
-#[derive(Debug)]
-pub struct Serve<L, S> {
-    listener: L,
-    stack: S,
-}
-
-impl<L, S> Serve<L, S> {
-    /// The underlying listener.
-    pub fn get_ref(&self) -> &L {
-        &self.listener
-    }
-
-    /// Splits into the listener and the stack.
-    pub fn into_inner(self) -> (L, S) {
-        (self.listener, self.stack)
-    }
-}
-
-impl<L, S> Listener for Serve<L, S>
-where
-    L: Listener,
-    S: Chunnel<L::Connection> + Send,
-{
-    type Connection = S::Connection;
-
-    async fn accept(&mut self) -> Result<Self::Connection, Error> {
-        let base = self.listener.accept().await?;
-        self.stack.connect_wrap(base).await
-    }
-}
-
-/// Combinators available on every Chunnel.
-pub trait ChunnelExt<I>: Chunnel<I> + Sized {
-    /// Applies this Chunnel (or stack) to each connection `listener` accepts.
-    fn serve<L>(self, listener: L) -> Serve<L, Self>
-    where
-        L: Listener<Connection = I>,
-    {
-        Serve {
-            listener,
-            stack: self,
-        }
-    }
-
-    /// Erases the connection type behind dynamic dispatch; see [`crate::BoxChunnel`].
-    fn boxed(self) -> crate::BoxChunnel<I, <Self::Connection as ChunnelConnection>::Data>
-    where
-        Self: crate::Offers + Send + 'static,
-        I: Send + 'static,
-        Self::Connection: 'static,
-    {
-        crate::BoxChunnel::new(self)
-    }
-}
-
-impl<I, C: Chunnel<I> + Sized> ChunnelExt<I> for C {}

@@ -83,7 +83,7 @@ pub enum Error {
     #[error("switching {failed} of {of} connections to the {to:?} branch failed: {source}")]
     SwitchFailed {
         /// The branch that was requested.
-        to: crate::Side,
+        to: crate::side::Side,
         /// How many connections could not build it.
         failed: usize,
         /// How many connections were to be switched.

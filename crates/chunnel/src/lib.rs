@@ -90,19 +90,22 @@ mod boxed;
 mod chunnel;
 mod connection;
 mod error;
+mod ext;
 mod layer;
 pub mod negotiate;
 mod noop;
-pub mod offer_tree;
+mod side;
+pub use crate::negotiate::offer_tree;
 mod payload;
 mod reconfig;
 mod select;
 mod stack;
 
 pub use crate::boxed::{BoxChunnel, BoxConnection};
-pub use crate::chunnel::{Chunnel, ChunnelExt, Listener, Serve};
+pub use crate::chunnel::{Chunnel, Listener};
 pub use crate::connection::{ChunnelConnection, ConnectionExt, Oversized, PeerHandoff, SendHeader};
 pub use crate::error::{BoxError, Error};
+pub use crate::ext::{ChunnelExt, Serve};
 pub use crate::layer::{Layer, LayerConnection, LayerState, Layered, OnSend};
 pub use crate::negotiate::{
     Capability, ChunnelInfo, End, Match, Mismatch, Negotiate, Offers, Pick, StackOption,

@@ -4,14 +4,7 @@
 use crate::negotiate::{Offers, Pick, PickReader, StackOption};
 use crate::{Chunnel, ChunnelConnection, Error};
 
-/// Which branch of a [`Select`] to build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Side {
-    /// The preferred branch (`left`).
-    Left,
-    /// The fallback branch (`right`).
-    Right,
-}
+pub use crate::side::Side;
 
 /// A choice between `left` (preferred) and `right` in one layer of a stack.
 ///

@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 
-use crate::negotiate::{Capability, ChunnelInfo, Match, Mismatch, Pick, StackOption};
+use crate::negotiate::types::{Capability, ChunnelInfo, Match, Mismatch, Pick, StackOption};
 
 /// The options of a tree of Chunnels, described in space linear in the tree.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -659,9 +659,12 @@ fn first_mismatches(server: &OfferTree, client: &OfferTree, max: usize) -> Vec<M
                 return out;
             }
             let idx = |i: usize| u16::try_from(i).unwrap_or(u16::MAX);
-            if let Err(m) =
-                crate::negotiate::check_compatible(&s.chunnels, &c.chunnels, idx(si), idx(ci))
-            {
+            if let Err(m) = crate::negotiate::types::check_compatible(
+                &s.chunnels,
+                &c.chunnels,
+                idx(si),
+                idx(ci),
+            ) {
                 out.push(m);
             }
         }
