@@ -70,6 +70,7 @@
 //! assert_eq!(conn.info().client_pick.branches(), &[0]); // Noop is one-sided: it fits
 //! # Ok(()) }
 //! ```
+#![forbid(unsafe_code)]
 #![warn(
     missing_docs,
     missing_debug_implementations,
