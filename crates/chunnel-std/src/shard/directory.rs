@@ -11,7 +11,7 @@ use super::*;
 
 /// The server's client-push rule: the client's `shard` capability must name client push and
 /// our hash function; the addresses are ours alone.
-pub(super) fn client_push_rule(ours: &Capability, theirs: &Capability) -> bool {
+fn client_push_rule(ours: &Capability, theirs: &Capability) -> bool {
     let has = |c: &Capability, l: &str| c.labels.iter().any(|x| x == l);
     has(theirs, CLIENT_PUSH) && has(theirs, HASH_LABEL) && has(ours, HASH_LABEL)
 }

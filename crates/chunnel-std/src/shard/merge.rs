@@ -7,7 +7,7 @@ use chunnel::ChunnelConnection;
 use tokio::sync::mpsc;
 
 /// The merge queue's receiver and an error to report after the messages before it.
-pub(super) type MergeRx<T> = (
+type MergeRx<T> = (
     mpsc::Receiver<Result<T, chunnel::Error>>,
     Option<chunnel::Error>,
 );

@@ -295,7 +295,7 @@ where
 /// A client pushing straight to this shard: each batch of requests is handled inline, on the
 /// connection's task, and the replies go back in one send (no queue, no task hop). Returns
 /// only when `conn` fails; messages that do not decode are counted and skipped.
-pub(super) async fn serve_local<C, T, H>(
+async fn serve_local<C, T, H>(
     conn: &C,
     handler: &std::sync::Mutex<H>,
     stats: &ShardStats,
