@@ -28,7 +28,7 @@ use super::socket::DgramSocket;
 /// probes may learn about the key), which is the same minimal-DoS-resistance level as
 /// `foldhash`; the per-peer queues and the backlog stay bounded either way.
 #[derive(Clone, Debug)]
-pub(super) struct PeerHash {
+struct PeerHash {
     key: u64,
 }
 
@@ -51,7 +51,7 @@ impl std::hash::BuildHasher for PeerHash {
     }
 }
 
-pub(super) struct PeerHasher {
+struct PeerHasher {
     acc: u64,
     key: u64,
 }
@@ -112,7 +112,8 @@ pub(super) struct Peer<A> {
     pub(super) queue: Mutex<PeerQueue>,
     pub(super) notify: Notify,
     pub(super) closed: AtomicBool,
-    /// Closed by the idle sweep: the next `recv` reports [`Error::PeerClosed`] (once).
+    /// Closed by the idle sweep: the next `recv` reports
+    /// [`Error::PeerClosed`](chunnel::Error::PeerClosed) (once).
     pub(super) idled: AtomicBool,
     /// When a message was last handed to the connection, in [`Shared::nanos_now`] units.
     pub(super) last_rx: AtomicU64,
@@ -370,9 +371,9 @@ impl<S: DgramSocket> Shared<S> {
         true
     }
 
-    /// Evicts the oldest peer waiting for `accept`, or else the accepted connection marked
-    /// silent longest (its next `recv` reports [`Error::PeerClosed`]), demux lock held;
-    /// whether there was one.
+    /// Evicts the oldest peer waiting for `accept`, or else the accepted connection marked silent
+    /// longest (its next `recv` reports [`Error::PeerClosed`](chunnel::Error::PeerClosed)), demux
+    /// lock held; whether there was one.
     fn evict_front(&self, d: &mut Demux<S::Addr>) -> bool {
         if let Some(p) = d.backlog.pop_front() {
             d.leave(&p);

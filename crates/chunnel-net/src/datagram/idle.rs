@@ -134,7 +134,7 @@ impl<S: DgramSocket> Shared<S> {
 }
 
 /// Connections the idle sweep looks at before it lets other tasks run.
-pub(super) const SWEEP_BATCH: usize = 256;
+const SWEEP_BATCH: usize = 256;
 
 /// A duration in [`Shared::nanos_now`] units.
 pub(super) fn nanos(d: Duration) -> u64 {
@@ -142,10 +142,7 @@ pub(super) fn nanos(d: Duration) -> u64 {
 }
 
 /// The idle sweep of one listener: sleeps until the earliest connection could be idle.
-pub(super) async fn sweep_idle<S: DgramSocket>(
-    shared: std::sync::Weak<Shared<S>>,
-    timeout: Duration,
-) {
+async fn sweep_idle<S: DgramSocket>(shared: std::sync::Weak<Shared<S>>, timeout: Duration) {
     loop {
         let Some(sh) = shared.upgrade() else {
             return; // the listener and all its connections are gone

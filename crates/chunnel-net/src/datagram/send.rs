@@ -25,10 +25,10 @@ pub(super) struct SpillPool(Mutex<Vec<Vec<Bytes>>>);
 
 /// Spare vectors kept per socket (one per send blocked at the same time, beyond which they
 /// are freed).
-pub(super) const SPILL_POOL: usize = 8;
+const SPILL_POOL: usize = 8;
 
 /// Messages of a burst taken from its iterator but not sent yet, kept across a wait.
-pub(super) struct Spill<'a> {
+struct Spill<'a> {
     pool: &'a SpillPool,
     v: Option<Vec<Bytes>>,
     /// A one-message burst kept across a wait (no vector needed).
@@ -156,7 +156,7 @@ where
 /// stopped at a message over `max`, recorded in `too_large`), `Ok(false)` when the socket is
 /// full (the unsent messages are in `spill`).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn send_step<S: DgramSocket>(
+fn send_step<S: DgramSocket>(
     sock: &S,
     cfg: &Config,
     dest: Option<&S::Addr>,

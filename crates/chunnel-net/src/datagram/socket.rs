@@ -26,7 +26,7 @@ pub(crate) trait DgramSocket: AsRawFd + Send + Sync + 'static {
     fn take_error(&self) -> io::Result<Option<io::Error>>;
     /// Polls for readability, registering `cx` in the socket's one receive-waker slot (the
     /// task of the latest call is the one woken). Only a listener's reader calls it, under
-    /// [`Shared::read_register`].
+    /// [`Shared::read_register`](super::listener::Shared::read_register).
     fn poll_read_ready(&self, cx: &mut std::task::Context<'_>) -> Poll<io::Result<()>>;
 
     /// Sends with `f` at once, before asking the runtime whether the socket is writable;

@@ -8,7 +8,8 @@ pub(crate) struct Stats {
     pub(crate) dropped_oversize: AtomicU64,
     pub(crate) dropped_queue_full: AtomicU64,
     pub(crate) dropped_backlog_full: AtomicU64,
-    /// Datagrams from new peers dropped at [`Config::max_peers`] (no evictable peer).
+    /// Datagrams from new peers dropped at [`Config::max_peers`](super::Config::max_peers) (no
+    /// evictable peer).
     pub(crate) dropped_peer_cap: AtomicU64,
     /// Peers evicted to make room: new ones `accept` had not taken (at the cap, or past the
     /// grace under pressure) and, at the cap, accepted ones still marked silent.

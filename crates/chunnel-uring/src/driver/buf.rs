@@ -40,7 +40,7 @@ impl Drop for Block {
 /// One entry of a provided-buffer ring (`struct io_uring_buf`). The `resv` field of entry 0
 /// doubles as the ring's tail (`struct io_uring_buf_ring`).
 #[repr(C)]
-pub(super) struct RawBuf {
+struct RawBuf {
     addr: u64,
     len: u32,
     bid: u16,

@@ -23,7 +23,7 @@ use super::*;
 
 /// The descriptor tokio waits on: the ring's, or the eventfd a deferring ring signals
 /// (owned elsewhere).
-pub(super) struct RingFd(RawFd);
+struct RingFd(RawFd);
 
 impl AsRawFd for RingFd {
     fn as_raw_fd(&self) -> RawFd {
@@ -64,7 +64,7 @@ impl<R> std::fmt::Debug for Driver<R> {
 
 /// Held by the task that waits on the ring; gives the place up on drop (also when the
 /// waiting future is cancelled) and wakes one other waiter to take it.
-pub(super) struct ReaderGuard<'a> {
+struct ReaderGuard<'a> {
     reader: &'a AtomicBool,
     waiters: &'a AtomicUsize,
     vacant: &'a Notify,
@@ -80,7 +80,7 @@ impl Drop for ReaderGuard<'_> {
 }
 
 /// Counts a task waiting for the reader's place while it waits.
-pub(super) struct WaiterGuard<'a>(&'a AtomicUsize);
+struct WaiterGuard<'a>(&'a AtomicUsize);
 
 impl Drop for WaiterGuard<'_> {
     fn drop(&mut self) {
@@ -97,7 +97,7 @@ pub(crate) fn conn_err(op: &'static str, peer: &SocketAddr, e: io::Error) -> Err
     }
 }
 
-pub(super) fn io_err(op: &'static str) -> impl FnOnce(io::Error) -> Error {
+fn io_err(op: &'static str) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Io { op, source }
 }
 
@@ -360,7 +360,7 @@ impl<R: Rx> Driver<R> {
 }
 
 /// Send slots one `send_batch` call owns; frees or orphans them if the call is cancelled.
-pub(super) struct Flight<'a, R: Rx> {
+struct Flight<'a, R: Rx> {
     driver: &'a Driver<R>,
     ids: [u16; MAX_BATCH],
     n: usize,

@@ -76,7 +76,7 @@ pub(crate) struct Inner<R> {
 // driver's mutex); the kernel's view of it does not depend on the thread.
 unsafe impl<R: Send> Send for Inner<R> {}
 
-pub(super) const OUT_BLOCK: usize = 64 * 1024;
+const OUT_BLOCK: usize = 64 * 1024;
 
 impl<R: Rx> Inner<R> {
     pub(crate) fn new(fd: RawFd, cfg: &Config, rx: R, defer: bool) -> io::Result<Self> {
@@ -444,7 +444,7 @@ impl<R> Drop for Inner<R> {
     }
 }
 
-pub(super) fn build_ring(sq: u32, cq: u32, defer: bool) -> io::Result<IoUring> {
+fn build_ring(sq: u32, cq: u32, defer: bool) -> io::Result<IoUring> {
     if defer {
         return IoUring::builder()
             .setup_cqsize(cq)

@@ -93,11 +93,11 @@ impl<L: ChunnelConnection, R, M: Mechanism> Drop for Ticket<'_, L, R, M> {
     }
 }
 
-pub(super) fn side_of(v: u8) -> Side {
+fn side_of(v: u8) -> Side {
     if v == 0 { Side::Left } else { Side::Right }
 }
 
-pub(super) fn side_u8(s: Side) -> u8 {
+fn side_u8(s: Side) -> u8 {
     match s {
         Side::Left => 0,
         Side::Right => 1,
@@ -463,7 +463,7 @@ where
 }
 
 /// Runs a closure on drop.
-pub(super) struct Undo<F: FnMut()>(F);
+struct Undo<F: FnMut()>(F);
 
 impl<F: FnMut()> Drop for Undo<F> {
     fn drop(&mut self) {
@@ -473,7 +473,7 @@ impl<F: FnMut()> Drop for Undo<F> {
 
 /// Releases a switch: reopens the gates it left closed (a cancelled switch), frees the
 /// connection for the next switch and wakes everyone waiting.
-pub(super) struct SwitchGuard<'a, L: ChunnelConnection, R, M: Mechanism> {
+struct SwitchGuard<'a, L: ChunnelConnection, R, M: Mechanism> {
     core: &'a Core<L, R, M>,
     tx_closed: bool,
     rx_closed: bool,
