@@ -1,0 +1,408 @@
+//! The server: [`Server`] and its builder; a negotiation listener, an endpoint per offered
+//! transport, and the transcripts it keeps for the clients' BINDs.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chunnel::{ConnectionExt, Listener as _};
+use chunnel_negotiate::Transcript;
+use rustls::SignatureScheme;
+use rustls::pki_types::CertificateDer;
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::{DetectedBy, Error, Identity, ServerConfig, quic, tls};
+
+use super::Transport;
+use super::bind::{Bound, Status, Tampered, decode_bind, signed_message, transcript_hash};
+use super::connection::Connection;
+use super::option::{choice, parse_server_stack};
+
+/// How long a server keeps a negotiation's transcript for the client's BIND.
+const RECORD_TTL: Duration = Duration::from_secs(30);
+/// Most transcripts a server keeps at once.
+const MAX_RECORDS: usize = 1 << 16;
+/// How long a data connection may take to send its BIND, and a BIND may wait for its
+/// negotiation's record (the client may connect before the server's negotiation task has
+/// filed it).
+pub const BIND_TIMEOUT: Duration = Duration::from_secs(10);
+const RECORD_WAIT: Duration = Duration::from_secs(5);
+
+struct Record {
+    transcript: Transcript,
+    transport: Transport,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct Records {
+    map: Mutex<HashMap<u64, Record>>,
+    added: Notify,
+}
+
+impl Records {
+    fn insert(&self, id: u64, r: Record) {
+        {
+            let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
+            if m.len() >= MAX_RECORDS / 2 {
+                let now = Instant::now();
+                m.retain(|_, r| now.duration_since(r.at) < RECORD_TTL);
+            }
+            if m.len() < MAX_RECORDS {
+                m.insert(id, r);
+            }
+        }
+        self.added.notify_waiters();
+    }
+
+    async fn take(&self, id: u64) -> Option<Record> {
+        let deadline = Instant::now() + RECORD_WAIT;
+        loop {
+            let added = self.added.notified();
+            tokio::pin!(added);
+            added.as_mut().enable();
+            if let Some(r) = self
+                .map
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id)
+            {
+                return Some(r);
+            }
+            if tokio::time::timeout_at(deadline, added).await.is_err() {
+                return None;
+            }
+        }
+    }
+}
+
+/// The server's signing identity for plaintext BOUNDs.
+struct SigningIdentity {
+    chain: Vec<CertificateDer<'static>>,
+    key: Arc<dyn rustls::sign::SigningKey>,
+}
+
+/// TLS 1.3 signature schemes, in the order a server tries them for its key.
+pub(super) const SCHEMES: &[SignatureScheme] = &[
+    SignatureScheme::ECDSA_NISTP256_SHA256,
+    SignatureScheme::ECDSA_NISTP384_SHA384,
+    SignatureScheme::ED25519,
+    SignatureScheme::RSA_PSS_SHA256,
+];
+
+impl SigningIdentity {
+    fn new(id: &Identity) -> Result<Self, Error> {
+        let key = rustls::crypto::ring::sign::any_supported_type(id.key()).map_err(|e| {
+            Error::Config {
+                what: format!("signing key: {e}"),
+            }
+        })?;
+        if key.choose_scheme(SCHEMES).is_none() {
+            return Err(Error::Config {
+                what: "the identity's key supports no TLS 1.3 signature scheme".into(),
+            });
+        }
+        Ok(SigningIdentity {
+            chain: id.chain().to_vec(),
+            key,
+        })
+    }
+
+    fn sign(&self, msg: &[u8]) -> Option<(u16, Vec<u8>)> {
+        let signer = self.key.choose_scheme(SCHEMES)?;
+        let sig = signer.sign(msg).ok()?;
+        Some((u16::from(signer.scheme()), sig))
+    }
+}
+
+/// Builds a [`Server`].
+#[derive(Debug)]
+pub struct ServerBuilder {
+    order: Vec<Transport>,
+    identity: Option<Identity>,
+    negotiate: chunnel_negotiate::Config,
+}
+
+impl ServerBuilder {
+    /// The certificate chain and key of the TLS and QUIC endpoints, which also signs the
+    /// answers on the plaintext endpoint. Required if a secure transport is offered; without
+    /// it, a plaintext-only server cannot serve clients that offered a secure option (they
+    /// refuse an unsigned plaintext pick).
+    pub fn identity(mut self, identity: Identity) -> Self {
+        self.identity = Some(identity);
+        self
+    }
+
+    /// The negotiation settings (default: `chunnel_negotiate::Config::default()`).
+    pub fn negotiate_config(mut self, cfg: chunnel_negotiate::Config) -> Self {
+        self.negotiate = cfg;
+        self
+    }
+
+    /// Binds the negotiation socket (UDP) to `addr` and each offered endpoint to the same
+    /// IP with a port of the system's choosing, and starts serving.
+    pub async fn bind(self, addr: SocketAddr) -> Result<Server, Error> {
+        let ip_any = SocketAddr::new(addr.ip(), 0);
+        let (tx, rx) = mpsc::channel(128);
+        let records = Arc::new(Records::default());
+        let signing = match &self.identity {
+            Some(id) => Some(Arc::new(SigningIdentity::new(id)?)),
+            None => None,
+        };
+        let tls_cfg = match &self.identity {
+            Some(id) => Some(ServerConfig::builder(id.clone()).build()?),
+            None => None,
+        };
+        let need_cfg = |t: Transport| {
+            tls_cfg.clone().ok_or_else(|| Error::Config {
+                what: format!("offering {t} needs an identity"),
+            })
+        };
+        let mut tasks = Vec::new();
+        let mut endpoints = Vec::new();
+        let io = |e: chunnel::Error| Error::Config {
+            what: format!("cannot bind an endpoint: {e}"),
+        };
+        for &t in &self.order {
+            if endpoints.iter().any(|(e, _)| *e == t) {
+                continue;
+            }
+            let ctx = Serve {
+                tx: tx.clone(),
+                records: Arc::clone(&records),
+                signing: signing.clone(),
+                transport: t,
+            };
+            let local = match t {
+                Transport::Quic => {
+                    let mut l = quic::Listener::bind(ip_any, need_cfg(t)?, quic::Mode::Stream)
+                        .map_err(io)?;
+                    let local = l.local_addr().map_err(io)?;
+                    tasks.push(tokio::spawn(async move {
+                        while let Ok(r) = l.accept_client().await {
+                            ctx.handshaken(r.map(Connection::Quic));
+                        }
+                    }));
+                    local
+                }
+                Transport::Tls => {
+                    let mut l = tls::Listener::bind(ip_any, need_cfg(t)?)
+                        .await
+                        .map_err(io)?;
+                    let local = l.local_addr().map_err(io)?;
+                    tasks.push(tokio::spawn(async move {
+                        while let Ok(r) = l.accept_client().await {
+                            ctx.handshaken(r.map(Connection::Tls));
+                        }
+                    }));
+                    local
+                }
+                Transport::Plain => {
+                    let mut l = chunnel_net::tcp::Listener::bind(ip_any).await.map_err(io)?;
+                    let local = l.local_addr().map_err(io)?;
+                    tasks.push(tokio::spawn(async move {
+                        loop {
+                            match l.accept().await {
+                                Ok(c) => ctx.handshaken(Ok(Connection::Plain(c))),
+                                Err(e) if e.is_closed() => return,
+                                Err(_) => {}
+                            }
+                        }
+                    }));
+                    local
+                }
+            };
+            endpoints.push((t, local));
+        }
+        if endpoints.is_empty() {
+            return Err(Error::Config {
+                what: "a negotiated server must offer at least one transport".into(),
+            });
+        }
+        let order: Vec<(Transport, Option<SocketAddr>)> =
+            endpoints.iter().map(|&(t, a)| (t, Some(a))).collect();
+        let udp = chunnel_net::udp::Listener::bind(addr).await.map_err(io)?;
+        let local = udp.local_addr().map_err(io)?;
+        let recs = Arc::clone(&records);
+        let etx = tx.clone();
+        let serving =
+            chunnel_negotiate::listen_with(choice(&order), udp, self.negotiate, move |r| match r {
+                Ok(n) => {
+                    if let Some((t, _)) = parse_server_stack(&n.info().server_stack) {
+                        recs.insert(
+                            n.conn_id(),
+                            Record {
+                                transcript: n.transcript().clone(),
+                                transport: t,
+                                at: Instant::now(),
+                            },
+                        );
+                    }
+                }
+                Err(chunnel_negotiate::Error::Chunnel(e)) if e.is_closed() => {}
+                Err(source) => {
+                    let _ = etx.try_send(Err(Error::Negotiation {
+                        peer: "client".into(),
+                        source,
+                    }));
+                }
+            });
+        Ok(Server {
+            local,
+            endpoints,
+            rx,
+            _serving: serving,
+            tasks,
+        })
+    }
+}
+
+/// What an endpoint's accept loop needs to check a new connection's BIND.
+#[derive(Clone)]
+struct Serve {
+    tx: mpsc::Sender<Result<Connection, Error>>,
+    records: Arc<Records>,
+    signing: Option<Arc<SigningIdentity>>,
+    transport: Transport,
+}
+
+impl Serve {
+    /// A datapath handshake finished (or failed): check its BIND in a task of its own.
+    fn handshaken(&self, r: Result<Connection, Error>) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let r = match r {
+                Ok(c) => this.bind(c).await,
+                Err(e) => Err(e),
+            };
+            let _ = this.tx.send(r).await;
+        });
+    }
+
+    async fn bind(&self, conn: Connection) -> Result<Connection, Error> {
+        let peer = match &conn {
+            Connection::Quic(c) => c.peer().to_string(),
+            Connection::Tls(c) => c.peer().to_string(),
+            Connection::Plain(_) => format!("{} client", self.transport),
+        };
+        let bind_err = |detail: String| Error::Downgrade {
+            peer: peer.clone(),
+            by: DetectedBy::Local,
+            tampered: Tampered::Unverified,
+            detail,
+        };
+        let first = match tokio::time::timeout(BIND_TIMEOUT, conn.recv_one()).await {
+            Ok(Ok(m)) => m,
+            Ok(Err(e)) => return Err(bind_err(format!("no BIND: {e}"))),
+            Err(_) => return Err(bind_err(format!("no BIND within {BIND_TIMEOUT:?}"))),
+        };
+        let Some((conn_id, client_hash)) = decode_bind(&first) else {
+            return Err(bind_err("the first message is not a BIND".into()));
+        };
+        let record = self.records.take(conn_id).await;
+        let (status, view) = match &record {
+            None => (Status::Unknown, Transcript::default()),
+            Some(r) if r.transport != self.transport => {
+                (Status::WrongEndpoint, r.transcript.clone())
+            }
+            Some(r) if transcript_hash(&r.transcript) != client_hash => {
+                (Status::Differ, r.transcript.clone())
+            }
+            Some(r) => (Status::Agreed, r.transcript.clone()),
+        };
+        let mut bound = Bound {
+            status: status as u8,
+            view,
+            ..Bound::default()
+        };
+        if self.transport == Transport::Plain
+            && let Some(s) = &self.signing
+        {
+            let msg = signed_message(&transcript_hash(&bound.view), bound.status, conn_id);
+            if let Some((scheme, sig)) = s.sign(&msg) {
+                bound.scheme = scheme;
+                bound.chain = s.chain.clone();
+                bound.signature = sig.into();
+            }
+        }
+        let sent = conn.send_one(bound.encode()).await;
+        match (status, record) {
+            (Status::Agreed, _) => {
+                sent.map_err(|e| bind_err(format!("cannot answer the BIND: {e}")))?;
+                Ok(conn)
+            }
+            (_, None) => Err(Error::Downgrade {
+                peer,
+                by: DetectedBy::Local,
+                tampered: Tampered::Unknown,
+                detail: format!("no negotiation with connection id {conn_id:#x}"),
+            }),
+            (s, Some(r)) => Err(Error::Downgrade {
+                peer,
+                by: DetectedBy::Local,
+                tampered: Tampered::Unverified,
+                detail: match s {
+                    Status::WrongEndpoint => format!(
+                        "the client came to the {} endpoint; this server picked {}",
+                        self.transport, r.transport
+                    ),
+                    _ => "the client's transcript hash differs from ours".into(),
+                },
+            }),
+        }
+    }
+}
+
+/// The server side: a negotiation listener (UDP) and one endpoint per offered transport.
+/// Dropping it stops everything.
+#[derive(Debug)]
+pub struct Server {
+    local: SocketAddr,
+    endpoints: Vec<(Transport, SocketAddr)>,
+    rx: mpsc::Receiver<Result<Connection, Error>>,
+    _serving: chunnel_negotiate::Serving,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Server {
+    /// A server offering `order` (its preference, first preferred; repeats are ignored).
+    pub fn builder(order: impl IntoIterator<Item = Transport>) -> ServerBuilder {
+        ServerBuilder {
+            order: order.into_iter().collect(),
+            identity: None,
+            negotiate: chunnel_negotiate::Config::default(),
+        }
+    }
+
+    /// The negotiation address (UDP): what clients connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The endpoint of `transport`, if offered.
+    pub fn endpoint(&self, transport: Transport) -> Option<SocketAddr> {
+        self.endpoints
+            .iter()
+            .find(|(t, _)| *t == transport)
+            .map(|(_, a)| *a)
+    }
+
+    /// The next connection whose transcript both ends agreed on, or one client's failure
+    /// (an incompatible or malformed negotiation, a failed datapath handshake, a
+    /// [`Error::Downgrade`]). After a client's failure the server keeps serving;
+    /// `Err(chunnel::Error::Closed)` means it stopped.
+    pub async fn accept(&mut self) -> Result<Result<Connection, Error>, chunnel::Error> {
+        self.rx.recv().await.ok_or(chunnel::Error::Closed)
+    }
+}
