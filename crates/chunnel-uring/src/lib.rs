@@ -133,6 +133,7 @@ use std::sync::OnceLock;
 
 use chunnel::Error;
 
+mod config;
 mod driver;
 mod probe;
 pub mod udp;

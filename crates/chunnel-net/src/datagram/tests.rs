@@ -94,7 +94,7 @@ fn peer_queue_is_first_in_first_out() {
 async fn a_stale_reader_does_not_take_the_receive_waker_slot() {
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
     let addr = sock.local_addr().unwrap();
-    let l = Listener::new(sock, crate::udp::Config::default());
+    let l = Listener::new(sock, Config::with_max_payload(65_507));
     let sh = &l.shared;
     // Nothing to read yet: a read clears any readiness the runtime assumed.
     assert!(sh.pump().is_err());
@@ -142,7 +142,7 @@ async fn accepted(
     use chunnel::Listener as _;
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
     let to = sock.local_addr().unwrap();
-    let mut l = Listener::new(sock, crate::udp::Config::default());
+    let mut l = Listener::new(sock, Config::with_max_payload(65_507));
     let (mut cs, mut ss) = (Vec::new(), Vec::new());
     for i in 0..n {
         let c = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
@@ -229,7 +229,7 @@ async fn an_offer_to_a_cancelled_receive_goes_to_the_next_waiter() {
 #[tokio::test]
 async fn the_place_is_offered_to_a_waiting_connection_through_its_own_wake_up() {
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let l = Listener::new(sock, crate::udp::Config::default());
+    let l = Listener::new(sock, Config::with_max_payload(65_507));
     let sh = &l.shared;
     let addr = |i: u16| std::net::SocketAddr::from(([127, 0, 0, 1], i));
     let (a, b) = (

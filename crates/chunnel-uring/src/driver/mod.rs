@@ -33,8 +33,7 @@ pub(crate) use readiness::{Driver, conn_err};
 pub(crate) use ring::Inner;
 pub(crate) use rx::{ClientRx, Rx, Stats};
 
-/// The most messages submitted with one `io_uring_enter`.
-pub(crate) const MAX_BATCH: usize = 64;
+pub(crate) use crate::config::MAX_BATCH;
 
 /// `user_data` of the multishot receive.
 const RECV_TAG: u64 = u64::MAX;

@@ -15,7 +15,7 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
-use crate::udp::Config;
+use crate::config::Config;
 
 use super::ring::{Inner, SlotState};
 use super::rx::{Reaped, Rx, Stats};

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
-use crate::udp::Config;
+use crate::config::Config;
 
 use super::addr::{decode_addr, encode_addr};
 use super::buf::BufPool;
