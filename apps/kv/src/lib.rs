@@ -59,7 +59,6 @@
 #![warn(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -598,17 +597,7 @@ impl Drop for KvClient {
 }
 
 fn random_id() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u32(std::process::id());
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
+    chunnel::util::random_u64()
 }
 
 /// Removes a request's entry however its call ends.

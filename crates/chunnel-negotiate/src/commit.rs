@@ -126,9 +126,7 @@ struct CoordShared {
     side: Box<dyn Fn() -> Side + Send + Sync>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use chunnel::util::lock;
 
 impl Coordinator {
     /// Starts the protocol on `conn`; `stack` is the reconfigurable select it was built from
@@ -255,11 +253,7 @@ impl Coordinator {
 }
 
 fn new_txn() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-    h.finish()
+    chunnel::util::random_u64()
 }
 
 /// The coordinator's task: acts on the machine's events and timer.

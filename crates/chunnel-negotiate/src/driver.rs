@@ -2,11 +2,8 @@
 //! and [`listen`].
 
 use std::collections::HashMap;
-use std::collections::hash_map::RandomState;
 use std::hash::BuildHasherDefault;
-use std::hash::{BuildHasher, Hasher};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
@@ -258,12 +255,8 @@ async fn poll_once<F: Future + Unpin>(mut fut: F) -> Poll<F::Output> {
 /// process (so ids are distinct and not guessable from earlier ones, without a clock read
 /// or a new key per connection).
 fn new_conn_id() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    static KEY: std::sync::OnceLock<RandomState> = std::sync::OnceLock::new();
-    let mut h = KEY.get_or_init(RandomState::new).build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
     // 0 means "unknown" in a reject.
-    h.finish().max(1)
+    chunnel::util::random_u64().max(1)
 }
 
 /// How finely the listener's held accepts are released (see [`Config::accept_hold`]).

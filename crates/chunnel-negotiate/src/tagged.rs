@@ -158,9 +158,7 @@ impl Answer {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use chunnel::util::lock;
 
 impl<C> Tagged<C> {
     fn with(inner: C, conn_id: u64, answer: Option<Answer>, max_message: usize) -> Self {

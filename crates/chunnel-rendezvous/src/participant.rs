@@ -106,12 +106,8 @@ async fn bounded<T>(
     }
 }
 
-fn random_id(seed: &str) -> u64 {
-    use std::hash::{BuildHasher, Hash, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    seed.hash(&mut h);
-    std::time::Instant::now().hash(&mut h);
-    h.finish()
+fn random_id(_seed: &str) -> u64 {
+    chunnel::util::random_u64()
 }
 
 /// The join protocol: propose our first option by compare-and-swap, else join the committed

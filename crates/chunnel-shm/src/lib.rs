@@ -102,11 +102,9 @@ mod ring;
 mod sys;
 
 use std::fs::OpenOptions;
-use std::hash::{BuildHasher, Hasher};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -301,17 +299,7 @@ fn io_err(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 fn random_u64() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u32(std::process::id());
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
+    chunnel::util::random_u64()
 }
 
 fn message(kind: u8, token: u64, body: &[u8]) -> Bytes {

@@ -13,7 +13,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, Error, Negotiate, SendHeader};
@@ -24,9 +24,7 @@ use crate::driver::{ClientRx, Driver, Rx, Stats, conn_err};
 
 pub use crate::config::{Config, MAX_PAYLOAD};
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use chunnel::util::lock;
 
 fn io_err(op: &'static str) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Io { op, source }

@@ -84,14 +84,7 @@ const EMBEDDED_ERROR: &str = "";
 
 /// 64-bit FNV-1a (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`): the function the
 /// XDP program computes, identical to `chunnel_std::shard::fnv1a64`.
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
+pub use chunnel::util::fnv1a64;
 
 /// The shard the program picks for `key`: `fnv1a64(key) % shards` (0 when `shards` is 0),
 /// identical to `chunnel_std::shard::shard_of`.

@@ -100,6 +100,7 @@ mod payload;
 mod reconfig;
 mod select;
 mod stack;
+pub mod util;
 
 pub use crate::boxed::{BoxChunnel, BoxConnection};
 pub use crate::chunnel::{Chunnel, Listener};

@@ -41,7 +41,6 @@ mod stats;
 mod tests;
 
 use std::io;
-use std::sync::{Mutex, MutexGuard};
 
 use chunnel::Error;
 
@@ -52,10 +51,7 @@ pub use config::{Config, SILENT_GRACE};
 pub use listener::{Listener, PeerCounter};
 pub use server::ServerConnection;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these locks leaves plain data behind; keep going.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use chunnel::util::lock;
 
 /// Maps an I/O error on an established connection.
 fn conn_err(op: &'static str, peer: &(dyn std::fmt::Debug + Sync), e: io::Error) -> Error {

@@ -181,14 +181,7 @@ pub trait Keyed {
 
 /// 64-bit FNV-1a of `bytes` (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`): the
 /// documented, stable sharding hash.
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
+pub use chunnel::util::fnv1a64;
 
 /// The shard of `key` among `shards`: `fnv1a64(key) % shards` (0 when `shards` is 0).
 pub fn shard_of(key: &[u8], shards: usize) -> usize {

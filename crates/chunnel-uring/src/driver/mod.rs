@@ -24,7 +24,6 @@ mod readiness;
 mod ring;
 mod rx;
 
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 #[cfg(test)]
@@ -50,7 +49,4 @@ const INLINE_HEADER: usize = 32;
 /// How long teardown waits for the kernel to give back memory before leaking it instead.
 const TEARDOWN_WAIT: Duration = Duration::from_secs(2);
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these locks leaves plain data behind; keep going.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use chunnel::util::lock;
