@@ -25,7 +25,7 @@
 //! state counts.
 
 use std::collections::{HashSet, VecDeque};
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::{BuildHasher, Hash};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -96,6 +96,9 @@ const FIFO: Faults = Faults {
     forge_commit: 0,
 };
 
+/// A property over a state's hashed part.
+type Property = fn(&Key) -> Result<(), String>;
+
 #[derive(Clone, Debug)]
 struct Config {
     name: &'static str,
@@ -110,7 +113,7 @@ struct Config {
     /// run relaxes it to see whether anything worse happens).
     once: bool,
     /// A property claimed on top of the real ones (the planted wrong property).
-    extra: Option<fn(&Key) -> Result<(), String>>,
+    extra: Option<Property>,
 }
 
 /// What one end did, as the explorer records it.
@@ -441,9 +444,7 @@ struct Report {
 
 fn hash(k: &Key) -> u64 {
     static H: OnceLock<std::hash::RandomState> = OnceLock::new();
-    let mut h = H.get_or_init(std::hash::RandomState::new).build_hasher();
-    k.hash(&mut h);
-    h.finish()
+    H.get_or_init(std::hash::RandomState::new).hash_one(k)
 }
 
 /// Breadth-first search over every reachable state; the first violation is returned with the
