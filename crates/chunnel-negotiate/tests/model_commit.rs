@@ -119,7 +119,7 @@ struct Config {
 /// What one end did, as the explorer records it.
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
 struct Shadow {
-    /// The machine's `Debug` form after draining its queues: its whole state.
+    /// The machine's `Debug` form after draining its queues (see [`fingerprint`]).
     fp: String,
     idle: bool,
     clock: u64,
@@ -174,6 +174,16 @@ fn apply(m: &mut Multilateral, i: &In) {
     }
 }
 
+/// The machine's whole state: its `Debug` form from `state` on (the offers and the policy
+/// before it never change).
+fn fingerprint(m: &Multilateral) -> String {
+    let d = format!("{m:?}");
+    let i = d
+        .find("state: ")
+        .expect("Multilateral's Debug shows its state");
+    d[i..].to_owned()
+}
+
 /// Feeds `input` to end `e` of `s` (rebuilt by replay) and records its outputs.
 fn step(s: &State, e: usize, input: In, label: String) -> State {
     let mut n = s.clone();
@@ -201,7 +211,7 @@ fn step(s: &State, e: usize, input: In, label: String) -> State {
             Event::PeerSwitched { .. } | Event::Refused { .. } => {}
         }
     }
-    sh.fp = format!("{m:?}");
+    sh.fp = fingerprint(&m);
     sh.idle = m.is_idle();
     sh.timer = m.poll_timeout().map(ms);
     if sh.idle {
@@ -384,9 +394,18 @@ fn txns(e: &Shadow) -> Vec<u64> {
 
 /// From `s`, deliver everything in order and without loss, fire timers when nothing is in
 /// flight; must end with both ends idle, nothing in flight and the same switches.
-fn quiet(cfg: &Config, s: &State) -> Result<usize, String> {
+/// `good` holds states already known to reach a decision this way (the walk is
+/// deterministic, so it stops at one of them).
+fn quiet(cfg: &Config, s: &State, good: &mut HashSet<u64>) -> Result<usize, String> {
     let mut s = s.clone();
+    let mut path = Vec::new();
     for steps in 0..200 {
+        let h = hash(&s.key);
+        if good.contains(&h) {
+            good.extend(path);
+            return Ok(steps);
+        }
+        path.push(h);
         let k = &s.key;
         if let Some(d) = (0..2).find(|&d| !k.net[d].is_empty()) {
             let msg = k.net[d][0].clone();
@@ -429,6 +448,7 @@ fn quiet(cfg: &Config, s: &State) -> Result<usize, String> {
             return Err(format!("decided with different switches: {a:?} vs {b:?}"));
         }
         safety(cfg, k)?;
+        good.extend(path);
         return Ok(steps);
     }
     Err("no decision within 200 quiet steps".into())
@@ -464,12 +484,13 @@ fn explore(cfg: &Config) -> Result<Report, String> {
     for e in 0..2 {
         let m = replay(&[]);
         let sh = &mut init.key.ends[e];
-        sh.fp = format!("{m:?}");
+        sh.fp = fingerprint(&m);
         sh.idle = true;
         sh.resends_left = cfg.resends;
     }
     let mut seen = HashSet::new();
     seen.insert(hash(&init.key));
+    let mut good = HashSet::new();
     let mut queue = VecDeque::from([init]);
     let mut r = Report {
         states: 1,
@@ -490,7 +511,7 @@ fn explore(cfg: &Config) -> Result<Report, String> {
             return fail(&s, why);
         }
         if cfg.check_progress
-            && let Err(why) = quiet(cfg, &s)
+            && let Err(why) = quiet(cfg, &s, &mut good)
         {
             return fail(&s, format!("no progress on a quiet network: {why}"));
         }

@@ -635,14 +635,23 @@ fn decided(cfg: &Config, k: &Key) -> Result<(), String> {
 
 /// No more faults or proposals: crashed members' leases run out, every running member's
 /// driver works (its queued operations, then a read), the clock moves when nothing else does.
-fn quiet(cfg: &Config, s: &State) -> Result<(), String> {
+/// `good` holds states already known to reach a decision this way (the walk is
+/// deterministic, so it stops at one of them).
+fn quiet(cfg: &Config, s: &State, good: &mut HashSet<u64>) -> Result<(), String> {
     let mut s = s.clone();
+    let mut path = vec![hash(&s.key)];
     for m in 0..s.key.mems.len() {
         if s.key.mems[m].status == Status::Crashed {
             s.key.store.members.retain(|&x| x != m);
         }
     }
     for _ in 0..60 {
+        let h = hash(&s.key);
+        if good.contains(&h) {
+            good.extend(path);
+            return Ok(());
+        }
+        path.push(h);
         let before = s.key.clone();
         for m in 0..s.key.mems.len() {
             if s.key.mems[m].status != Status::Running {
@@ -658,6 +667,7 @@ fn quiet(cfg: &Config, s: &State) -> Result<(), String> {
         safety(cfg, &s.key)?;
         if s.key == before {
             if decided(cfg, &s.key).is_ok() {
+                good.extend(path);
                 return Ok(());
             }
             match next_tick(&s.key) {
@@ -685,6 +695,7 @@ fn explore(cfg: &Config) -> Result<Report, String> {
     let started = Instant::now();
     let init = init(cfg);
     let mut seen = HashSet::from([hash(&init.key)]);
+    let mut good = HashSet::new();
     let mut queue = VecDeque::from([init]);
     let mut r = Report {
         states: 1,
@@ -696,7 +707,7 @@ fn explore(cfg: &Config) -> Result<Report, String> {
         r.depth = r.depth.max(s.trace.len());
         let check = safety(cfg, &s.key).and_then(|()| {
             if cfg.check_progress {
-                quiet(cfg, &s).map_err(|e| format!("no progress on a quiet group: {e}"))
+                quiet(cfg, &s, &mut good).map_err(|e| format!("no progress on a quiet group: {e}"))
             } else {
                 Ok(())
             }
