@@ -603,6 +603,22 @@ fn lossy_in_order_network_safety() {
     assert!(r.states > 1_000, "{r:?}");
 }
 
+/// The same with two resends per end (a manual run: about a minute in debug).
+#[test]
+#[ignore = "long: about a minute in debug"]
+fn long_in_order_lossless_two_resends() {
+    explore(&Config {
+        name: "in-order, lossless, two resends per end, both propose twice",
+        plans: plans_concurrent(),
+        resends: 2,
+        faults: FIFO,
+        check_progress: true,
+        once: true,
+        extra: None,
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
 #[test]
 fn chaos_network_agreement() {
     // Loss, duplication and reordering (one of each fault, any message): the ends never switch
