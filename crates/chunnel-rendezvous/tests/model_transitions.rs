@@ -941,3 +941,20 @@ async fn bug_witness_on_sqlite_a_member_joining_before_the_finish() {
         s.epoch()
     );
 }
+
+#[test]
+fn three_members_crash_and_restart() {
+    // Three members, two proposers; one member may crash (its lease runs out) and restart.
+    let mut cfg = base("3 members, 2 proposers, crash/restart", 3);
+    cfg.proposals = vec![1, 1, 0];
+    cfg.budgets = Budgets {
+        crashes: 1,
+        restarts: 1,
+        expiries: 0,
+        ticks: 2,
+        losses: 0,
+    };
+    cfg.check_all_yes = false;
+    cfg.check_answered = false;
+    explore(&cfg).unwrap_or_else(|e| panic!("{e}"));
+}
