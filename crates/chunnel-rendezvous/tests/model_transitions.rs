@@ -212,6 +212,32 @@ struct State {
     /// Per member: the machine's start (epoch, option) and its inputs since.
     logs: Vec<((u64, usize), Vec<MIn>)>,
     trace: Vec<String>,
+    /// When recording (the differential test against `SqliteStore`): every store call and the
+    /// model's snapshot after it.
+    calls: Option<Vec<(Call, Snapshot)>>,
+}
+
+/// A store call, as the differential test replays it on a real store.
+#[derive(Clone, Debug)]
+enum Call {
+    Join {
+        m: usize,
+        propose: usize,
+        expect: Option<u64>,
+    },
+    Vote {
+        m: usize,
+        id: u64,
+        yes: bool,
+    },
+    Finish {
+        id: u64,
+        commit: bool,
+    },
+    Leave {
+        m: usize,
+    },
+    Propose(Transition),
 }
 
 /// A property over a state's hashed part.
@@ -305,6 +331,7 @@ fn init(cfg: &Config) -> State {
         },
         logs,
         trace: Vec::new(),
+        calls: None,
     }
 }
 
@@ -349,6 +376,33 @@ fn poll(cfg: &Config, s: &mut State, m: usize) {
 /// Member `m` performs its next queued store operation.
 fn perform(cfg: &Config, s: &mut State, m: usize) {
     let op = s.key.mems[m].ops.pop_front().expect("an operation");
+    let call = match &op {
+        Op::Vote { id, yes } => Call::Vote {
+            m,
+            id: *id,
+            yes: *yes,
+        },
+        Op::Finish { id, commit } => Call::Finish {
+            id: *id,
+            commit: *commit || cfg.planted_commit_on_any,
+        },
+        Op::Leave => Call::Leave { m },
+        Op::Join {
+            propose, expect, ..
+        } => Call::Join {
+            m,
+            propose: label(cfg, m, *propose),
+            expect: *expect,
+        },
+    };
+    perform_op(cfg, s, m, op);
+    if s.calls.is_some() {
+        let snap = s.key.store.snapshot();
+        s.calls.as_mut().unwrap().push((call, snap));
+    }
+}
+
+fn perform_op(cfg: &Config, s: &mut State, m: usize, op: Op) {
     let k = &mut s.key;
     match op {
         Op::Vote { id, yes } => {
@@ -562,6 +616,10 @@ fn propose(cfg: &Config, s: &mut State, m: usize) {
         k.store.transition = Some((id, t.from_epoch, m, label_of(&t.stack), t.deadline_ms));
         k.store.ballots.clear();
         mem.pending = Some(id);
+    }
+    if s.calls.is_some() {
+        let snap = s.key.store.snapshot();
+        s.calls.as_mut().unwrap().push((Call::Propose(t), snap));
     }
 }
 
@@ -957,4 +1015,101 @@ fn three_members_crash_and_restart() {
     cfg.check_all_yes = false;
     cfg.check_answered = false;
     explore(&cfg).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The store model against the real `SqliteStore`: seeded random walks through the explorer's
+/// steps (no crash, lease loss or store loss: those are not store calls), every store call replayed on
+/// a fresh SQLite group, the snapshots compared after each.
+#[tokio::test]
+async fn the_store_model_matches_sqlite() {
+    use chunnel_rendezvous::{SqliteStore, Store};
+    use std::time::Duration;
+    let dir = chunnel_test::services::Scratch::new("model-differential");
+    let store = SqliteStore::open(dir.0.join("groups.sqlite")).unwrap();
+    let lease = Duration::from_secs(60);
+    let mut cfg = base("differential", 3);
+    cfg.offers[2] = vec![0];
+    cfg.proposals = vec![2, 2, 0];
+    // Lease expiries are not store calls: no crash (whose lease runs out), no lease loss.
+    cfg.budgets.ticks = 3;
+    const WALKS: usize = 150;
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut calls = 0;
+    for walk in 0..WALKS {
+        let g = format!("walk-{walk}");
+        let mut s = init(&cfg);
+        s.calls = Some(Vec::new());
+        for _ in 0..60 {
+            let next = successors(&cfg, &s);
+            if next.is_empty() {
+                break;
+            }
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            s = next[(seed % next.len() as u64) as usize].clone();
+        }
+        // The initial group: m0 created it, the others joined.
+        let member = |m: usize| Member {
+            id: name(m),
+            addr: String::new(),
+        };
+        store
+            .join(
+                &g,
+                &member(0),
+                Some(&stack_bytes(cfg.offers[0][0])),
+                None,
+                lease,
+            )
+            .await
+            .unwrap();
+        for m in 1..cfg.offers.len() {
+            store
+                .join(&g, &member(m), None, Some(1), lease)
+                .await
+                .unwrap();
+        }
+        for (i, (call, want)) in s.calls.take().unwrap().into_iter().enumerate() {
+            match &call {
+                Call::Join { m, propose, expect } => {
+                    store
+                        .join(
+                            &g,
+                            &member(*m),
+                            Some(&stack_bytes(*propose)),
+                            *expect,
+                            lease,
+                        )
+                        .await
+                        .unwrap();
+                }
+                Call::Vote { m, id, yes } => {
+                    let b = if *yes {
+                        Ballot::Yes
+                    } else {
+                        Ballot::No(format!("{}: no", name(*m)))
+                    };
+                    store.vote(&g, *id, &name(*m), &b).await.unwrap();
+                }
+                Call::Finish { id, commit } => {
+                    store.finish(&g, *id, *commit).await.unwrap();
+                }
+                Call::Leave { m } => store.leave(&g, &name(*m)).await.unwrap(),
+                Call::Propose(t) => {
+                    store.propose(&g, t).await.unwrap();
+                }
+            }
+            let got = store.snapshot(&g).await.unwrap();
+            assert_eq!(
+                got,
+                want,
+                "walk {walk}, call {i} ({call:?}) after:\n  {}",
+                s.trace.join("\n  ")
+            );
+            calls += 1;
+        }
+    }
+    println!("the store model matched SqliteStore on {calls} calls in {WALKS} walks");
+    assert!(calls > 100, "{calls}");
 }
