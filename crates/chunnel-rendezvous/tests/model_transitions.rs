@@ -396,9 +396,9 @@ fn perform(cfg: &Config, s: &mut State, m: usize) {
         },
     };
     perform_op(cfg, s, m, op);
-    if s.calls.is_some() {
-        let snap = s.key.store.snapshot();
-        s.calls.as_mut().unwrap().push((call, snap));
+    let snap = s.calls.is_some().then(|| s.key.store.snapshot());
+    if let (Some(calls), Some(snap)) = (&mut s.calls, snap) {
+        calls.push((call, snap));
     }
 }
 
@@ -617,9 +617,9 @@ fn propose(cfg: &Config, s: &mut State, m: usize) {
         k.store.ballots.clear();
         mem.pending = Some(id);
     }
-    if s.calls.is_some() {
-        let snap = s.key.store.snapshot();
-        s.calls.as_mut().unwrap().push((Call::Propose(t), snap));
+    let snap = s.calls.is_some().then(|| s.key.store.snapshot());
+    if let (Some(calls), Some(snap)) = (&mut s.calls, snap) {
+        calls.push((Call::Propose(t), snap));
     }
 }
 
