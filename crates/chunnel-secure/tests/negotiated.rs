@@ -509,10 +509,15 @@ async fn an_on_path_attacker_cannot_downgrade() {
 
 /// Polls `f` once: its output if it is ready without waiting.
 async fn ready_now<F: std::future::Future>(f: F) -> Option<F::Output> {
+    use std::task::Poll;
     let mut f = std::pin::pin!(f);
-    std::future::poll_fn(|cx| std::task::Poll::Ready(f.as_mut().poll(cx).into()))
-        .await
-        .into()
+    std::future::poll_fn(|cx| {
+        Poll::Ready(match f.as_mut().poll(cx) {
+            Poll::Ready(v) => Some(v),
+            Poll::Pending => None,
+        })
+    })
+    .await
 }
 
 /// On a secure pick `connect_with` sends the first message in the same write as the BIND,
@@ -556,7 +561,10 @@ async fn on_a_secure_pick_the_first_message_rides_with_the_bind() {
         let cc = cc.unwrap();
         assert_eq!((cc.transport(), sc.transport()), (t, t));
         if t.is_secure() {
-            assert!(with_bind, "{t}: the first message did not come with the BIND");
+            assert!(
+                with_bind,
+                "{t}: the first message did not come with the BIND"
+            );
         }
         for want in ["first", "second"] {
             let got = tokio::time::timeout(BOUND, cc.recv_one())
