@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use chunnel::ConnectionExt;
+use chunnel::{ChunnelConnection, ConnectionExt};
 use chunnel::negotiate::{Capability, ChunnelInfo};
 use chunnel_negotiate::wire::{Accept, Hello, Tag};
 use chunnel_secure::Error;
@@ -548,6 +548,7 @@ async fn on_a_secure_pick_the_first_message_rides_with_the_bind() {
                 .unwrap();
             // Read without waiting, as soon as the server's application has the connection.
             let early = ready_now(conn.recv_one()).await;
+            let with_bind = early.is_some();
             let first = match early {
                 Some(m) => m.unwrap(),
                 None => conn.recv_one().await.unwrap(),
@@ -555,7 +556,7 @@ async fn on_a_secure_pick_the_first_message_rides_with_the_bind() {
             let second = conn.recv_one().await.unwrap();
             assert_eq!((&first[..], &second[..]), (&b"first"[..], &b"second"[..]));
             conn.send(vec![first, second]).await.unwrap();
-            (conn, early.is_some())
+            (conn, with_bind)
         };
         let (cc, (sc, with_bind)) = tokio::join!(connect, serve);
         let cc = cc.unwrap();
