@@ -13,8 +13,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use chunnel::{ChunnelConnection, ConnectionExt};
 use chunnel::negotiate::{Capability, ChunnelInfo};
+use chunnel::{ChunnelConnection, ConnectionExt};
 use chunnel_negotiate::wire::{Accept, Hello, Tag};
 use chunnel_secure::Error;
 use chunnel_secure::negotiated::{Client, Policy, Server, Tampered, Transport};
