@@ -23,6 +23,16 @@
 //!    them and answers an empty message with the byte count), timed from the first send to
 //!    the count's arrival, after a 1 MiB warm-up on the same connection: MiB/s.
 //!
+//! Negotiated (`--transports` including quic, unless `--no-negotiated`): a
+//! `chunnel_secure::negotiated::Server` preferring QUIC (offering quic, tls) and a `Client`
+//! offering `select(quic, tls)`: negotiation over UDP, the QUIC handshake to the picked
+//! endpoint, the transcript binding (BIND with the first message behind it,
+//! `Client::connect_with`; BOUND) and one `--size` message echoed, the connection dropped;
+//! p50 over `--conns`, measured in the same repetition as raw quinn's connect + first echo
+//! (just before the QUIC pair on even repetitions, just after it on odd ones), reported as
+//! negotiated / raw quinn per repetition. The same with `Client::connect` and the message
+//! sent after it (BIND, wait for BOUND, then the message) is reported alongside.
+//!
 //! Client and servers run as tasks of one current-thread tokio runtime on one pinned core
 //! (`--cpu`), so the figures are the whole CPU cost of both ends plus kernel loopback, without
 //! cross-core wake-ups (see docs/evaluation.md). Figures are medians with min/max over
@@ -38,6 +48,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, ensure};
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, ConnectionExt};
+use chunnel_secure::negotiated::{self, Transport as NTransport};
 use chunnel_secure::quic::{self, Mode};
 use chunnel_secure::{ClientConfig, Identity, ServerConfig, TrustRoots, tls};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -81,6 +92,9 @@ pub(crate) struct Args {
     /// Only these transports (comma-separated: tls, quic).
     #[arg(long, value_delimiter = ',', default_value = "tls,quic")]
     transports: Vec<String>,
+    /// Skip the negotiated select(quic, tls) connect + first echo.
+    #[arg(long)]
+    no_negotiated: bool,
     /// Profiling aid: measure only this side (raw or library); its figures stand in for the
     /// other's, so the ratios are meaningless. For callgrind / perf on one side.
     #[arg(long, hide = true)]
@@ -169,7 +183,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .enable_all()
         .build()?;
     let started = Instant::now();
-    let results = rt.block_on(async {
+    let (results, negotiated) = rt.block_on(async {
         tokio::time::timeout(STALL, measure_all(&a, &transports))
             .await
             .context("secure benchmark stalled")?
@@ -191,6 +205,17 @@ pub(crate) fn run(a: Args) -> Result<()> {
         all &= echo_ok && tput_ok;
         per_transport.insert(key.into(), v);
     }
+    let mut neg_json = Value::Null;
+    if let Some(neg) = &negotiated {
+        let qi = transports
+            .iter()
+            .position(|t| *t == Transport::Quic)
+            .context("negotiated figures without quic")?;
+        let (v, ok) = report_negotiated(neg, &results[qi][0]);
+        checks.insert("negotiated_connect_within_1_1x".into(), json!(ok));
+        all &= ok;
+        neg_json = v;
+    }
     checks.insert("all_meet_bar".into(), json!(all));
     let out = json!({
         "bench": "secure",
@@ -206,6 +231,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "bulk_msg_size": a.bulk_size,
         "wall_seconds": wall.as_secs_f64(),
         "transports": per_transport,
+        "negotiated": neg_json,
         "checks": checks,
     });
     println!("{out}");
@@ -274,9 +300,133 @@ fn report(t: Transport, raw: &[Sample], lib: &[Sample]) -> (Value, bool, bool, f
     (v, echo_ok, tput_ok, c)
 }
 
-/// Per transport: [raw samples, library samples].
-async fn measure_all(a: &Args, transports: &[Transport]) -> Result<Vec<[Vec<Sample>; 2]>> {
+/// The JSON of the negotiated connect + first echo against raw quinn's (`raw`, the same
+/// repetitions), and whether it meets the 1.1x bar.
+fn report_negotiated(neg: &[NegSample], raw: &[Sample]) -> (Value, bool) {
+    let col = |f: fn(&NegSample) -> f64| neg.iter().map(f).collect::<Vec<_>>();
+    let ratio = |f: fn(&NegSample) -> f64| -> Vec<f64> {
+        neg.iter()
+            .zip(raw)
+            .map(|(n, r)| f(n) / r.connect_p50_us)
+            .collect()
+    };
+    let mut r = ratio(|n| n.pipelined_p50_us);
+    r.sort_by(f64::total_cmp);
+    let m = median(&r);
+    let ok = m <= 1.1;
+    let v = json!({
+        "what": "chunnel_secure::negotiated: Server offering (quic, tls) preferring QUIC, Client offering select(quic, tls);                  UDP negotiation, QUIC handshake to the picked endpoint, transcript binding, one message echoed",
+        "pick": "quic",
+        "connect_first_echo_p50_us": spread(&col(|n| n.pipelined_p50_us)),
+        "connect_first_echo_p99_us": spread(&col(|n| n.pipelined_p99_us)),
+        "connect_then_send_p50_us": spread(&col(|n| n.sequential_p50_us)),
+        "raw_quinn_connect_first_echo_p50_us": spread(&raw.iter().map(|s| s.connect_p50_us).collect::<Vec<_>>()),
+        "ratios_over_raw_quinn": {
+            "connect_first_echo_p50": spread(&r),
+            "connect_then_send_p50": spread(&ratio(|n| n.sequential_p50_us)),
+        },
+        "bar": {
+            "connect_first_echo_p50_ratio": m,
+            "within_1_1x": ok,
+        },
+    });
+    (v, ok)
+}
+
+/// One repetition's negotiated figures.
+#[derive(Clone, Copy, Default)]
+struct NegSample {
+    /// `connect_with(addr, [msg])`, then the echo read.
+    pipelined_p50_us: f64,
+    pipelined_p99_us: f64,
+    /// `connect(addr)`, then the message sent and the echo read.
+    sequential_p50_us: f64,
+}
+
+/// The negotiated server (echoing) and client.
+struct Negotiated {
+    client: negotiated::Client,
+    addr: SocketAddr,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+impl Negotiated {
+    async fn start(certs: &Certs) -> Result<Self> {
+        let id = Identity::from_der(vec![certs.cert.clone()], certs.key());
+        let mut server = negotiated::Server::builder([NTransport::Quic, NTransport::Tls])
+            .identity(id)
+            .bind(any_local())
+            .await?;
+        let addr = server.local_addr();
+        let task = tokio::spawn(async move {
+            while let Ok(r) = server.accept().await {
+                if let Ok(c) = r {
+                    tokio::spawn(async move {
+                        let _ = lib_handle(c, Role::Echo).await;
+                    });
+                }
+            }
+        });
+        let mut roots = TrustRoots::empty();
+        roots.add_der(certs.cert.clone())?;
+        let client = negotiated::Client::builder([NTransport::Quic, NTransport::Tls])
+            .trust(roots, SERVER_NAME)
+            .build()?;
+        Ok(Negotiated {
+            client,
+            addr,
+            _server: task,
+        })
+    }
+
+    async fn sample(&self, a: &Args, m: &Bytes) -> Result<NegSample> {
+        let mut pipelined = Vec::with_capacity(a.conns);
+        let mut sequential = Vec::with_capacity(a.conns);
+        for i in 0..2 * a.conns {
+            let t = Instant::now();
+            let c = if i % 2 == 0 {
+                self.client.connect_with(self.addr, [m.clone()]).await?
+            } else {
+                let c = self.client.connect(self.addr).await?;
+                c.send_one(m.clone()).await?;
+                c
+            };
+            let got = c.recv_one().await?;
+            let us = t.elapsed().as_secs_f64() * 1e6;
+            ensure!(
+                c.transport() == NTransport::Quic,
+                "negotiated {}",
+                c.transport()
+            );
+            ensure!(got.len() == m.len(), "negotiated echo: {} B", got.len());
+            drop(c);
+            if i % 2 == 0 {
+                pipelined.push(us);
+            } else {
+                sequential.push(us);
+            }
+        }
+        pipelined.sort_by(f64::total_cmp);
+        sequential.sort_by(f64::total_cmp);
+        Ok(NegSample {
+            pipelined_p50_us: median(&pipelined),
+            pipelined_p99_us: quantile(&pipelined, 0.99),
+            sequential_p50_us: median(&sequential),
+        })
+    }
+}
+
+type Measured = (Vec<[Vec<Sample>; 2]>, Option<Vec<NegSample>>);
+
+/// Per transport: [raw samples, library samples]; the negotiated samples if measured.
+async fn measure_all(a: &Args, transports: &[Transport]) -> Result<Measured> {
     let certs = Certs::new()?;
+    let neg = if transports.contains(&Transport::Quic) && !a.no_negotiated {
+        Some(Negotiated::start(&certs).await?)
+    } else {
+        None
+    };
+    let mut neg_out = Vec::new();
     let mut clients = Vec::new();
     for &t in transports {
         clients.push([
@@ -290,6 +440,12 @@ async fn measure_all(a: &Args, transports: &[Transport]) -> Result<Vec<[Vec<Samp
     for rep in 0..a.reps {
         for (ti, &t) in transports.iter().enumerate() {
             let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+            let neg_here = neg.as_ref().filter(|_| t == Transport::Quic);
+            if let Some(n) = neg_here
+                && rep % 2 == 0
+            {
+                neg_out.push(negotiated_sample(n, a, &echo_msg, rep).await?);
+            }
             for si in order {
                 if let Some(only) = &a.only
                     && clients[ti][si].side.name() != only
@@ -316,9 +472,26 @@ async fn measure_all(a: &Args, transports: &[Transport]) -> Result<Vec<[Vec<Samp
                 );
                 out[ti][si].push(s);
             }
+            if let Some(n) = neg_here
+                && rep % 2 == 1
+            {
+                neg_out.push(negotiated_sample(n, a, &echo_msg, rep).await?);
+            }
         }
     }
-    Ok(out)
+    Ok((out, neg.map(|_| neg_out)))
+}
+
+async fn negotiated_sample(n: &Negotiated, a: &Args, m: &Bytes, rep: usize) -> Result<NegSample> {
+    let s = n
+        .sample(a, m)
+        .await
+        .with_context(|| format!("negotiated rep {rep}"))?;
+    eprintln!(
+        "rep {rep} negotiated select(quic, tls): connect+echo p50 {:>8.1} us (connect, then send: {:>8.1} us)",
+        s.pipelined_p50_us, s.sequential_p50_us
+    );
+    Ok(s)
 }
 
 /// The rcgen certificate both sides use, for `localhost`.

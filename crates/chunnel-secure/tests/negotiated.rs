@@ -13,8 +13,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use chunnel::ConnectionExt;
 use chunnel::negotiate::{Capability, ChunnelInfo};
+use chunnel::{ChunnelConnection, ConnectionExt};
 use chunnel_negotiate::wire::{Accept, Hello, Tag};
 use chunnel_secure::Error;
 use chunnel_secure::negotiated::{Client, Policy, Server, Tampered, Transport};
@@ -431,12 +431,18 @@ async fn udp_attacker(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_on_path_attacker_cannot_downgrade() {
     let pki = Pki::new();
-    for attack in [
+    // Each attack against `connect` (the application sends once it has the connection) and
+    // against `connect_with` (the first message handed over with the connect: behind the
+    // BIND on a secure pick, after the checked BOUND on plaintext).
+    for (attack, early) in [
         Attack::StripHello,
         Attack::AcceptToPlain,
         Attack::AcceptToTls,
         Attack::Both,
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|a| [(a, false), (a, true)])
+    {
         let mut s = serve(&[Quic, Tls, Plain], Some(pki.server.identity())).await;
         let cap: Captured = Arc::default();
         let plain_relay = tcp_relay(s.endpoint(Plain).unwrap(), Arc::clone(&cap), None).await;
@@ -451,12 +457,18 @@ async fn an_on_path_attacker_cannot_downgrade() {
             Views::default(),
         )
         .await;
-        let r = victim.connect(front).await;
+        let r = if early {
+            victim
+                .connect_with(front, [Bytes::from_static(MARKER)])
+                .await
+        } else {
+            victim.connect(front).await
+        };
         // The application sends its secret only on a connection it was given.
         if let Ok(c) = &r {
             let _ = c.send_one(Bytes::from_static(MARKER)).await;
         }
-        let e = r.expect_err(&format!("{attack:?} was not detected"));
+        let e = r.expect_err(&format!("{attack:?} (early {early}) was not detected"));
         let want = match attack {
             Attack::StripHello => Tampered::Hello,
             Attack::AcceptToPlain | Attack::AcceptToTls => Tampered::Accept,
@@ -491,7 +503,77 @@ async fn an_on_path_attacker_cannot_downgrade() {
             !contains(&seen, MARKER),
             "{attack:?}: the marker crossed the relay"
         );
-        println!("{attack:?}: {e}");
+        println!("{attack:?} (early {early}): {e}");
+    }
+}
+
+/// Polls `f` once: its output if it is ready without waiting.
+async fn ready_now<F: std::future::Future>(f: F) -> Option<F::Output> {
+    use std::task::Poll;
+    let mut f = std::pin::pin!(f);
+    std::future::poll_fn(|cx| {
+        Poll::Ready(match f.as_mut().poll(cx) {
+            Poll::Ready(v) => Some(v),
+            Poll::Pending => None,
+        })
+    })
+    .await
+}
+
+/// On a secure pick `connect_with` sends the first message in the same write as the BIND,
+/// without waiting for the BOUND: when the server hands the connection to its application
+/// (after reading and checking the BIND, and answering it), that message has already arrived
+/// with the BIND and is read without waiting. The client returns only after the BOUND, and the
+/// echo then follows. On plaintext the message follows the checked BOUND and is echoed too.
+#[tokio::test(flavor = "current_thread")]
+async fn on_a_secure_pick_the_first_message_rides_with_the_bind() {
+    let pki = Pki::new();
+    for t in [Quic, Tls, Plain] {
+        let mut server = Server::builder([t])
+            .identity(pki.server.identity())
+            .bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let addr = server.local_addr();
+        let c = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
+        let connect = c.connect_with(
+            addr,
+            [Bytes::from_static(b"first"), Bytes::from_static(b"second")],
+        );
+        let serve = async {
+            let conn = tokio::time::timeout(BOUND, server.accept())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            // Read without waiting, as soon as the server's application has the connection.
+            let early = ready_now(conn.recv_one()).await;
+            let with_bind = early.is_some();
+            let first = match early {
+                Some(m) => m.unwrap(),
+                None => conn.recv_one().await.unwrap(),
+            };
+            let second = conn.recv_one().await.unwrap();
+            assert_eq!((&first[..], &second[..]), (&b"first"[..], &b"second"[..]));
+            conn.send(vec![first, second]).await.unwrap();
+            (conn, with_bind)
+        };
+        let (cc, (sc, with_bind)) = tokio::join!(connect, serve);
+        let cc = cc.unwrap();
+        assert_eq!((cc.transport(), sc.transport()), (t, t));
+        if t.is_secure() {
+            assert!(
+                with_bind,
+                "{t}: the first message did not come with the BIND"
+            );
+        }
+        for want in ["first", "second"] {
+            let got = tokio::time::timeout(BOUND, cc.recv_one())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(got, want, "{t}");
+        }
     }
 }
 

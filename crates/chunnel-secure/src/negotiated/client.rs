@@ -2,9 +2,11 @@
 //! checks the server's BOUND (signed when a plaintext pick follows secure offers).
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use chunnel::{Chunnel, ConnectionExt, Offers};
+use bytes::Bytes;
+
+use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Offers};
 use chunnel_negotiate::Transcript;
 use rustls::SignatureScheme;
 use rustls::client::danger::ServerCertVerifier;
@@ -109,6 +111,7 @@ impl ClientBuilder {
             trust,
             policy: self.policy,
             neg: chunnel_negotiate::Client::new(self.negotiate),
+            quic_endpoints: Mutex::default(),
         })
     }
 }
@@ -128,6 +131,9 @@ pub struct Client {
     trust: Option<Trust>,
     policy: Policy,
     neg: chunnel_negotiate::Client,
+    /// The QUIC client endpoints (IPv4, IPv6), bound on the first QUIC pick of that family
+    /// and shared by every later one (and by the connections they made).
+    quic_endpoints: Mutex<[Option<quinn::Endpoint>; 2]>,
 }
 
 impl Client {
@@ -160,6 +166,29 @@ impl Client {
     /// picked endpoint, and checks the transcript (see the [module docs](super)). No
     /// application byte can have been sent when this fails.
     pub async fn connect(&self, addr: SocketAddr) -> Result<Connection, Error> {
+        self.connect_with(addr, []).await
+    }
+
+    /// As [`connect`](Self::connect), and sends `first` (the application's first messages)
+    /// as early as the binding allows, saving a round trip:
+    ///
+    /// * on a secure pick (QUIC, TLS) right behind the BIND, in the same write, without
+    ///   waiting for the BOUND: they are encrypted to the server the channel authenticated,
+    ///   which delivers them to its application only after it has checked the BIND (and
+    ///   never if the check fails);
+    /// * on a plaintext pick only after the BOUND has been checked, as if sent after
+    ///   [`connect`](Self::connect) returned: nothing of `first` goes in the clear before the
+    ///   transcript is verified.
+    ///
+    /// Either way it returns once the BOUND has been checked, so nothing the server sent is
+    /// delivered before; on a [`Error::Downgrade`] the connection is dropped. An empty
+    /// `first` is [`connect`](Self::connect).
+    pub async fn connect_with(
+        &self,
+        addr: SocketAddr,
+        first: impl IntoIterator<Item = Bytes>,
+    ) -> Result<Connection, Error> {
+        let first: Vec<Bytes> = first.into_iter().collect();
         let peer = addr.to_string();
         let neg_err = |source| Error::Negotiation {
             peer: peer.clone(),
@@ -224,6 +253,10 @@ impl Client {
         let conn = match (transport, &self.trust) {
             (Transport::Quic, Some(t)) => Connection::Quic(
                 quic::Connect::new(ep, t.cfg.clone(), quic::Mode::Stream)
+                    .with_endpoint(self.quic_endpoint(ep).map_err(|e| Error::Datapath {
+                        transport,
+                        source: e,
+                    })?)
                     .connect_wrap(())
                     .await
                     .map_err(|e| Error::Datapath {
@@ -255,16 +288,36 @@ impl Client {
                 )));
             }
         };
-        self.check(&peer, conn, conn_id, &transcript).await
+        self.check(&peer, conn, conn_id, &transcript, first).await
     }
 
-    /// The BIND / BOUND exchange on the new datapath (docs/wire.md §16).
+    /// The shared QUIC client endpoint for connections to `to`'s address family, bound now
+    /// if this is the first.
+    fn quic_endpoint(&self, to: SocketAddr) -> Result<quinn::Endpoint, chunnel::Error> {
+        let mut eps = chunnel::util::lock(&self.quic_endpoints);
+        let (slot, local): (usize, SocketAddr) = match to {
+            SocketAddr::V4(_) => (0, (std::net::Ipv4Addr::UNSPECIFIED, 0).into()),
+            SocketAddr::V6(_) => (1, (std::net::Ipv6Addr::UNSPECIFIED, 0).into()),
+        };
+        if let Some(ep) = &eps[slot] {
+            return Ok(ep.clone());
+        }
+        let ep = quinn::Endpoint::client(local)
+            .map_err(|e| chunnel::Error::from_io("bind", local, e))?;
+        eps[slot] = Some(ep.clone());
+        Ok(ep)
+    }
+
+    /// The BIND / BOUND exchange on the new datapath (docs/wire.md §16), with the
+    /// application's `first` messages right behind the BIND on a secure pick, after the
+    /// checked BOUND on plaintext.
     async fn check(
         &self,
         peer: &str,
         conn: Connection,
         conn_id: u64,
         mine: &Transcript,
+        first: Vec<Bytes>,
     ) -> Result<Connection, Error> {
         let transport = conn.transport();
         let down = |tampered, detail: String| Error::Downgrade {
@@ -274,8 +327,16 @@ impl Client {
             detail,
         };
         let hash = transcript_hash(mine);
+        let bind = encode_bind(conn_id, &hash);
+        let secure = transport.is_secure();
         let exchange = async {
-            conn.send_one(encode_bind(conn_id, &hash)).await?;
+            if secure {
+                // One write: the BIND, then the application's first messages.
+                conn.send(std::iter::once(bind).chain(first.iter().cloned()))
+                    .await?;
+            } else {
+                conn.send_one(bind).await?;
+            }
             conn.recv_one().await
         };
         let answer = match tokio::time::timeout(BIND_TIMEOUT, exchange).await {
@@ -314,7 +375,16 @@ impl Client {
             ));
         }
         match Status::from_u8(bound.status) {
-            Some(Status::Agreed) => Ok(conn),
+            Some(Status::Agreed) => {
+                if !secure && !first.is_empty() {
+                    // Plaintext: the application's messages only now, after the check.
+                    conn.send(first).await.map_err(|e| Error::Datapath {
+                        transport,
+                        source: e,
+                    })?;
+                }
+                Ok(conn)
+            }
             other => Err(down(
                 Tampered::Unverified,
                 format!("the server refused the binding ({other:?})"),

@@ -31,8 +31,12 @@
 //!   hash. A server that offers plaintext to such clients therefore needs an identity.
 //!
 //! Any difference fails the connection at both ends with [`Error::Downgrade`], which names
-//! what differs ([`Tampered`]); a missing or bad signature is [`Tampered::Unverified`]. The
-//! client sends no application byte before the check has passed. [`Policy::SecureOnly`]
+//! what differs ([`Tampered`]); a missing or bad signature is [`Tampered::Unverified`].
+//! Neither end hands the connection to its application before the check has passed. On
+//! plaintext no application byte is sent before it either; on a secure pick
+//! [`Client::connect_with`] sends the application's first messages right behind the BIND,
+//! encrypted to the authenticated server, which delivers them only once the BIND checks out
+//! (saving the BIND's round trip). [`Policy::SecureOnly`]
 //! refuses plaintext outright ([`Error::PlaintextRefused`]): it is never offered, and an
 //! accept that names it is refused before any connection is made.
 //!
