@@ -82,6 +82,7 @@ pub mod commit;
 pub mod control;
 mod driver;
 mod error;
+mod facade;
 mod multilateral;
 mod plane;
 pub mod proto;
@@ -94,6 +95,9 @@ pub use crate::driver::{
     Serving, Transcript, concurrent_searches, listen, listen_with,
 };
 pub use crate::error::Error;
+pub use crate::facade::{
+    Conn, Connector, NegotiatedConn, Server, ServerConn, bind, bind_with, connect,
+};
 pub use crate::tagged::Tagged;
 pub use crate::wire::ZeroRtt;
 
