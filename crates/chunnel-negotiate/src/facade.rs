@@ -8,40 +8,6 @@
 //!   [`udp::Listener`]); [`Server::accept`] yields the negotiated connections.
 //! * [`Conn`] and [`ServerConn`] name the connections by their stack alone, and
 //!   [`NegotiatedConn`] is the one bound a helper generic over negotiated connections needs.
-//!
-//! ```
-//! use bytes::Bytes;
-//! use chunnel::{select, ConnectionExt, Identity, Noop};
-//! use chunnel_negotiate::{bind, connect, Error, NegotiatedConn};
-//!
-//! /// Sends `m` and waits for the peer to send it back, on any negotiated connection.
-//! async fn echo_once(conn: &impl NegotiatedConn<Data = Bytes>, m: Bytes) -> Result<(), Error> {
-//!     conn.send_one(m.clone()).await?;
-//!     assert_eq!(conn.recv_one().await?, m);
-//!     println!("echoed on connection {:x}, pick {:?}", conn.conn_id(), conn.info().client_pick);
-//!     Ok(())
-//! }
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Error> {
-//! let mut server = bind("127.0.0.1:0", select(Noop, Identity)).await?;
-//! let addr = server.local_addr();
-//! tokio::spawn(async move {
-//!     while let Ok(conn) = server.accept().await {
-//!         tokio::spawn(async move {
-//!             while let Ok(m) = conn.recv_one().await {
-//!                 let _ = conn.send_one(m).await;
-//!             }
-//!         });
-//!     }
-//! });
-//! // Two stacks, two connection types; one helper for both.
-//! let plain = connect(addr, Identity).await?;
-//! let either = connect(addr, select(Noop, Identity)).await?;
-//! echo_once(&plain, "hi".into()).await?;
-//! echo_once(&either, "hello".into()).await?;
-//! # Ok(()) }
-//! ```
 
 use std::net::SocketAddr;
 
@@ -60,9 +26,43 @@ pub type ServerConn<S> = Negotiated<<S as Chunnel<Tagged<udp::ServerConnection>>
 
 /// A negotiated connection of any stack, over any datapath: a [`ChunnelConnection`] (so
 /// [`chunnel::ConnectionExt`] applies) that also tells what negotiation decided. The one
-/// bound a helper generic over negotiated connections needs (see the [module](self) example).
+/// bound a helper generic over negotiated connections needs, whatever their stacks.
 ///
 /// Implemented by every [`Negotiated`] connection whose stack's connection is `'static`.
+///
+/// ```
+/// use bytes::Bytes;
+/// use chunnel::{select, ConnectionExt, Identity, Noop};
+/// use chunnel_negotiate::{bind, connect, Error, NegotiatedConn};
+///
+/// /// Sends `m` and waits for the peer to send it back, on any negotiated connection.
+/// async fn echo_once(conn: &impl NegotiatedConn<Data = Bytes>, m: Bytes) -> Result<(), Error> {
+///     conn.send_one(m.clone()).await?;
+///     assert_eq!(conn.recv_one().await?, m);
+///     println!("echoed on connection {:x}, pick {:?}", conn.conn_id(), conn.info().client_pick);
+///     Ok(())
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Error> {
+/// let mut server = bind("127.0.0.1:0", select(Noop, Identity)).await?;
+/// let addr = server.local_addr();
+/// tokio::spawn(async move {
+///     while let Ok(conn) = server.accept().await {
+///         tokio::spawn(async move {
+///             while let Ok(m) = conn.recv_one().await {
+///                 let _ = conn.send_one(m).await;
+///             }
+///         });
+///     }
+/// });
+/// // Two stacks, two connection types; one helper for both.
+/// let plain = connect(addr, Identity).await?;
+/// let either = connect(addr, select(Noop, Identity)).await?;
+/// echo_once(&plain, "hi".into()).await?;
+/// echo_once(&either, "hello".into()).await?;
+/// # Ok(()) }
+/// ```
 pub trait NegotiatedConn: ChunnelConnection + 'static {
     /// What negotiation decided ([`Negotiated::info`]).
     fn info(&self) -> &Info;

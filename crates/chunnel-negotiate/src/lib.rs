@@ -11,6 +11,11 @@
 //!
 //! ## A short tour
 //!
+//! * [`connect`] and [`bind`]: the short way in, negotiated connections over kernel UDP from
+//!   an address and a stack ([`Connector`] adds a [`Config`] and 0-RTT; [`Server::accept`]
+//!   yields the server's connections). [`Conn`] and [`ServerConn`] name their connections by
+//!   the stack alone; [`NegotiatedConn`] is the one bound a helper generic over negotiated
+//!   connections needs.
 //! * [`wire`]: the wire messages, their encoders and decoders (`docs/wire.md` specifies them).
 //! * [`proto`]: the protocol as sans-IO state machines ([`proto::Server`],
 //!   [`proto::ClientHandshake`]); deterministic to test, no sockets or clocks inside.
@@ -38,6 +43,8 @@
 //! 4. I/O: [`Tagged`] (moves bytes, applies [`control::classify`]), then the drivers
 //!    (`driver.rs`: [`Config`], [`Negotiated`], [`Client`]; `driver/server.rs`: [`listen`]),
 //!    then [`commit::Coordinator`] on top of them.
+//! 5. The facade (`facade.rs`: [`connect`], [`bind`]), over the drivers and `chunnel-net`'s
+//!    UDP.
 //!
 //! ## Example
 //!
