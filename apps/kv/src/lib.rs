@@ -65,10 +65,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Either, Select, Stack, select};
-use chunnel_negotiate::{Negotiated, Tagged};
 use chunnel_net::udp;
-use chunnel_std::serialize::{Bincode, Serialize, SerializeConn};
-use chunnel_std::shard::{self, ClientShard, ClientShardConn, Keyed, ShardServer, ViaCanonical};
+use chunnel_std::serialize::{Bincode, Serialize};
+use chunnel_std::shard::{self, ClientShard, Keyed, ShardServer, ViaCanonical};
 use serde::{Deserialize, Serialize as SerdeSerialize};
 use tokio::sync::{Semaphore, oneshot};
 
@@ -568,10 +567,9 @@ impl ClientConfig {
     }
 }
 
-type Base = Tagged<udp::Connection>;
-type Canon = SerializeConn<Base, Msg, Bincode>;
 type ClientStack = Stack<Select<ClientShard<Udp, Ser>, ViaCanonical>, Ser>;
-type Conn = Negotiated<Either<ClientShardConn<Canon, Udp, Ser>, Canon>>;
+/// `Negotiated<Either<ClientShardConn<..>, SerializeConn<Tagged<udp::Connection>, ..>>>`.
+type Conn = chunnel_negotiate::Conn<ClientStack>;
 type Pending = Mutex<HashMap<u64, oneshot::Sender<Option<Vec<u8>>>>>;
 
 /// A store client. Methods take `&self`; share it (e.g. in an `Arc`) to issue requests from
@@ -622,9 +620,8 @@ impl KvClient {
         let dir = push.directory();
         let via = ViaCanonical::new().enabled(cfg.offer != Offer::ClientPush);
         let stack: ClientStack = chunnel::stack![select(push, via), Ser::default()];
-        let base = udp::Connect::new(addr).connect_wrap(()).await?;
-        let negotiator = chunnel_negotiate::Client::new(cfg.negotiate);
-        let conn = negotiator.connect(&addr.to_string(), stack, base).await?;
+        let negotiator = chunnel_negotiate::Connector::new(cfg.negotiate);
+        let conn = negotiator.connect(addr, stack).await?;
         let sharding = match conn.get_ref() {
             Either::Left(_) => {
                 if dir.learn(&conn.info().server_stack)? == 0 {

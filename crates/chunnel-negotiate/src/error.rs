@@ -82,6 +82,11 @@ pub enum Error {
     /// A reconfiguration could not be proposed.
     #[error("cannot propose a switch: {0}")]
     Propose(#[from] crate::multilateral::ProposeError),
+    /// An address to connect to or bind did not resolve: a string that is no address, or a
+    /// name that resolved to none (the facade's [`connect`](crate::connect),
+    /// [`bind`](crate::bind)).
+    #[error("cannot resolve the address: {0}")]
+    Address(#[source] std::io::Error),
     /// The base connection or a Chunnel failed.
     #[error(transparent)]
     Chunnel(#[from] chunnel::Error),

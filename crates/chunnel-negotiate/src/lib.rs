@@ -11,6 +11,11 @@
 //!
 //! ## A short tour
 //!
+//! * [`connect`] and [`bind`]: the short way in, negotiated connections over kernel UDP from
+//!   an address and a stack ([`Connector`] adds a [`Config`] and 0-RTT; [`Server::accept`]
+//!   yields the server's connections). [`Conn`] and [`ServerConn`] name their connections by
+//!   the stack alone; [`NegotiatedConn`] is the one bound a helper generic over negotiated
+//!   connections needs.
 //! * [`wire`]: the wire messages, their encoders and decoders (`docs/wire.md` specifies them).
 //! * [`proto`]: the protocol as sans-IO state machines ([`proto::Server`],
 //!   [`proto::ClientHandshake`]); deterministic to test, no sockets or clocks inside.
@@ -38,6 +43,8 @@
 //! 4. I/O: [`Tagged`] (moves bytes, applies [`control::classify`]), then the drivers
 //!    (`driver.rs`: [`Config`], [`Negotiated`], [`Client`]; `driver/server.rs`: [`listen`]),
 //!    then [`commit::Coordinator`] on top of them.
+//! 5. The facade (`facade.rs`: [`connect`], [`bind`]), over the drivers and `chunnel-net`'s
+//!    UDP.
 //!
 //! ## Example
 //!
@@ -82,6 +89,7 @@ pub mod commit;
 pub mod control;
 mod driver;
 mod error;
+mod facade;
 mod multilateral;
 mod plane;
 pub mod proto;
@@ -94,6 +102,9 @@ pub use crate::driver::{
     Serving, Transcript, concurrent_searches, listen, listen_with,
 };
 pub use crate::error::Error;
+pub use crate::facade::{
+    Conn, Connector, NegotiatedConn, Server, ServerConn, bind, bind_with, connect,
+};
 pub use crate::tagged::Tagged;
 pub use crate::wire::ZeroRtt;
 

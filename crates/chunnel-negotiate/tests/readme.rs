@@ -54,9 +54,23 @@ fn every_readme_example_is_a_doctest_that_runs() {
         })
         .collect();
     assert!(
-        rust.len() >= 3,
+        rust.len() >= 4,
         "the README's Rust examples: {}",
         rust.len()
+    );
+    // The first example is the facade's: at most 16 lines (fences included), no layer below it.
+    let (line, _, first) = &rust[0];
+    assert!(
+        first.lines().count() + 2 <= 16,
+        "README.md:{line}: the first example has {} lines, more than 16",
+        first.lines().count() + 2
+    );
+    assert!(
+        first.contains("chunnel_negotiate::{bind, connect")
+            && !["udp::", "Client", "listen", "Tagged"]
+                .iter()
+                .any(|w| first.contains(w)),
+        "README.md:{line}: the first example should use only the facade (bind, connect)"
     );
     let lib = std::fs::read_to_string(root().join("crates/chunnel-negotiate/src/lib.rs")).unwrap();
     assert!(
