@@ -503,6 +503,11 @@ async fn an_on_path_attacker_cannot_downgrade() {
             !contains(&seen, MARKER),
             "{attack:?}: the marker crossed the relay"
         );
+        assert_eq!(
+            victim.remembered(),
+            0,
+            "{attack:?}: a refused pick was remembered"
+        );
         println!("{attack:?} (early {early}): {e}");
     }
 }
@@ -644,4 +649,178 @@ async fn a_forged_plaintext_bound_does_not_verify() {
     assert!(matches!(se, Error::Downgrade { .. }), "{se:?}");
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     assert!(!contains(&cap.lock().unwrap(), MARKER));
+}
+
+/// A UDP relay in front of a negotiation socket that counts the client's datagrams; its
+/// server can be switched. Returns the address clients use, the count and the switch.
+async fn counting_relay(
+    server: SocketAddr,
+) -> (
+    SocketAddr,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<Mutex<SocketAddr>>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let front = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    let addr = front.local_addr().unwrap();
+    let back = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    let count = Arc::new(AtomicUsize::new(0));
+    let to = Arc::new(Mutex::new(server));
+    let peer: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    {
+        let (front, back, count, to, peer) = (
+            front.clone(),
+            back.clone(),
+            count.clone(),
+            to.clone(),
+            peer.clone(),
+        );
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 65536];
+            while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                count.fetch_add(1, Ordering::SeqCst);
+                *peer.lock().unwrap() = Some(from);
+                let dst = *to.lock().unwrap();
+                let _ = back.send_to(&buf[..n], dst).await;
+            }
+        });
+    }
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        while let Ok((n, _)) = back.recv_from(&mut buf).await {
+            let p = *peer.lock().unwrap();
+            if let Some(p) = p {
+                let _ = front.send_to(&buf[..n], p).await;
+            }
+        }
+    });
+    (addr, count, to)
+}
+
+fn sent(c: &std::sync::atomic::AtomicUsize) -> usize {
+    c.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Issue 21 item 5 / docs/wire.md §16.5: a reconnect to a server whose secure pick the
+/// client verified goes straight to the remembered endpoint — not one negotiation datagram —
+/// with the first message behind the REBIND inside the secure channel; plaintext is never
+/// remembered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_uses_the_remembered_secure_pick() {
+    let pki = Pki::new();
+    for order in [[Quic, Tls, Plain], [Tls, Quic, Plain]] {
+        let s = serve(&order, Some(pki.server.identity())).await;
+        let (front, count, _) = counting_relay(s.addr).await;
+        let c = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
+        let first = c
+            .connect_with(front, [Bytes::from_static(b"one")])
+            .await
+            .unwrap();
+        assert_eq!(first.transport(), order[0]);
+        assert_eq!(first.recv_one().await.unwrap(), "one");
+        let negotiated = sent(&count);
+        assert!(negotiated > 0);
+        assert_eq!(c.remembered(), 1);
+        for i in 0..3 {
+            let again = c
+                .connect_with(front, [Bytes::from_static(b"two")])
+                .await
+                .unwrap();
+            assert_eq!(again.transport(), order[0], "reconnect {i}");
+            let got = tokio::time::timeout(BOUND, again.recv_one())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(got, "two");
+            echo(&again, "three").await;
+        }
+        assert_eq!(
+            sent(&count),
+            negotiated,
+            "{order:?}: a reconnect sent negotiation datagrams"
+        );
+        assert_eq!(s.served.lock().unwrap().len(), 4);
+        // Turned off: every connect negotiates.
+        let off = Client::builder([Quic, Tls])
+            .trust(pki.ca.roots(), "localhost")
+            .remember(0)
+            .build()
+            .unwrap();
+        let before = sent(&count);
+        off.connect(front).await.unwrap();
+        let mid = sent(&count);
+        off.connect(front).await.unwrap();
+        assert!(mid > before && sent(&count) > mid);
+        assert_eq!(off.remembered(), 0);
+    }
+    // A (signed) plaintext pick is never remembered: the next connect negotiates again.
+    let s = serve(&[Plain], Some(pki.server.identity())).await;
+    let (front, count, _) = counting_relay(s.addr).await;
+    let c = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
+    let p = c.connect(front).await.unwrap();
+    assert_eq!(p.transport(), Plain);
+    assert_eq!(c.remembered(), 0);
+    let once = sent(&count);
+    c.connect(front).await.unwrap();
+    assert!(sent(&count) > once);
+}
+
+/// docs/wire.md §16.5: a server restarted with another preference (same endpoints) answers
+/// the REBIND with "negotiate afresh"; the client does, lands on the new pick, and the first
+/// message is delivered exactly once, on the new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_preference_forces_a_fresh_negotiation() {
+    let pki = Pki::new();
+    let mut old = Server::builder([Tls, Quic])
+        .identity(pki.server.identity())
+        .bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let tls_at = old.endpoint(Tls).unwrap();
+    let (front, count, switch) = counting_relay(old.local_addr()).await;
+    let c = client(&pki, &[Quic, Tls], Policy::AllowPlaintext);
+    let (conn, accepted) = tokio::join!(c.connect(front), old.accept());
+    let conn = conn.unwrap();
+    assert_eq!(conn.transport(), Tls);
+    assert_eq!(c.remembered(), 1);
+    drop((conn, accepted, old));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+
+    // The new server prefers QUIC, and its TLS endpoint is where the old one was.
+    let mut server = Server::builder([Quic, Tls])
+        .identity(pki.server.identity())
+        .endpoint(Tls, tls_at)
+        .bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(server.endpoint(Tls), Some(tls_at));
+    *switch.lock().unwrap() = server.local_addr();
+    let before = sent(&count);
+    let (conn, accepted) =
+        tokio::join!(c.connect_with(front, [Bytes::from_static(MARKER)]), async {
+            // The refused REBIND is no failure: the next accept is the fresh QUIC connection.
+            tokio::time::timeout(BOUND, server.accept()).await
+        });
+    let conn = conn.unwrap();
+    assert_eq!(conn.transport(), Quic);
+    assert!(sent(&count) > before, "no fresh negotiation");
+    let s = accepted.unwrap().unwrap().unwrap();
+    assert_eq!(s.transport(), Quic);
+    assert_eq!(s.recv_one().await.unwrap(), MARKER);
+    // Nothing else reached the application: the TLS attempt's copy was dropped.
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(200), server.accept())
+            .await
+            .is_err()
+    );
+    assert!(
+        ready_now(s.recv_one()).await.is_none(),
+        "the first message was delivered twice"
+    );
+    // The new pick is remembered in its place.
+    assert_eq!(c.remembered(), 1);
+    let before = sent(&count);
+    let (again, _) = tokio::join!(c.connect(front), server.accept());
+    assert_eq!(again.unwrap().transport(), Quic);
+    assert_eq!(sent(&count), before);
 }

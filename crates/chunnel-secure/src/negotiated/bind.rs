@@ -12,6 +12,10 @@ use super::option::parse_server_stack;
 pub(super) const BIND: u8 = 0xb1;
 /// BOUND's type byte.
 pub(super) const BOUND: u8 = 0xb2;
+/// REBIND's type byte (a reconnect on a remembered secure pick, docs/wire.md §16.5).
+pub(super) const REBIND: u8 = 0xb3;
+/// Largest hello a REBIND may carry.
+pub(super) const MAX_REBIND_HELLO: usize = 16 * 1024;
 const BIND_LEN: usize = 1 + 8 + 32;
 /// Prefix of the transcript hash.
 const HASH_CONTEXT: &[u8] = b"chunnel negotiation transcript v1\0";
@@ -28,6 +32,9 @@ pub(super) enum Status {
     Differ = 1,
     Unknown = 2,
     WrongEndpoint = 3,
+    /// Answer to a REBIND: this server would not pick this endpoint's transport for the
+    /// hello now; negotiate afresh (nothing behind the REBIND was delivered).
+    Renegotiate = 4,
 }
 
 impl Status {
@@ -37,6 +44,7 @@ impl Status {
             Status::Differ,
             Status::Unknown,
             Status::WrongEndpoint,
+            Status::Renegotiate,
         ]
         .into_iter()
         .find(|s| *s as u8 == b)
@@ -81,6 +89,27 @@ pub(super) fn decode_bind(m: &[u8]) -> Option<(u64, [u8; 32])> {
     let id = u64::from_be_bytes(m[1..9].try_into().ok()?);
     let h: [u8; 32] = m[9..].try_into().ok()?;
     Some((id, h))
+}
+
+/// REBIND: the type byte, then the remembered HELLO after its `u32` length.
+pub(super) fn encode_rebind(hello: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(5 + hello.len());
+    b.put_u8(REBIND);
+    b.put_u32(hello.len() as u32);
+    b.put_slice(hello);
+    b.freeze()
+}
+
+/// The HELLO a REBIND carries (a slice of `m`); `None` if `m` is not exactly a REBIND.
+pub(super) fn decode_rebind(m: &Bytes) -> Option<Bytes> {
+    if m.len() < 5 || m[0] != REBIND {
+        return None;
+    }
+    let n = u32::from_be_bytes(m[1..5].try_into().ok()?) as usize;
+    if n == 0 || n > MAX_REBIND_HELLO || m.len() != 5 + n {
+        return None;
+    }
+    Some(m.slice(5..))
 }
 
 /// A decoded BOUND.
@@ -157,10 +186,17 @@ impl Bound {
     }
 }
 
-/// The fuzz target's entry (not a stable API): decodes `m` as a BIND and as a BOUND message
-/// (docs/wire.md §16); whatever decodes must re-encode to the same bytes.
+/// The fuzz target's entry (not a stable API): decodes `m` as a BIND, a REBIND and a BOUND
+/// message (docs/wire.md §16); whatever decodes must re-encode to the same bytes.
 #[doc(hidden)]
 pub fn fuzz_decode(m: &[u8]) {
+    if let Some(h) = decode_rebind(&Bytes::copy_from_slice(m)) {
+        assert_eq!(
+            &encode_rebind(&h)[..],
+            m,
+            "a REBIND that does not re-encode"
+        );
+    }
     if let Some((id, h)) = decode_bind(m) {
         assert_eq!(
             &encode_bind(id, &h)[..],
@@ -292,6 +328,20 @@ mod tests {
         for n in 0..e.len() {
             assert!(Bound::decode(e.slice(..n)).is_err());
         }
+    }
+
+    #[test]
+    fn rebind_round_trip() {
+        let r = encode_rebind(b"\x01hello");
+        assert_eq!(decode_rebind(&r).as_deref(), Some(&b"\x01hello"[..]));
+        for n in 0..r.len() {
+            assert_eq!(decode_rebind(&r.slice(..n)), None);
+        }
+        let mut long = r.to_vec();
+        long.push(0);
+        assert_eq!(decode_rebind(&Bytes::from(long)), None);
+        assert_eq!(decode_rebind(&encode_rebind(b"")), None);
+        assert_eq!(Status::from_u8(4), Some(Status::Renegotiate));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The client: [`Client`] and its builder; negotiates, connects to the picked endpoint and
 //! checks the server's BOUND (signed when a plaintext pick follows secure offers).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
@@ -16,7 +17,8 @@ use crate::{ClientConfig, DetectedBy, Error, TrustRoots, quic, tls};
 
 use super::Transport;
 use super::bind::{
-    Bound, MAX_BOUND, Status, Tampered, compare, encode_bind, signed_message, transcript_hash,
+    Bound, MAX_BOUND, Status, Tampered, compare, encode_bind, encode_rebind, signed_message,
+    transcript_hash,
 };
 use super::connection::Connection;
 use super::option::{Choice, choice, parse_server_stack};
@@ -41,9 +43,21 @@ pub struct ClientBuilder {
     trust: Option<(TrustRoots, String)>,
     policy: Policy,
     negotiate: chunnel_negotiate::Config,
+    remember: usize,
 }
 
+/// Servers whose last verified secure pick a [`Client`] remembers by default.
+pub const REMEMBERED_SERVERS: usize = 1024;
+
 impl ClientBuilder {
+    /// How many servers' last verified secure pick to remember for reconnects without a
+    /// negotiation round trip (docs/wire.md §16.5; default [`REMEMBERED_SERVERS`]; `0` turns
+    /// it off: every connect negotiates).
+    pub fn remember(mut self, servers: usize) -> Self {
+        self.remember = servers;
+        self
+    }
+
     /// The roots the server's certificate must chain to and the name it must carry (for the
     /// secure transports, and for the signature on a plaintext pick). Required if a secure
     /// transport is offered.
@@ -112,6 +126,10 @@ impl ClientBuilder {
             policy: self.policy,
             neg: chunnel_negotiate::Client::new(self.negotiate),
             quic_endpoints: Mutex::default(),
+            memo: Mutex::new(Memos {
+                cap: self.remember,
+                ..Memos::default()
+            }),
         })
     }
 }
@@ -134,6 +152,57 @@ pub struct Client {
     /// The QUIC client endpoints (IPv4, IPv6), bound on the first QUIC pick of that family
     /// and shared by every later one (and by the connections they made).
     quic_endpoints: Mutex<[Option<quinn::Endpoint>; 2]>,
+    /// The last verified secure pick per negotiation address (docs/wire.md §16.5).
+    memo: Mutex<Memos>,
+}
+
+/// A verified secure pick: the transport, the endpoint connected to, and the hello whose
+/// transcript the server confirmed.
+#[derive(Clone, Debug)]
+struct Memo {
+    transport: Transport,
+    endpoint: SocketAddr,
+    hello: Bytes,
+}
+
+/// At most `cap` memos; the least recently stored goes first.
+#[derive(Debug, Default)]
+struct Memos {
+    cap: usize,
+    next: u64,
+    map: HashMap<SocketAddr, (Memo, u64)>,
+}
+
+impl Memos {
+    fn get(&self, addr: SocketAddr) -> Option<Memo> {
+        self.map.get(&addr).map(|(m, _)| m.clone())
+    }
+
+    fn put(&mut self, addr: SocketAddr, memo: Memo) {
+        if self.cap == 0 {
+            return;
+        }
+        if !self.map.contains_key(&addr)
+            && self.map.len() >= self.cap
+            && let Some(oldest) = self
+                .map
+                .iter()
+                .min_by_key(|(_, (_, n))| *n)
+                .map(|(a, _)| *a)
+        {
+            self.map.remove(&oldest);
+        }
+        self.next += 1;
+        self.map.insert(addr, (memo, self.next));
+    }
+}
+
+/// How a reconnect on a remembered pick ended, when it did not give a connection.
+enum Missed {
+    /// Negotiate afresh: nothing of the first messages was delivered.
+    Renegotiate,
+    /// Give up with this error (the first messages may have been delivered).
+    Failed(Error),
 }
 
 impl Client {
@@ -144,7 +213,18 @@ impl Client {
             trust: None,
             policy: Policy::default(),
             negotiate: chunnel_negotiate::Config::default(),
+            remember: REMEMBERED_SERVERS,
         }
+    }
+
+    /// Forgets every remembered pick: the next connect to each server negotiates.
+    pub fn forget_all(&self) {
+        chunnel::util::lock(&self.memo).map.clear();
+    }
+
+    /// How many servers' picks are remembered now.
+    pub fn remembered(&self) -> usize {
+        chunnel::util::lock(&self.memo).map.len()
     }
 
     /// The transports this client offers, preferred first.
@@ -190,6 +270,18 @@ impl Client {
     ) -> Result<Connection, Error> {
         let first: Vec<Bytes> = first.into_iter().collect();
         let peer = addr.to_string();
+        let memo = chunnel::util::lock(&self.memo).get(addr);
+        if let Some(memo) = memo {
+            match self.reconnect(&peer, &memo, &first).await {
+                Ok(c) => return Ok(c),
+                Err(missed) => {
+                    chunnel::util::lock(&self.memo).map.remove(&addr);
+                    if let Missed::Failed(e) = missed {
+                        return Err(e);
+                    }
+                }
+            }
+        }
         let neg_err = |source| Error::Negotiation {
             peer: peer.clone(),
             source,
@@ -250,7 +342,32 @@ impl Client {
         if ep.ip().is_unspecified() {
             ep.set_ip(addr.ip());
         }
-        let conn = match (transport, &self.trust) {
+        if transport.is_secure() && self.trust.is_none() {
+            return Err(bad_accept(format!(
+                "the accept picks {transport}, which this client did not offer"
+            )));
+        }
+        let conn = self.dial(transport, ep).await?;
+        let conn = self.check(&peer, conn, conn_id, &transcript, first).await?;
+        if transport.is_secure() {
+            chunnel::util::lock(&self.memo).put(
+                addr,
+                Memo {
+                    transport,
+                    endpoint: ep,
+                    hello: transcript.hello.clone(),
+                },
+            );
+        }
+        Ok(conn)
+    }
+
+    /// Connects to `ep` on `transport` (the datapath handshake; nothing else is sent).
+    async fn dial(&self, transport: Transport, ep: SocketAddr) -> Result<Connection, Error> {
+        let bad = || Error::Config {
+            what: format!("{transport} needs trust roots and a server name"),
+        };
+        Ok(match (transport, &self.trust) {
             (Transport::Quic, Some(t)) => Connection::Quic(
                 quic::Connect::new(ep, t.cfg.clone(), quic::Mode::Stream)
                     .with_endpoint(self.quic_endpoint(ep).map_err(|e| Error::Datapath {
@@ -282,13 +399,55 @@ impl Client {
                         source: e,
                     })?,
             ),
-            (_, None) => {
-                return Err(bad_accept(format!(
-                    "the accept picks {transport}, which this client did not offer"
+            (_, None) => return Err(bad()),
+        })
+    }
+
+    /// A reconnect on a remembered secure pick (docs/wire.md §16.5): straight to the
+    /// endpoint, REBIND and the first messages in one write, then the BOUND.
+    async fn reconnect(
+        &self,
+        peer: &str,
+        memo: &Memo,
+        first: &[Bytes],
+    ) -> Result<Connection, Missed> {
+        // A handshake that fails has sent nothing: negotiate afresh.
+        let conn = self
+            .dial(memo.transport, memo.endpoint)
+            .await
+            .map_err(|_| Missed::Renegotiate)?;
+        let down = |detail: String| {
+            Missed::Failed(Error::Downgrade {
+                peer: peer.to_string(),
+                by: DetectedBy::Local,
+                tampered: Tampered::Unverified,
+                detail,
+            })
+        };
+        let exchange = async {
+            conn.send(std::iter::once(encode_rebind(&memo.hello)).chain(first.iter().cloned()))
+                .await?;
+            conn.recv_one().await
+        };
+        let answer = match tokio::time::timeout(BIND_TIMEOUT, exchange).await {
+            Ok(Ok(m)) if m.len() <= MAX_BOUND => m,
+            Ok(Ok(_)) => return Err(down("BOUND too large".into())),
+            Ok(Err(e)) => return Err(down(format!("no answer to the REBIND: {e}"))),
+            Err(_) => {
+                return Err(down(format!(
+                    "no answer to the REBIND within {BIND_TIMEOUT:?}"
                 )));
             }
         };
-        self.check(&peer, conn, conn_id, &transcript, first).await
+        let bound = Bound::decode(answer).map_err(|e| down(format!("malformed BOUND: {e}")))?;
+        if bound.view.hello != memo.hello || !bound.view.accept.is_empty() {
+            return Err(down("the BOUND does not answer this REBIND".into()));
+        }
+        match Status::from_u8(bound.status) {
+            Some(Status::Agreed) => Ok(conn),
+            Some(Status::Renegotiate) => Err(Missed::Renegotiate),
+            other => Err(down(format!("the server refused the REBIND ({other:?})"))),
+        }
     }
 
     /// The shared QUIC client endpoint for connections to `to`'s address family, bound now
@@ -426,5 +585,37 @@ impl Client {
         } else {
             Err("bad signature over the server's transcript".into())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_remembered_table_is_bounded_and_forgets_the_oldest() {
+        let memo = |port| Memo {
+            transport: Transport::Quic,
+            endpoint: SocketAddr::from(([127, 0, 0, 1], port)),
+            hello: Bytes::from_static(b"\x01h"),
+        };
+        let addr = |i: u16| SocketAddr::from(([127, 0, 0, 1], i));
+        let mut m = Memos {
+            cap: 3,
+            ..Memos::default()
+        };
+        for i in 1..=3 {
+            m.put(addr(i), memo(i));
+        }
+        // Storing 1 again makes 2 the oldest.
+        m.put(addr(1), memo(10));
+        m.put(addr(4), memo(4));
+        assert_eq!(m.map.len(), 3);
+        assert!(m.get(addr(2)).is_none());
+        assert_eq!(m.get(addr(1)).unwrap().endpoint.port(), 10);
+        assert!(m.get(addr(3)).is_some() && m.get(addr(4)).is_some());
+        let mut off = Memos::default();
+        off.put(addr(1), memo(1));
+        assert!(off.map.is_empty());
     }
 }

@@ -78,7 +78,7 @@ mod option;
 mod server;
 
 pub use bind::{Tampered, fuzz_decode};
-pub use client::{Client, ClientBuilder, Policy};
+pub use client::{Client, ClientBuilder, Policy, REMEMBERED_SERVERS};
 pub use connection::Connection;
 pub use option::{CAPABILITY, Choice, Option3};
 pub use server::{BIND_TIMEOUT, Server, ServerBuilder};

@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use chunnel::{ConnectionExt, Listener as _};
+use chunnel::{ConnectionExt, Listener as _, Offers as _};
 use chunnel_negotiate::Transcript;
 use rustls::SignatureScheme;
 use rustls::pki_types::CertificateDer;
@@ -17,7 +17,9 @@ use tokio::time::Instant;
 use crate::{DetectedBy, Error, Identity, ServerConfig, quic, tls};
 
 use super::Transport;
-use super::bind::{Bound, Status, Tampered, decode_bind, signed_message, transcript_hash};
+use super::bind::{
+    Bound, Status, Tampered, decode_bind, decode_rebind, signed_message, transcript_hash,
+};
 use super::connection::Connection;
 use super::option::{choice, parse_server_stack};
 
@@ -124,9 +126,19 @@ pub struct ServerBuilder {
     order: Vec<Transport>,
     identity: Option<Identity>,
     negotiate: chunnel_negotiate::Config,
+    at: Vec<(Transport, SocketAddr)>,
 }
 
 impl ServerBuilder {
+    /// Binds `transport`'s endpoint to `addr` (default: the negotiation IP, a port of the
+    /// system's choosing). A server restarted with the same endpoint addresses meets its
+    /// clients' remembered picks there (docs/wire.md §16.5).
+    pub fn endpoint(mut self, transport: Transport, addr: SocketAddr) -> Self {
+        self.at.retain(|(t, _)| *t != transport);
+        self.at.push((transport, addr));
+        self
+    }
+
     /// The certificate chain and key of the TLS and QUIC endpoints, which also signs the
     /// answers on the plaintext endpoint. Required if a secure transport is offered; without
     /// it, a plaintext-only server cannot serve clients that offered a secure option (they
@@ -148,6 +160,7 @@ impl ServerBuilder {
         let ip_any = SocketAddr::new(addr.ip(), 0);
         let (tx, rx) = mpsc::channel(128);
         let records = Arc::new(Records::default());
+        let decider = Arc::new(OnceLock::new());
         let signing = match &self.identity {
             Some(id) => Some(Arc::new(SigningIdentity::new(id)?)),
             None => None,
@@ -173,9 +186,15 @@ impl ServerBuilder {
             let ctx = Serve {
                 tx: tx.clone(),
                 records: Arc::clone(&records),
+                decider: Arc::clone(&decider),
                 signing: signing.clone(),
                 transport: t,
             };
+            let ip_any = self
+                .at
+                .iter()
+                .find(|(e, _)| *e == t)
+                .map_or(ip_any, |(_, a)| *a);
             let local = match t {
                 Transport::Quic => {
                     let mut l = quic::Listener::bind(ip_any, need_cfg(t)?, quic::Mode::Stream)
@@ -224,6 +243,10 @@ impl ServerBuilder {
         }
         let order: Vec<(Transport, Option<SocketAddr>)> =
             endpoints.iter().map(|&(t, a)| (t, Some(a))).collect();
+        // The same options the negotiation listener decides with, for REBINDs (§16.5).
+        let _ = decider.set(chunnel_negotiate::proto::Server::new(
+            choice(&order).offer_tree(),
+        ));
         let udp = chunnel_net::udp::Listener::bind(addr).await.map_err(io)?;
         let local = udp.local_addr().map_err(io)?;
         let recs = Arc::clone(&records);
@@ -265,6 +288,9 @@ impl ServerBuilder {
 struct Serve {
     tx: mpsc::Sender<Result<Connection, Error>>,
     records: Arc<Records>,
+    /// Decides a REBIND's hello as the negotiation listener would (set once the endpoints
+    /// are bound).
+    decider: Arc<OnceLock<chunnel_negotiate::proto::Server>>,
     signing: Option<Arc<SigningIdentity>>,
     transport: Transport,
 }
@@ -278,11 +304,14 @@ impl Serve {
                 Ok(c) => this.bind(c).await,
                 Err(e) => Err(e),
             };
-            let _ = this.tx.send(r).await;
+            // `Ok(None)`: a REBIND told to negotiate afresh; not a failure.
+            if let Some(r) = r.transpose() {
+                let _ = this.tx.send(r).await;
+            }
         });
     }
 
-    async fn bind(&self, conn: Connection) -> Result<Connection, Error> {
+    async fn bind(&self, conn: Connection) -> Result<Option<Connection>, Error> {
         let peer = match &conn {
             Connection::Quic(c) => c.peer().to_string(),
             Connection::Tls(c) => c.peer().to_string(),
@@ -300,7 +329,11 @@ impl Serve {
             Err(_) => return Err(bind_err(format!("no BIND within {BIND_TIMEOUT:?}"))),
         };
         let Some((conn_id, client_hash)) = decode_bind(&first) else {
-            return Err(bind_err("the first message is not a BIND".into()));
+            return match decode_rebind(&first) {
+                // Never on plaintext: a client remembers secure picks only.
+                Some(hello) if self.transport.is_secure() => self.rebind(conn, hello, &peer).await,
+                _ => Err(bind_err("the first message is not a BIND".into())),
+            };
         };
         let record = self.records.take(conn_id).await;
         let (status, view) = match &record {
@@ -332,7 +365,7 @@ impl Serve {
         match (status, record) {
             (Status::Agreed, _) => {
                 sent.map_err(|e| bind_err(format!("cannot answer the BIND: {e}")))?;
-                Ok(conn)
+                Ok(Some(conn))
             }
             (_, None) => Err(Error::Downgrade {
                 peer,
@@ -352,6 +385,62 @@ impl Serve {
                     _ => "the client's transcript hash differs from ours".into(),
                 },
             }),
+        }
+    }
+}
+
+impl Serve {
+    /// A REBIND (docs/wire.md §16.5) on a secure endpoint: re-decide its hello against this
+    /// server's options; agreed only if the pick is this endpoint's transport.
+    async fn rebind(
+        &self,
+        conn: Connection,
+        hello: bytes::Bytes,
+        peer: &str,
+    ) -> Result<Option<Connection>, Error> {
+        let pick = self
+            .decider
+            .get()
+            .map(|d| d.handle_hello_bytes(&hello))
+            .and_then(|d| match d {
+                chunnel_negotiate::proto::Decision::Accept { accept, .. } => {
+                    parse_server_stack(&accept.server_stack).map(|(t, _)| t)
+                }
+                chunnel_negotiate::proto::Decision::Reject { .. } => None,
+            });
+        let status = if pick == Some(self.transport) {
+            Status::Agreed
+        } else {
+            Status::Renegotiate
+        };
+        let bound = Bound {
+            status: status as u8,
+            view: Transcript {
+                hello,
+                accept: bytes::Bytes::new(),
+            },
+            ..Bound::default()
+        };
+        let sent = conn.send_one(bound.encode()).await;
+        match status {
+            Status::Agreed => {
+                sent.map_err(|e| Error::Downgrade {
+                    peer: peer.to_string(),
+                    by: DetectedBy::Local,
+                    tampered: Tampered::Unverified,
+                    detail: format!("cannot answer the REBIND: {e}"),
+                })?;
+                Ok(Some(conn))
+            }
+            // Told to negotiate afresh: the messages behind the REBIND are read and dropped,
+            // undelivered, until the client closes (so the BOUND is not cut off by our close).
+            _ => {
+                if sent.is_ok() {
+                    let drain = async { while conn.recv_one().await.is_ok() {} };
+                    let _ = tokio::time::timeout(BIND_TIMEOUT, drain).await;
+                }
+                Ok(None)
+            }
         }
     }
 }
@@ -382,6 +471,7 @@ impl Server {
             order: order.into_iter().collect(),
             identity: None,
             negotiate: chunnel_negotiate::Config::default(),
+            at: Vec::new(),
         }
     }
 
