@@ -46,6 +46,11 @@ pub struct ClientBuilder {
     remember: usize,
 }
 
+/// How long the handshake to a remembered endpoint may take before the client gives up on
+/// it and negotiates afresh (a vanished QUIC endpoint would otherwise hold it for the idle
+/// timeout). No early data is sent, so nothing has left when it gives up.
+const REMEMBERED_DIAL: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Servers whose last verified secure pick a [`Client`] remembers by default.
 pub const REMEMBERED_SERVERS: usize = 1024;
 
@@ -412,9 +417,9 @@ impl Client {
         first: &[Bytes],
     ) -> Result<Connection, Missed> {
         // A handshake that fails has sent nothing: negotiate afresh.
-        let conn = self
-            .dial(memo.transport, memo.endpoint)
+        let conn = tokio::time::timeout(REMEMBERED_DIAL, self.dial(memo.transport, memo.endpoint))
             .await
+            .map_err(|_| Missed::Renegotiate)?
             .map_err(|_| Missed::Renegotiate)?;
         let down = |detail: String| {
             Missed::Failed(Error::Downgrade {

@@ -40,6 +40,17 @@
 //! refuses plaintext outright ([`Error::PlaintextRefused`]): it is never offered, and an
 //! accept that names it is refused before any connection is made.
 //!
+//! ## Reconnects without a negotiation round trip (docs/wire.md §16.5)
+//!
+//! A [`Client`] remembers, per negotiation address (at most [`REMEMBERED_SERVERS`] by
+//! default, [`ClientBuilder::remember`]), the last secure pick it verified: transport,
+//! endpoint and hello. The next connect sends no HELLO: it goes straight to that endpoint,
+//! authenticated by the certificate as before, and sends a REBIND carrying the remembered
+//! hello (with the first messages of [`Client::connect_with`] behind it). The server decides
+//! that hello afresh and agrees only if it would pick this very transport now; otherwise it
+//! drops what followed and tells the client to negotiate afresh, which it does, re-sending
+//! its first messages. Plaintext picks are never remembered.
+//!
 //! ```
 //! use chunnel::ConnectionExt;
 //! use chunnel_secure::negotiated::{Client, Server, Transport};
