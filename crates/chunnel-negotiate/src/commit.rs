@@ -37,6 +37,14 @@
 //!   deciding alone could switch one side only.
 //! * **Concurrent proposals.** If both ends propose at once, the larger `txn` wins; the other
 //!   proposer aborts its own (reported as [`Contention::Superseded`]) and votes on the winner's.
+//! * **Each transaction acted on once; repeats until answered.** Each end remembers its last
+//!   finished transactions and how they ended: a late or repeated `PREPARE`, `COMMIT` or vote
+//!   of one of them gets the recorded answer (the same refusal; `DONE` again; `ABORT` again),
+//!   never a second vote or switch. A follower that voted yes resends its vote, and an
+//!   initiator that committed resends `COMMIT`, every [`Policy::resend_after`] until the
+//!   answer arrives, so a lost decision or `DONE` does not stall the ends (on a base that may
+//!   lose, duplicate or reorder these messages the exchange stays safe and makes progress;
+//!   the switch points still need the in-order lossless base for the data around them).
 //!
 //! ## Contention: one outcome, retry
 //!

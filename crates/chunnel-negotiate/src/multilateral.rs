@@ -25,8 +25,13 @@ pub struct Policy {
     /// How long the initiator waits for the vote before it aborts. The vote travels in-band:
     /// it waits behind the data already queued at both ends.
     pub vote_timeout: Duration,
-    /// The prepare is sent again after this long without a vote (for bases that may lose it;
-    /// harmless on lossless ones: a repeated prepare gets the same vote).
+    /// The prepare is sent again after this long without a vote; likewise a follower that
+    /// voted yes sends its vote again after this long without a decision (the initiator
+    /// answers a vote on a transaction it aborted with its `ABORT` again), and an initiator
+    /// that committed sends `COMMIT` again after this long without `DONE` (a follower that
+    /// already switched on it answers with `DONE` again, and does not switch twice). For bases
+    /// that may lose messages; harmless on lossless ones: repeats get the same answer, and
+    /// answers to repeats are ignored.
     pub resend_after: Duration,
 }
 
@@ -150,17 +155,38 @@ enum State {
         resend_at: Instant,
         deadline: Instant,
     },
-    /// Initiator: switched and sent COMMIT; waiting for the follower's DONE.
+    /// Initiator: switched and sent COMMIT; waiting for the follower's DONE (COMMIT is sent
+    /// again at `resend_at`).
     Committed {
         txn: u64,
+        resend_at: Instant,
     },
-    /// Follower: voted yes, waiting for the decision.
+    /// Follower: voted yes, waiting for the decision (the vote is sent again at `resend_at`).
     Voted {
         txn: u64,
         pick: Pick,
         vote: Bytes,
+        resend_at: Instant,
     },
 }
+
+/// How a transaction this end took part in ended (kept for the last [`HISTORY`] of them, so
+/// that a late or repeated message of a finished transaction is never acted on twice).
+#[derive(Debug)]
+enum Finished {
+    /// This end refused the peer's proposal with this vote (a repeated prepare gets it again).
+    Refused(Bytes),
+    /// This end followed the peer's proposal: voted yes, then switched (`true`: a repeated
+    /// COMMIT gets DONE again) or got ABORT (`false`).
+    Followed { switched: bool },
+    /// This end proposed it: switched and got DONE (`true`), or ended it without a switch
+    /// (`false`: a yes vote on it gets ABORT again).
+    Proposed { committed: bool },
+}
+
+/// How many finished transactions an end remembers. Transaction ids are random, so an old one
+/// is never reused; a message of a transaction older than this many is not recognised.
+const HISTORY: usize = 8;
 
 /// One end of a connection's reconfiguration protocol. Bytes and time in; messages to send,
 /// a timer and [`Event`]s out.
@@ -169,9 +195,9 @@ pub struct Multilateral {
     offers: Vec<StackOption>,
     policy: Policy,
     state: State,
-    /// The last transaction this end refused or finished as follower, and the vote it
-    /// sent: a repeated prepare gets the same answer.
-    last_vote: Option<(u64, Bytes)>,
+    /// The last transactions this end finished (refused, followed or proposed), newest last:
+    /// a repeated or late message of one of them is answered from here, never acted on.
+    finished: VecDeque<(u64, Finished)>,
     transmit: VecDeque<Bytes>,
     events: VecDeque<Event>,
 }
@@ -184,10 +210,25 @@ impl Multilateral {
             offers,
             policy,
             state: State::Idle,
-            last_vote: None,
+            finished: VecDeque::new(),
             transmit: VecDeque::new(),
             events: VecDeque::new(),
         }
+    }
+
+    fn finish(&mut self, txn: u64, how: Finished) {
+        if self.finished.len() == HISTORY {
+            self.finished.pop_front();
+        }
+        self.finished.push_back((txn, how));
+    }
+
+    fn finished(&self, txn: u64) -> Option<&Finished> {
+        self.finished
+            .iter()
+            .rev()
+            .find(|(t, _)| *t == txn)
+            .map(|(_, f)| f)
     }
 
     /// Whether no transaction is in progress.
@@ -230,15 +271,15 @@ impl Multilateral {
     /// Handles one received reconfiguration message (tag included). Anything that does not
     /// decode, or does not belong to the current transaction, is ignored.
     pub fn handle_message(&mut self, msg: &[u8], now: Instant) {
-        let _ = now;
         let Ok(c) = decode_control(msg) else { return };
         match c {
-            Control::Prepare(p) => self.on_prepare(p),
-            Control::Vote(v) => self.on_vote(v),
+            Control::Prepare(p) => self.on_prepare(p, now),
+            Control::Vote(v) => self.on_vote(v, now),
             Control::Commit(t) => self.on_commit(t),
             Control::Abort(t) => {
                 if matches!(self.state, State::Voted { txn, .. } if txn == t.txn) {
                     self.state = State::Idle;
+                    self.finish(t.txn, Finished::Followed { switched: false });
                     self.events.push_back(Event::Aborted {
                         txn: t.txn,
                         reason: AbortReason::PeerAborted,
@@ -246,8 +287,9 @@ impl Multilateral {
                 }
             }
             Control::Done(t) => {
-                if matches!(self.state, State::Committed { txn } if txn == t.txn) {
+                if matches!(self.state, State::Committed { txn, .. } if txn == t.txn) {
                     self.state = State::Idle;
+                    self.finish(t.txn, Finished::Proposed { committed: true });
                     self.events.push_back(Event::PeerSwitched { txn: t.txn });
                 }
             }
@@ -256,13 +298,17 @@ impl Multilateral {
         }
     }
 
-    fn on_prepare(&mut self, p: Prepare) {
-        // A repeated prepare (our vote was lost or is on its way): the same answer.
-        if let Some((txn, vote)) = &self.last_vote
-            && *txn == p.txn
-        {
-            self.transmit.push_back(vote.clone());
-            return;
+    fn on_prepare(&mut self, p: Prepare, now: Instant) {
+        // A repeated prepare of a finished transaction (our vote was lost or is on its way, or
+        // the network reordered or duplicated it): a refusal gets the same answer; a
+        // transaction this end followed to its end is over, and is not voted on again.
+        match self.finished(p.txn) {
+            Some(Finished::Refused(vote)) => {
+                self.transmit.push_back(vote.clone());
+                return;
+            }
+            Some(_) => return,
+            None => {}
         }
         if let State::Voted { txn, vote, .. } = &self.state
             && *txn == p.txn
@@ -292,12 +338,14 @@ impl Multilateral {
                 "a concurrent switch of this end takes precedence".into(),
             ),
             State::Preparing { txn, .. } => {
+                let txn = *txn;
                 self.events.push_back(Event::Contended {
-                    txn: *txn,
+                    txn,
                     contention: Contention::Superseded,
                 });
-                self.transmit.push_back(txn_msg(Tag::Abort, *txn));
+                self.transmit.push_back(txn_msg(Tag::Abort, txn));
                 self.state = State::Idle;
+                self.finish(txn, Finished::Proposed { committed: false });
                 self.decide(&p)
             }
             State::Idle => self.decide(&p),
@@ -314,6 +362,7 @@ impl Multilateral {
                     txn: p.txn,
                     pick,
                     vote: bytes.clone(),
+                    resend_at: now + self.policy.resend_after,
                 };
             }
             Verdict::No {
@@ -324,7 +373,7 @@ impl Multilateral {
                     reason,
                     message,
                 });
-                self.last_vote = Some((p.txn, bytes.clone()));
+                self.finish(p.txn, Finished::Refused(bytes.clone()));
             }
         }
         self.transmit.push_back(bytes);
@@ -372,8 +421,18 @@ impl Multilateral {
         }
     }
 
-    fn on_vote(&mut self, v: Vote) {
+    fn on_vote(&mut self, v: Vote, now: Instant) {
         let State::Preparing { txn, pick, .. } = &self.state else {
+            // A yes on a transaction this end proposed and ended without a switch (the
+            // follower's repeat: the ABORT was lost or is on its way): the decision again.
+            if matches!(v.verdict, Verdict::Yes { .. })
+                && matches!(
+                    self.finished(v.txn),
+                    Some(Finished::Proposed { committed: false })
+                )
+            {
+                self.transmit.push_back(txn_msg(Tag::Abort, v.txn));
+            }
             return;
         };
         if *txn != v.txn {
@@ -382,7 +441,10 @@ impl Multilateral {
         let (txn, pick) = (*txn, pick.clone());
         match v.verdict {
             Verdict::Yes { .. } => {
-                self.state = State::Committed { txn };
+                self.state = State::Committed {
+                    txn,
+                    resend_at: now + self.policy.resend_after,
+                };
                 self.events.push_back(Event::Switch {
                     txn,
                     pick,
@@ -395,6 +457,7 @@ impl Multilateral {
                 ..
             } => {
                 self.state = State::Idle;
+                self.finish(txn, Finished::Proposed { committed: false });
                 self.events.push_back(Event::Contended {
                     txn,
                     contention: Contention::Peer { message },
@@ -404,6 +467,7 @@ impl Multilateral {
                 reason, message, ..
             } => {
                 self.state = State::Idle;
+                self.finish(txn, Finished::Proposed { committed: false });
                 self.events.push_back(Event::Aborted {
                     txn,
                     reason: AbortReason::Refused { reason, message },
@@ -414,6 +478,14 @@ impl Multilateral {
 
     fn on_commit(&mut self, t: Txn) {
         let State::Voted { txn, pick, .. } = &self.state else {
+            // A repeated COMMIT of a transaction this end switched on (its DONE was lost or
+            // is on its way): DONE again, outside any switch point; no second switch.
+            if matches!(
+                self.finished(t.txn),
+                Some(Finished::Followed { switched: true })
+            ) {
+                self.transmit.push_back(txn_msg(Tag::Done, t.txn));
+            }
             return;
         };
         if *txn != t.txn {
@@ -421,7 +493,7 @@ impl Multilateral {
         }
         let (txn, pick) = (*txn, pick.clone());
         self.state = State::Idle;
-        self.last_vote = None;
+        self.finish(txn, Finished::Followed { switched: true });
         self.events.push_back(Event::PeerSwitched { txn });
         self.events.push_back(Event::Switch {
             txn,
@@ -438,33 +510,43 @@ impl Multilateral {
                 deadline,
                 ..
             } => Some((*resend_at).min(*deadline)),
-            _ => None,
+            State::Committed { resend_at, .. } | State::Voted { resend_at, .. } => Some(*resend_at),
+            State::Idle => None,
         }
     }
 
-    /// Time passed: resend the prepare, or give up on the vote.
+    /// Time passed: resend the prepare, or give up on the vote; resend the vote (follower
+    /// waiting for the decision) or the COMMIT (initiator waiting for DONE).
     pub fn handle_timeout(&mut self, now: Instant) {
-        let State::Preparing {
-            txn,
-            prepare,
-            resend_at,
-            deadline,
-            ..
-        } = &mut self.state
-        else {
-            return;
-        };
-        if now >= *deadline {
-            let txn = *txn;
-            self.transmit.push_back(txn_msg(Tag::Abort, txn));
-            self.state = State::Idle;
-            self.events.push_back(Event::Aborted {
-                txn,
-                reason: AbortReason::Timeout,
-            });
-        } else if now >= *resend_at {
-            self.transmit.push_back(prepare.clone());
-            *resend_at = now + self.policy.resend_after;
+        let resend_after = self.policy.resend_after;
+        match &mut self.state {
+            State::Preparing { txn, deadline, .. } if now >= *deadline => {
+                let txn = *txn;
+                self.transmit.push_back(txn_msg(Tag::Abort, txn));
+                self.state = State::Idle;
+                self.finish(txn, Finished::Proposed { committed: false });
+                self.events.push_back(Event::Aborted {
+                    txn,
+                    reason: AbortReason::Timeout,
+                });
+            }
+            State::Preparing {
+                prepare, resend_at, ..
+            } if now >= *resend_at => {
+                self.transmit.push_back(prepare.clone());
+                *resend_at = now + resend_after;
+            }
+            State::Voted {
+                vote, resend_at, ..
+            } if now >= *resend_at => {
+                self.transmit.push_back(vote.clone());
+                *resend_at = now + resend_after;
+            }
+            State::Committed { txn, resend_at } if now >= *resend_at => {
+                self.transmit.push_back(txn_msg(Tag::Commit, *txn));
+                *resend_at = now + resend_after;
+            }
+            _ => {}
         }
     }
 
@@ -777,6 +859,59 @@ mod tests {
         );
         let v = Vote::decode(&b.poll_transmit().unwrap()[1..]).unwrap();
         assert!(matches!(v.verdict, Verdict::Yes { pick, .. } if pick.branches() == [0]));
+    }
+
+    #[test]
+    fn lost_decisions_are_recovered_by_resends_and_never_acted_on_twice() {
+        let t0 = Instant::now();
+        let p = Policy::default();
+        let (mut a, mut b) = (Multilateral::new(both(), p), Multilateral::new(both(), p));
+        // A lost ABORT: b resends its vote, a (idle, txn 1 over) answers with ABORT again.
+        a.propose(&Pick::from_branches(vec![1]), 1, t0).unwrap();
+        deliver(&mut a, &mut b, t0);
+        let vote = b.poll_transmit().unwrap();
+        a.handle_timeout(t0 + p.vote_timeout);
+        assert_eq!(a.poll_transmit().map(|m| m[0]), Some(Tag::Abort as u8));
+        events(&mut a);
+        let t1 = b.poll_timeout().expect("the follower resends its vote");
+        b.handle_timeout(t1);
+        assert_eq!(b.poll_transmit().unwrap(), vote);
+        a.handle_message(&vote, t1);
+        deliver(&mut a, &mut b, t1);
+        assert!(b.is_idle() && a.is_idle());
+        assert!(matches!(
+            &events(&mut b)[..],
+            [Event::Aborted { txn: 1, .. }]
+        ));
+
+        // A lost DONE: a resends COMMIT, b answers with DONE again without switching again.
+        a.propose(&Pick::from_branches(vec![1]), 2, t0).unwrap();
+        deliver(&mut a, &mut b, t0);
+        deliver(&mut b, &mut a, t0);
+        let [Event::Switch { marker: commit, .. }] = &events(&mut a)[..] else {
+            panic!()
+        };
+        b.handle_message(commit, t0);
+        assert_eq!(events(&mut b).len(), 2, "PeerSwitched and Switch");
+        let t1 = a.poll_timeout().expect("the initiator resends COMMIT");
+        a.handle_timeout(t1);
+        let again = a.poll_transmit().unwrap();
+        assert_eq!(&again, commit);
+        b.handle_message(&again, t1);
+        assert!(events(&mut b).is_empty(), "no second switch");
+        deliver(&mut b, &mut a, t1);
+        assert_eq!(events(&mut a), [Event::PeerSwitched { txn: 2 }]);
+        // A late PREPARE of txn 2 is not voted on again.
+        b.handle_message(
+            &Prepare {
+                version: VERSION,
+                txn: 2,
+                option: option(1, "bincode"),
+            }
+            .encode(),
+            t1,
+        );
+        assert!(b.is_idle() && b.poll_transmit().is_none());
     }
 
     #[test]

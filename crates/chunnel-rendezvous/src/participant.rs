@@ -461,14 +461,20 @@ impl<St: Store> Driver<St> {
                     {
                         *why = Some(reason.clone());
                     }
-                    if let Err(e) = bounded(
+                    match bounded(
                         self.backend(),
                         self.config.op_timeout,
                         self.store.finish(&self.group, id, commit),
                     )
                     .await
                     {
-                        tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
+                        // We ended our own proposal: we know its fate without reading it back
+                        // (the outcome may be overwritten by another transition before then).
+                        Ok(true) => self.answer(id, commit),
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
+                        }
                     }
                 }
                 Action::Switch { epoch, option } => {
@@ -508,22 +514,38 @@ impl<St: Store> Driver<St> {
             }
             changed
         });
-        // Our proposal's fate.
-        if let Some((id, _, _)) = &self.pending
-            && let Some(o) = snap.outcome
-            && o.id == *id
-        {
-            let (id, reply, why) = self.pending.take().expect("checked");
-            let r = if o.committed {
-                Ok(())
-            } else {
-                Err(Error::Aborted {
-                    id,
-                    reason: why.unwrap_or_else(|| "aborted by another member".to_owned()),
-                })
-            };
-            let _ = reply.send(r);
+        // Our proposal's fate: the recorded outcome if it is still ours; else, once our
+        // transition is no longer pending, it was decided, and (only its proposer commits a
+        // transition, and we answer our own successful finish at once) aborted by another
+        // member. The outcome alone is not enough: another transition may finish before we
+        // read it, and overwrite it.
+        if let Some((id, _, _)) = &self.pending {
+            let id = *id;
+            if let Some(o) = snap.outcome
+                && o.id == id
+            {
+                self.answer(id, o.committed);
+            } else if snap.transition.as_ref().map(|t| t.id) != Some(id) {
+                self.answer(id, false);
+            }
         }
         Ok(wrote)
+    }
+
+    /// Tells the caller of our pending proposal `id` (if it is still waiting) how it ended.
+    fn answer(&mut self, id: u64, committed: bool) {
+        if !matches!(&self.pending, Some((pid, _, _)) if *pid == id) {
+            return;
+        }
+        let (id, reply, why) = self.pending.take().expect("checked");
+        let r = if committed {
+            Ok(())
+        } else {
+            Err(Error::Aborted {
+                id,
+                reason: why.unwrap_or_else(|| "aborted by another member".to_owned()),
+            })
+        };
+        let _ = reply.send(r);
     }
 }
