@@ -7,7 +7,7 @@
 //! a fresh 1-RTT connection and one echo, and their connect + echo latencies are reported.
 //!
 //! The stack is twelve two-way selects of a pass-through layer with one exact capability
-//! ([`Kind`]): identical offers are decided in microseconds (and then remembered), while
+//! (`chunnel_test::kind::Kind`): identical offers are decided in microseconds (and then remembered), while
 //! `--flood-slow` clients send offers that are compatible only after a long search (each
 //! with a 0-RTT pick the server has not seen, so nothing remembered answers them): slow
 //! decisions mixed into the flood.
@@ -39,60 +39,7 @@ const LANES: usize = 4;
 /// A client that has not connected and echoed by then fails the run.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A pass-through layer whose one exact capability of kind `k` carries a number.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Kind(u32);
-
-impl chunnel::Negotiate for Kind {
-    fn id(&self) -> &'static str {
-        "bench/kind/1"
-    }
-    fn capabilities(&self) -> Vec<chunnel::Capability> {
-        vec![chunnel::Capability::exact("k", [self.0.to_string()])]
-    }
-}
-
-impl chunnel::Layer for Kind {
-    type State = Kind;
-    fn state(&mut self) -> Result<Kind, chunnel::Error> {
-        Ok(*self)
-    }
-}
-
-impl chunnel::LayerState for Kind {
-    type Data = Bytes;
-    fn on_send(&self, m: Bytes) -> Bytes {
-        m
-    }
-    fn on_recv(&self, batch: &mut [Option<Bytes>]) -> Result<usize, chunnel::Error> {
-        Ok(batch.len())
-    }
-}
-
-/// Twelve two-way selects of [`Kind`]s; select `i` offers `base + 2i` and `base + 2i + 1`.
-/// The server and well-behaved clients use base 0; slow clients offer base 1: compatible,
-/// but found only after a long search (tens of milliseconds).
-macro_rules! kinds {
-    ($base:expr) => {{
-        use chunnel::{Layered, select, stack};
-        let b: u32 = $base;
-        let s = |i: u32| Layered(select(Kind(b + 2 * i), Kind(b + 2 * i + 1)));
-        stack![
-            s(0),
-            s(1),
-            s(2),
-            s(3),
-            s(4),
-            s(5),
-            s(6),
-            s(7),
-            s(8),
-            s(9),
-            s(10),
-            s(11)
-        ]
-    }};
-}
+use chunnel_test::kinds;
 
 pub(crate) struct FloodArgs {
     pub(crate) hellos: usize,

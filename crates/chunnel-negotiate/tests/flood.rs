@@ -221,60 +221,7 @@ async fn accepted_peers_that_never_send_data_make_room() -> Result<()> {
     Ok(())
 }
 
-/// A pass-through layer whose one exact capability of kind `k` carries a number: a stack of
-/// selects of these is what makes the server's search long for some offers.
-#[derive(Clone, Copy, Debug)]
-struct Kind(u32);
-
-impl Negotiate for Kind {
-    fn id(&self) -> &'static str {
-        "test/kind/1"
-    }
-    fn capabilities(&self) -> Vec<Capability> {
-        vec![Capability::exact("k", [self.0.to_string()])]
-    }
-}
-
-impl chunnel::Layer for Kind {
-    type State = Kind;
-    fn state(&mut self) -> Result<Kind, CErr> {
-        Ok(*self)
-    }
-}
-
-impl chunnel::LayerState for Kind {
-    type Data = bytes::Bytes;
-    fn on_send(&self, m: bytes::Bytes) -> bytes::Bytes {
-        m
-    }
-    fn on_recv(&self, batch: &mut [Option<bytes::Bytes>]) -> Result<usize, CErr> {
-        Ok(batch.len())
-    }
-}
-
-/// Twelve two-way selects of [`Kind`]s; select `i` offers the values `base + 2i` and
-/// `base + 2i + 1`.
-macro_rules! kinds {
-    ($base:expr) => {{
-        use chunnel::{Layered, select, stack};
-        let b: u32 = $base;
-        let s = |i: u32| Layered(select(Kind(b + 2 * i), Kind(b + 2 * i + 1)));
-        stack![
-            s(0),
-            s(1),
-            s(2),
-            s(3),
-            s(4),
-            s(5),
-            s(6),
-            s(7),
-            s(8),
-            s(9),
-            s(10),
-            s(11)
-        ]
-    }};
-}
+use chunnel_test::kinds;
 
 /// A hello whose decision takes long (12 selects against 12, compatible only after a long
 /// search; each hello carries a 0-RTT pick the server has not seen, so nothing remembered

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 pub mod fault;
 pub mod flood;
+pub mod kind;
 pub mod netns;
 pub mod services;
 pub mod xor;
