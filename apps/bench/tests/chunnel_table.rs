@@ -53,7 +53,7 @@ fn row(c: &dyn Negotiate, crate_name: &str, kind: &str, host_specific: &[&str]) 
 }
 
 /// A TLS client Chunnel (its trust roots do not matter for the table).
-fn tls_connect(addr: SocketAddr) -> chunnel_secure::tls::Connect {
+fn client_config() -> chunnel_secure::ClientConfig {
     use chunnel_secure::rustls;
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
     let cfg = rustls::ClientConfig::builder_with_provider(provider)
@@ -61,9 +61,8 @@ fn tls_connect(addr: SocketAddr) -> chunnel_secure::tls::Connect {
         .expect("TLS 1.3 with ring")
         .with_root_certificates(rustls::RootCertStore::empty())
         .with_no_client_auth();
-    let cfg = chunnel_secure::ClientConfig::from_rustls(std::sync::Arc::new(cfg), "localhost")
-        .expect("a valid server name");
-    chunnel_secure::tls::Connect::new(addr, cfg)
+    chunnel_secure::ClientConfig::from_rustls(std::sync::Arc::new(cfg), "localhost")
+        .expect("a valid server name")
 }
 
 fn table() -> String {
@@ -85,9 +84,29 @@ fn table() -> String {
             &[],
         ),
         row(
-            &tls_connect(addr),
+            &chunnel_secure::tls::Connect::new(addr, client_config()),
             "chunnel-secure",
             "datapath: TLS 1.3 over TCP (length-framed, rustls)",
+            &[],
+        ),
+        row(
+            &chunnel_secure::quic::Connect::new(
+                addr,
+                client_config(),
+                chunnel_secure::quic::Mode::Stream,
+            ),
+            "chunnel-secure",
+            "datapath: QUIC, messages on one stream (length-framed, quinn)",
+            &[],
+        ),
+        row(
+            &chunnel_secure::quic::Connect::new(
+                addr,
+                client_config(),
+                chunnel_secure::quic::Mode::Datagram,
+            ),
+            "chunnel-secure",
+            "datapath: QUIC, a message per DATAGRAM frame (quinn)",
             &[],
         ),
         row(
