@@ -99,6 +99,7 @@
 
 mod config;
 mod error;
+mod handshakes;
 #[cfg(feature = "quic")]
 pub mod negotiated;
 #[cfg(feature = "quic")]

@@ -109,7 +109,6 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -123,7 +122,6 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::OnceCell;
-use tokio::task::JoinSet;
 
 pub use crate::config::{ClientConfig, ServerConfig};
 use crate::{DetectedBy, Error};
@@ -138,8 +136,8 @@ pub const CAPABILITY_KIND: &str = "quic";
 pub const QUIC_V1: &str = "v1";
 /// The kind of the capability saying what a mode delivers.
 pub const DELIVERY_KIND: &str = "delivery";
-/// How many failed handshakes a [`Listener`] remembers for [`Listener::take_failures`].
-pub const KEPT_FAILURES: usize = 64;
+use crate::handshakes::Handshakes;
+pub use crate::handshakes::KEPT_FAILURES;
 
 /// The QUIC application error code [`Connection::close`] sends (0: no error).
 const CLOSE_OK: u32 = 0;
@@ -797,8 +795,6 @@ fn check_datagrams(conn: &quinn::Connection, peer: &str) -> Result<(), Error> {
     })
 }
 
-type Handshake = (String, Result<quinn::Connection, Error>);
-
 /// A QUIC server endpoint handing out one [`Connection`] per client whose handshake
 /// succeeded.
 ///
@@ -810,9 +806,7 @@ pub struct Listener {
     endpoint: quinn::Endpoint,
     cfg: ServerConfig,
     mode: Mode,
-    pending: JoinSet<Handshake>,
-    failures: VecDeque<Error>,
-    failed: u64,
+    handshakes: Handshakes<quinn::Connection>,
 }
 
 impl std::fmt::Debug for Listener {
@@ -820,8 +814,8 @@ impl std::fmt::Debug for Listener {
         f.debug_struct("quic::Listener")
             .field("local_addr", &self.endpoint.local_addr().ok())
             .field("mode", &self.mode)
-            .field("handshakes_in_progress", &self.pending.len())
-            .field("failed_handshakes", &self.failed)
+            .field("handshakes_in_progress", &self.handshakes.in_progress())
+            .field("failed_handshakes", &self.handshakes.failed())
             .finish_non_exhaustive()
     }
 }
@@ -844,9 +838,7 @@ impl Listener {
             endpoint,
             cfg,
             mode,
-            pending: JoinSet::new(),
-            failures: VecDeque::new(),
-            failed: 0,
+            handshakes: Handshakes::new(),
         }
     }
 
@@ -865,13 +857,13 @@ impl Listener {
 
     /// How many client handshakes have failed since the listener was bound.
     pub fn failed_handshakes(&self) -> u64 {
-        self.failed
+        self.handshakes.failed()
     }
 
     /// The last failed handshakes that [`chunnel::Listener::accept`] skipped (at most
     /// [`KEPT_FAILURES`], oldest first), emptying the list.
     pub fn take_failures(&mut self) -> Vec<Error> {
-        self.failures.drain(..).collect()
+        self.handshakes.take_failures()
     }
 
     /// Waits for the next client whose handshake finished: `Ok(Ok(connection))`, or
@@ -881,28 +873,19 @@ impl Listener {
     /// Cancel safe: handshakes run in their own tasks and a finished one is never lost.
     pub async fn accept_client(&mut self) -> Result<Result<Connection, Error>, chunnel::Error> {
         loop {
-            let room = self.pending.len() < self.cfg.max_handshakes;
+            let room = self.handshakes.in_progress() < self.cfg.max_handshakes;
             tokio::select! {
                 biased;
-                Some(done) = self.pending.join_next(), if !self.pending.is_empty() => {
-                    match done {
-                        Ok((_, Ok(conn))) => {
-                            return Ok(Ok(Connection::new(
-                                conn,
-                                self.endpoint.clone(),
-                                self.mode,
-                                None,
-                                &self.cfg.framing,
-                            )));
-                        }
-                        Ok((_, Err(e))) => {
-                            self.failed += 1;
-                            return Ok(Err(e));
-                        }
-                        // A handshake task cannot panic on network bytes (quinn and rustls
-                        // return errors); if one ever did, that client alone is dropped.
-                        Err(_) => continue,
-                    }
+                (_, done) = self.handshakes.finished() => {
+                    return Ok(done.map(|conn| {
+                        Connection::new(
+                            conn,
+                            self.endpoint.clone(),
+                            self.mode,
+                            None,
+                            &self.cfg.framing,
+                        )
+                    }));
                 }
                 incoming = self.endpoint.accept(), if room => match incoming {
                     Some(i) => self.start(i),
@@ -915,27 +898,18 @@ impl Listener {
     fn start(&mut self, incoming: quinn::Incoming) {
         let after = self.cfg.handshake_timeout;
         let mode = self.mode;
-        self.pending.spawn(async move {
-            let peer = incoming.remote_address().to_string();
-            let handshake = async {
-                let conn = incoming
-                    .accept()
-                    .map_err(|e| Error::from_quic(&peer, e))?
-                    .await
-                    .map_err(|e| Error::from_quic(&peer, e))?;
-                if mode == Mode::Datagram {
-                    check_datagrams(&conn, &peer)?;
-                }
-                Ok(conn)
-            };
-            let r = match tokio::time::timeout(after, handshake).await {
-                Ok(r) => r,
-                Err(_) => Err(Error::HandshakeTimeout {
-                    peer: peer.clone(),
-                    after,
-                }),
-            };
-            (peer, r)
+        let peer = incoming.remote_address().to_string();
+        let at = peer.clone();
+        self.handshakes.spawn(peer, after, async move {
+            let conn = incoming
+                .accept()
+                .map_err(|e| Error::from_quic(&at, e))?
+                .await
+                .map_err(|e| Error::from_quic(&at, e))?;
+            if mode == Mode::Datagram {
+                check_datagrams(&conn, &at)?;
+            }
+            Ok(conn)
         });
     }
 }
@@ -966,12 +940,7 @@ impl chunnel::Listener for Listener {
         loop {
             match self.accept_client().await? {
                 Ok(c) => return Ok(c),
-                Err(e) => {
-                    if self.failures.len() == KEPT_FAILURES {
-                        self.failures.pop_front();
-                    }
-                    self.failures.push_back(e);
-                }
+                Err(e) => self.handshakes.keep(e),
             }
         }
     }

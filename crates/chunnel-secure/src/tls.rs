@@ -15,7 +15,6 @@
 //! * Both advertise [`ID`] and the exact capability [`capability`] (`secure` = `{tls13}`), so a
 //!   negotiating peer pairs a TLS stack only with a TLS stack.
 
-use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -27,7 +26,6 @@ use chunnel::{Capability, Chunnel, ChunnelConnection, Negotiate, SendHeader};
 use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinSet;
 use tokio_rustls::{TlsAcceptor, TlsConnector, TlsStream};
 
 use crate::Error;
@@ -39,8 +37,8 @@ pub const ID: &str = "chunnel/tls/1";
 pub const CAPABILITY_KIND: &str = "secure";
 /// The label of [`capability`]: TLS 1.3.
 pub const CAPABILITY_LABEL: &str = "tls13";
-/// How many failed handshakes a [`Listener`] remembers for [`Listener::take_failures`].
-pub const KEPT_FAILURES: usize = 64;
+use crate::handshakes::Handshakes;
+pub use crate::handshakes::KEPT_FAILURES;
 
 /// The exact capability `secure` = `{tls13}`: this datapath encrypts and authenticates with
 /// TLS 1.3. Exact, so both ends must have it: a TLS client is never paired with a plaintext
@@ -337,23 +335,19 @@ impl Chunnel<()> for Connect {
     }
 }
 
-type Handshake = (String, Result<TlsStream<TcpStream>, Error>);
-
 /// A TLS server socket handing out one [`Connection`] per client whose handshake succeeded.
 pub struct Listener {
     tcp: TcpListener,
     cfg: ServerConfig,
-    pending: JoinSet<Handshake>,
-    failures: VecDeque<Error>,
-    failed: u64,
+    handshakes: Handshakes<TlsStream<TcpStream>>,
 }
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("tls::Listener")
             .field("local_addr", &self.tcp.local_addr().ok())
-            .field("handshakes_in_progress", &self.pending.len())
-            .field("failed_handshakes", &self.failed)
+            .field("handshakes_in_progress", &self.handshakes.in_progress())
+            .field("failed_handshakes", &self.handshakes.failed())
             .finish_non_exhaustive()
     }
 }
@@ -367,9 +361,7 @@ impl Listener {
         Ok(Listener {
             tcp,
             cfg,
-            pending: JoinSet::new(),
-            failures: VecDeque::new(),
-            failed: 0,
+            handshakes: Handshakes::new(),
         })
     }
 
@@ -383,13 +375,13 @@ impl Listener {
 
     /// How many client handshakes have failed since the listener was bound.
     pub fn failed_handshakes(&self) -> u64 {
-        self.failed
+        self.handshakes.failed()
     }
 
     /// The last failed handshakes that [`chunnel::Listener::accept`] skipped (at most
     /// [`KEPT_FAILURES`], oldest first), emptying the list.
     pub fn take_failures(&mut self) -> Vec<Error> {
-        self.failures.drain(..).collect()
+        self.handshakes.take_failures()
     }
 
     /// Waits for the next client whose handshake finished: `Ok(Ok(connection))`, or
@@ -399,22 +391,11 @@ impl Listener {
     /// Cancel safe: handshakes run in their own tasks and a finished one is never lost.
     pub async fn accept_client(&mut self) -> Result<Result<Connection, Error>, chunnel::Error> {
         loop {
-            let room = self.pending.len() < self.cfg.max_handshakes;
+            let room = self.handshakes.in_progress() < self.cfg.max_handshakes;
             tokio::select! {
                 biased;
-                Some(done) = self.pending.join_next(), if !self.pending.is_empty() => {
-                    match done {
-                        Ok((peer, Ok(io))) => {
-                            return Ok(Ok(Connection::new(io, &self.cfg.framing, peer)));
-                        }
-                        Ok((_, Err(e))) => {
-                            self.failed += 1;
-                            return Ok(Err(e));
-                        }
-                        // A handshake task cannot panic on network bytes (rustls returns
-                        // errors); if one ever did, that client alone is dropped.
-                        Err(_) => continue,
-                    }
+                (peer, done) = self.handshakes.finished() => {
+                    return Ok(done.map(|io| Connection::new(io, &self.cfg.framing, peer)));
                 }
                 r = self.tcp.accept(), if room => match r {
                     Ok((tcp, addr)) => self.start(tcp, addr),
@@ -434,19 +415,15 @@ impl Listener {
     fn start(&mut self, tcp: TcpStream, addr: SocketAddr) {
         let acceptor = TlsAcceptor::from(Arc::clone(&self.cfg.rustls));
         let after = self.cfg.handshake_timeout;
-        self.pending.spawn(async move {
-            let peer = addr.to_string();
+        let peer = addr.to_string();
+        let at = peer.clone();
+        self.handshakes.spawn(peer, after, async move {
             // Small messages must not wait for Nagle; failure to set it is harmless.
             let _ = tcp.set_nodelay(true);
-            let r = match tokio::time::timeout(after, acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => Ok(TlsStream::Server(s)),
-                Ok(Err(e)) => Err(handshake_err(&peer, e)),
-                Err(_) => Err(Error::HandshakeTimeout {
-                    peer: peer.clone(),
-                    after,
-                }),
-            };
-            (peer, r)
+            match acceptor.accept(tcp).await {
+                Ok(s) => Ok(TlsStream::Server(s)),
+                Err(e) => Err(handshake_err(&at, e)),
+            }
         });
     }
 }
@@ -470,12 +447,7 @@ impl chunnel::Listener for Listener {
         loop {
             match self.accept_client().await? {
                 Ok(c) => return Ok(c),
-                Err(e) => {
-                    if self.failures.len() == KEPT_FAILURES {
-                        self.failures.pop_front();
-                    }
-                    self.failures.push_back(e);
-                }
+                Err(e) => self.handshakes.keep(e),
             }
         }
     }
