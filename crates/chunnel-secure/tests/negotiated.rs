@@ -6,6 +6,7 @@
 //! rewrites the hello's offers, the accept's pick, or both; when it sends the client to
 //! plaintext it points it at a TCP relay of its own. Every byte both relays carry is kept,
 //! and the application's marker must never appear in them.
+#![cfg(feature = "quic")]
 
 mod common;
 
