@@ -445,14 +445,13 @@ fn is_hello(m: &[u8]) -> bool {
     m.first() == Some(&(Tag::Hello as u8))
 }
 
-/// Waits (at most `wait`) for a connection's hello; other messages are stale (data or
-/// answers of an earlier connection of the same address) and dropped.
 /// How long a server waits for a new connection's hello while its base listener is crowded
 /// (see [`Config::hello_timeout`]).
 pub const CROWDED_HELLO_WAIT: Duration = Duration::from_secs(1);
 
-/// Waits up to `wait` for a hello on `base`; while `base`'s listener is crowded, looks every
-/// [`CROWDED_HELLO_WAIT`] and gives up once that long has passed.
+/// Waits up to `wait` for a hello on `base`; other messages are stale (data or answers of an
+/// earlier connection of the same address) and dropped. While `base`'s listener is crowded,
+/// looks every [`CROWDED_HELLO_WAIT`] and gives up once that long has passed.
 async fn recv_hello<C: ChunnelConnection<Data = Bytes> + PeerHandoff>(
     base: &C,
     wait: Duration,
