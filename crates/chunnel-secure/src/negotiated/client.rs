@@ -20,7 +20,7 @@ use super::bind::{
     Bound, MAX_BOUND, Status, Tampered, compare, encode_bind, encode_rebind, signed_message,
     transcript_hash,
 };
-use super::connection::Connection;
+use super::connection::{Connection, Link};
 use super::option::{Choice, choice, parse_server_stack};
 use super::server::{BIND_TIMEOUT, SCHEMES};
 
@@ -372,8 +372,8 @@ impl Client {
         let bad = || Error::Config {
             what: format!("{transport} needs trust roots and a server name"),
         };
-        Ok(match (transport, &self.trust) {
-            (Transport::Quic, Some(t)) => Connection::Quic(
+        Ok(Connection::new(match (transport, &self.trust) {
+            (Transport::Quic, Some(t)) => Link::Quic(
                 quic::Connect::new(ep, t.cfg.clone(), quic::Mode::Stream)
                     .with_endpoint(self.quic_endpoint(ep).map_err(|e| Error::Datapath {
                         transport,
@@ -386,7 +386,7 @@ impl Client {
                         source: e,
                     })?,
             ),
-            (Transport::Tls, Some(t)) => Connection::Tls(
+            (Transport::Tls, Some(t)) => Link::Tls(
                 tls::Connect::new(ep, t.cfg.clone())
                     .connect_wrap(())
                     .await
@@ -395,7 +395,7 @@ impl Client {
                         source: e,
                     })?,
             ),
-            (Transport::Plain, _) => Connection::Plain(
+            (Transport::Plain, _) => Link::Plain(
                 chunnel_net::tcp::Connect::new(ep)
                     .connect_wrap(())
                     .await
@@ -405,7 +405,7 @@ impl Client {
                     })?,
             ),
             (_, None) => return Err(bad()),
-        })
+        }))
     }
 
     /// A reconnect on a remembered secure pick (docs/wire.md §16.5): straight to the

@@ -90,7 +90,7 @@ mod server;
 
 pub use bind::{Tampered, fuzz_decode};
 pub use client::{Client, ClientBuilder, Policy, REMEMBERED_SERVERS};
-pub use connection::Connection;
+pub use connection::{BOUND_DELAY, Connection, Link};
 pub use option::{CAPABILITY, Choice, Option3};
 pub use server::{BIND_TIMEOUT, Server, ServerBuilder};
 

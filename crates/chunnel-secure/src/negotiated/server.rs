@@ -20,7 +20,7 @@ use super::Transport;
 use super::bind::{
     Bound, Status, Tampered, decode_bind, decode_rebind, signed_message, transcript_hash,
 };
-use super::connection::Connection;
+use super::connection::{BOUND_DELAY, Connection, Link};
 use super::option::{choice, parse_server_stack};
 
 /// How long a server keeps a negotiation's transcript for the client's BIND.
@@ -127,6 +127,7 @@ pub struct ServerBuilder {
     identity: Option<Identity>,
     negotiate: chunnel_negotiate::Config,
     at: Vec<(Transport, SocketAddr)>,
+    bound_delay: Duration,
 }
 
 impl ServerBuilder {
@@ -145,6 +146,14 @@ impl ServerBuilder {
     /// refuse an unsigned plaintext pick).
     pub fn identity(mut self, identity: Identity) -> Self {
         self.identity = Some(identity);
+        self
+    }
+
+    /// How long the BOUND agreeing to a client's BIND or REBIND waits for the application's
+    /// first reply to ride with (default [`BOUND_DELAY`]). It goes earlier if the application
+    /// receives with nothing left to read; a client's connect waits for it.
+    pub fn bound_delay(mut self, delay: Duration) -> Self {
+        self.bound_delay = delay;
         self
     }
 
@@ -189,6 +198,7 @@ impl ServerBuilder {
                 decider: Arc::clone(&decider),
                 signing: signing.clone(),
                 transport: t,
+                bound_delay: self.bound_delay,
             };
             let ip_any = self
                 .at
@@ -202,7 +212,7 @@ impl ServerBuilder {
                     let local = l.local_addr().map_err(io)?;
                     tasks.push(tokio::spawn(async move {
                         while let Ok(r) = l.accept_client().await {
-                            ctx.handshaken(r.map(Connection::Quic));
+                            ctx.handshaken(r.map(|c| Connection::new(Link::Quic(c))));
                         }
                     }));
                     local
@@ -214,7 +224,7 @@ impl ServerBuilder {
                     let local = l.local_addr().map_err(io)?;
                     tasks.push(tokio::spawn(async move {
                         while let Ok(r) = l.accept_client().await {
-                            ctx.handshaken(r.map(Connection::Tls));
+                            ctx.handshaken(r.map(|c| Connection::new(Link::Tls(c))));
                         }
                     }));
                     local
@@ -225,7 +235,7 @@ impl ServerBuilder {
                     tasks.push(tokio::spawn(async move {
                         loop {
                             match l.accept().await {
-                                Ok(c) => ctx.handshaken(Ok(Connection::Plain(c))),
+                                Ok(c) => ctx.handshaken(Ok(Connection::new(Link::Plain(c)))),
                                 Err(e) if e.is_closed() => return,
                                 Err(_) => {}
                             }
@@ -293,6 +303,7 @@ struct Serve {
     decider: Arc<OnceLock<chunnel_negotiate::proto::Server>>,
     signing: Option<Arc<SigningIdentity>>,
     transport: Transport,
+    bound_delay: Duration,
 }
 
 impl Serve {
@@ -305,17 +316,30 @@ impl Serve {
                 Err(e) => Err(e),
             };
             // `Ok(None)`: a REBIND told to negotiate afresh; not a failure.
-            if let Some(r) = r.transpose() {
-                let _ = this.tx.send(r).await;
+            match r.transpose() {
+                None => {}
+                Some(Ok(c)) => {
+                    // The agreeing BOUND rides with the application's first reply, or goes
+                    // alone after BOUND_DELAY (also while the connection waits in accept).
+                    let flusher = c.bound_flusher();
+                    let later = async {
+                        tokio::time::sleep(this.bound_delay).await;
+                        flusher.flush().await;
+                    };
+                    let _ = tokio::join!(this.tx.send(Ok(c)), later);
+                }
+                Some(Err(e)) => {
+                    let _ = this.tx.send(Err(e)).await;
+                }
             }
         });
     }
 
     async fn bind(&self, conn: Connection) -> Result<Option<Connection>, Error> {
-        let peer = match &conn {
-            Connection::Quic(c) => c.peer().to_string(),
-            Connection::Tls(c) => c.peer().to_string(),
-            Connection::Plain(_) => format!("{} client", self.transport),
+        let peer = match conn.link() {
+            Link::Quic(c) => c.peer().to_string(),
+            Link::Tls(c) => c.peer().to_string(),
+            Link::Plain(_) => format!("{} client", self.transport),
         };
         let bind_err = |detail: String| Error::Downgrade {
             peer: peer.clone(),
@@ -331,7 +355,7 @@ impl Serve {
         let Some((conn_id, client_hash)) = decode_bind(&first) else {
             return match decode_rebind(&first) {
                 // Never on plaintext: a client remembers secure picks only.
-                Some(hello) if self.transport.is_secure() => self.rebind(conn, hello, &peer).await,
+                Some(hello) if self.transport.is_secure() => self.rebind(conn, hello).await,
                 _ => Err(bind_err("the first message is not a BIND".into())),
             };
         };
@@ -361,12 +385,13 @@ impl Serve {
                 bound.signature = sig.into();
             }
         }
-        let sent = conn.send_one(bound.encode()).await;
+        if status == Status::Agreed {
+            conn.hold_bound(bound.encode());
+            return Ok(Some(conn));
+        }
+        // Refusals go at once, before the connection closes.
+        let _ = conn.send_one(bound.encode()).await;
         match (status, record) {
-            (Status::Agreed, _) => {
-                sent.map_err(|e| bind_err(format!("cannot answer the BIND: {e}")))?;
-                Ok(Some(conn))
-            }
             (_, None) => Err(Error::Downgrade {
                 peer,
                 by: DetectedBy::Local,
@@ -396,7 +421,6 @@ impl Serve {
         &self,
         conn: Connection,
         hello: bytes::Bytes,
-        peer: &str,
     ) -> Result<Option<Connection>, Error> {
         let pick = self
             .decider
@@ -421,27 +445,17 @@ impl Serve {
             },
             ..Bound::default()
         };
-        let sent = conn.send_one(bound.encode()).await;
-        match status {
-            Status::Agreed => {
-                sent.map_err(|e| Error::Downgrade {
-                    peer: peer.to_string(),
-                    by: DetectedBy::Local,
-                    tampered: Tampered::Unverified,
-                    detail: format!("cannot answer the REBIND: {e}"),
-                })?;
-                Ok(Some(conn))
-            }
-            // Told to negotiate afresh: the messages behind the REBIND are read and dropped,
-            // undelivered, until the client closes (so the BOUND is not cut off by our close).
-            _ => {
-                if sent.is_ok() {
-                    let drain = async { while conn.recv_one().await.is_ok() {} };
-                    let _ = tokio::time::timeout(BIND_TIMEOUT, drain).await;
-                }
-                Ok(None)
-            }
+        if status == Status::Agreed {
+            conn.hold_bound(bound.encode());
+            return Ok(Some(conn));
         }
+        // Told to negotiate afresh: the messages behind the REBIND are read and dropped,
+        // undelivered, until the client closes (so the BOUND is not cut off by our close).
+        if conn.send_one(bound.encode()).await.is_ok() {
+            let drain = async { while conn.recv_one().await.is_ok() {} };
+            let _ = tokio::time::timeout(BIND_TIMEOUT, drain).await;
+        }
+        Ok(None)
     }
 }
 
@@ -472,6 +486,7 @@ impl Server {
             identity: None,
             negotiate: chunnel_negotiate::Config::default(),
             at: Vec::new(),
+            bound_delay: BOUND_DELAY,
         }
     }
 
