@@ -28,14 +28,18 @@
 //! offering `select(quic, tls)`. The bar's figure is a **reconnect**, as raw quinn's connect
 //! reuses its endpoint and TLS resumption: the client has verified the QUIC pick once (at
 //! start) and remembers it, so each connect goes straight to the QUIC endpoint with a REBIND
-//! and the first message behind it (docs/wire.md §16.5, `Client::connect_with`; BOUND), no
-//! UDP negotiation, and one `--size` message is echoed, the connection dropped. The
+//! and the first message behind it (docs/wire.md §16.5, `Client::connect_with`), no UDP
+//! negotiation, and one `--size` message is echoed (the server's BOUND rides with the echo,
+//! §16.3), the connection dropped. The
 //! **first contact** (a client with `remember(0)`: negotiation over UDP, the QUIC handshake to
 //! the picked endpoint, BIND with the first message behind it, BOUND) is reported alongside;
 //! p50 over `--conns`, measured in the same repetition as raw quinn's connect + first echo
 //! (just before the QUIC pair on even repetitions, just after it on odd ones), reported as
 //! negotiated / raw quinn per repetition. The same with `Client::connect` and the message
-//! sent after it (BIND, wait for BOUND, then the message) is reported alongside.
+//! sent after it (REBIND, wait for BOUND, then the message) is reported alongside. Each of
+//! the three variants runs its `--conns` connections in a run of its own, as raw quinn's do,
+//! so that one variant's leftovers (connections closing, negotiation state) do not fall
+//! inside another's timings.
 //!
 //! Client and servers run as tasks of one current-thread tokio runtime on one pinned core
 //! (`--cpu`), so the figures are the whole CPU cost of both ends plus kernel loopback, without
