@@ -114,10 +114,8 @@ async fn a_server_that_only_holds_the_connection_lets_the_client_in() {
         let addr = s.local_addr();
         let c = client(&pki);
         for _ in 0..2 {
-            let (cc, _held) = tokio::join!(
-                tokio::time::timeout(BOUND, c.connect(addr)),
-                accept(&mut s)
-            );
+            let (cc, _held) =
+                tokio::join!(tokio::time::timeout(BOUND, c.connect(addr)), accept(&mut s));
             let cc = cc.expect("connect waits for a BOUND never sent").unwrap();
             assert_eq!(cc.transport(), t);
         }

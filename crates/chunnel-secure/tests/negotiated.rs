@@ -51,6 +51,11 @@ async fn serve(order: &[Transport], identity: Option<chunnel_secure::Identity>) 
     if let Some(id) = identity {
         b = b.identity(id);
     }
+    serve_with(b).await
+}
+
+/// Starts the server `b` builds, echoing every message.
+async fn serve_with(b: chunnel_secure::negotiated::ServerBuilder) -> Running {
     let mut server = b.bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let addr = server.local_addr();
     let endpoints = [Quic, Tls, Plain]
@@ -270,7 +275,16 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 
 /// A TCP relay to `to`; returns its address.
 async fn tcp_relay(to: SocketAddr, cap: Captured, forge: Option<Views>) -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    tcp_relay_on(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        to,
+        cap,
+        forge,
+    )
+}
+
+/// A TCP relay from `l` to `to`; returns its address.
+fn tcp_relay_on(l: TcpListener, to: SocketAddr, cap: Captured, forge: Option<Views>) -> SocketAddr {
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((a, _)) = l.accept().await {
@@ -652,10 +666,12 @@ async fn a_forged_plaintext_bound_does_not_verify() {
     assert!(!contains(&cap.lock().unwrap(), MARKER));
 }
 
-/// A UDP relay in front of a negotiation socket that counts the client's datagrams; its
-/// server can be switched. Returns the address clients use, the count and the switch.
+/// A UDP relay in front of a negotiation socket (or a QUIC endpoint) that counts the
+/// client's datagrams and keeps every byte it carries in `cap`; its server can be switched.
+/// Returns the address clients use, the count and the switch.
 async fn counting_relay(
     server: SocketAddr,
+    cap: Captured,
 ) -> (
     SocketAddr,
     Arc<std::sync::atomic::AtomicUsize>,
@@ -669,17 +685,19 @@ async fn counting_relay(
     let to = Arc::new(Mutex::new(server));
     let peer: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
     {
-        let (front, back, count, to, peer) = (
+        let (front, back, count, to, peer, cap) = (
             front.clone(),
             back.clone(),
             count.clone(),
             to.clone(),
             peer.clone(),
+            cap.clone(),
         );
         tokio::spawn(async move {
             let mut buf = vec![0u8; 65536];
             while let Ok((n, from)) = front.recv_from(&mut buf).await {
                 count.fetch_add(1, Ordering::SeqCst);
+                cap.lock().unwrap().extend_from_slice(&buf[..n]);
                 *peer.lock().unwrap() = Some(from);
                 let dst = *to.lock().unwrap();
                 let _ = back.send_to(&buf[..n], dst).await;
@@ -689,6 +707,7 @@ async fn counting_relay(
     tokio::spawn(async move {
         let mut buf = vec![0u8; 65536];
         while let Ok((n, _)) = back.recv_from(&mut buf).await {
+            cap.lock().unwrap().extend_from_slice(&buf[..n]);
             let p = *peer.lock().unwrap();
             if let Some(p) = p {
                 let _ = front.send_to(&buf[..n], p).await;
@@ -711,7 +730,7 @@ async fn a_reconnect_uses_the_remembered_secure_pick() {
     let pki = Pki::new();
     for order in [[Quic, Tls, Plain], [Tls, Quic, Plain]] {
         let s = serve(&order, Some(pki.server.identity())).await;
-        let (front, count, _) = counting_relay(s.addr).await;
+        let (front, count, _) = counting_relay(s.addr, Arc::default()).await;
         let c = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
         let first = c
             .connect_with(front, [Bytes::from_static(b"one")])
@@ -756,7 +775,7 @@ async fn a_reconnect_uses_the_remembered_secure_pick() {
     }
     // A (signed) plaintext pick is never remembered: the next connect negotiates again.
     let s = serve(&[Plain], Some(pki.server.identity())).await;
-    let (front, count, _) = counting_relay(s.addr).await;
+    let (front, count, _) = counting_relay(s.addr, Arc::default()).await;
     let c = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
     let p = c.connect(front).await.unwrap();
     assert_eq!(p.transport(), Plain);
@@ -778,7 +797,7 @@ async fn a_changed_preference_forces_a_fresh_negotiation() {
         .await
         .unwrap();
     let tls_at = old.endpoint(Tls).unwrap();
-    let (front, count, switch) = counting_relay(old.local_addr()).await;
+    let (front, count, switch) = counting_relay(old.local_addr(), Arc::default()).await;
     let c = client(&pki, &[Quic, Tls], Policy::AllowPlaintext);
     let (conn, accepted) = tokio::join!(c.connect(front), old.accept());
     let conn = conn.unwrap();
@@ -824,4 +843,64 @@ async fn a_changed_preference_forces_a_fresh_negotiation() {
     let (again, _) = tokio::join!(c.connect(front), server.accept());
     assert_eq!(again.unwrap().transport(), Quic);
     assert_eq!(sent(&count), before);
+}
+
+/// Issue 21 item 5, by byte capture: no application byte travels in the clear, neither on
+/// first contact (BIND) nor on a reconnect (REBIND). The server advertises its endpoint at a
+/// relay that keeps every byte it carries (a UDP relay for QUIC, a TCP relay for TLS), the
+/// negotiation datagrams go through another; the client connects three times (the last two
+/// are REBINDs to the remembered endpoint, i.e. the relay) with the marker behind the BIND
+/// or REBIND, which is echoed each time and never appears in what the relays carried. The
+/// same relays on a plaintext pick do see it, so the capture can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_application_byte_in_the_clear_on_first_contact_or_reconnect() {
+    let pki = Pki::new();
+    for t in [Quic, Tls, Plain] {
+        let cap: Captured = Arc::default();
+        let tcp_front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let unset: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let (udp_front, _, udp_to) = counting_relay(unset, Arc::clone(&cap)).await;
+        let front_of = |t| match t {
+            Quic => udp_front,
+            _ => tcp_front.local_addr().unwrap(),
+        };
+        let s = serve_with(
+            Server::builder([t])
+                .identity(pki.server.identity())
+                .advertise(t, front_of(t)),
+        )
+        .await;
+        let endpoint = s.endpoint(t).unwrap();
+        match t {
+            Quic => *udp_to.lock().unwrap() = endpoint,
+            _ => {
+                tcp_relay_on(tcp_front, endpoint, Arc::clone(&cap), None);
+            }
+        }
+        let (front, _, _) = counting_relay(s.addr, Arc::clone(&cap)).await;
+        let c = client(&pki, &[Quic, Tls, Plain], Policy::AllowPlaintext);
+        for round in 0..3 {
+            let conn =
+                tokio::time::timeout(BOUND, c.connect_with(front, [Bytes::from_static(MARKER)]))
+                    .await
+                    .unwrap()
+                    .unwrap();
+            assert_eq!(conn.transport(), t);
+            let got = tokio::time::timeout(BOUND, conn.recv_one())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(got, MARKER, "{t} round {round}");
+        }
+        assert_eq!(c.remembered(), usize::from(t.is_secure()), "{t}");
+        assert_eq!(s.served.lock().unwrap().len(), 3, "{t}");
+        let captured = cap.lock().unwrap();
+        assert!(captured.len() > 1000, "{t}: the relays carried nothing");
+        assert_eq!(
+            contains(&captured, MARKER),
+            !t.is_secure(),
+            "{t}: the marker in the clear: {}",
+            contains(&captured, MARKER)
+        );
+    }
 }

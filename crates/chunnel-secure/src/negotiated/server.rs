@@ -127,6 +127,7 @@ pub struct ServerBuilder {
     identity: Option<Identity>,
     negotiate: chunnel_negotiate::Config,
     at: Vec<(Transport, SocketAddr)>,
+    told: Vec<(Transport, SocketAddr)>,
     bound_delay: Duration,
 }
 
@@ -146,6 +147,15 @@ impl ServerBuilder {
     /// refuse an unsigned plaintext pick).
     pub fn identity(mut self, identity: Identity) -> Self {
         self.identity = Some(identity);
+        self
+    }
+
+    /// The address clients are told for `transport`'s endpoint (default: the address it is
+    /// bound to), for a server behind a port forward, a NAT or a relay that reaches the
+    /// endpoint. The transcript binding covers it as it covers the rest of the accept.
+    pub fn advertise(mut self, transport: Transport, addr: SocketAddr) -> Self {
+        self.told.retain(|(t, _)| *t != transport);
+        self.told.push((transport, addr));
         self
     }
 
@@ -251,8 +261,16 @@ impl ServerBuilder {
                 what: "a negotiated server must offer at least one transport".into(),
             });
         }
-        let order: Vec<(Transport, Option<SocketAddr>)> =
-            endpoints.iter().map(|&(t, a)| (t, Some(a))).collect();
+        let told = |t: Transport, bound: SocketAddr| {
+            self.told
+                .iter()
+                .find(|(e, _)| *e == t)
+                .map_or(bound, |(_, a)| *a)
+        };
+        let order: Vec<(Transport, Option<SocketAddr>)> = endpoints
+            .iter()
+            .map(|&(t, a)| (t, Some(told(t, a))))
+            .collect();
         // The same options the negotiation listener decides with, for REBINDs (§16.5).
         let _ = decider.set(chunnel_negotiate::proto::Server::new(
             choice(&order).offer_tree(),
@@ -486,6 +504,7 @@ impl Server {
             identity: None,
             negotiate: chunnel_negotiate::Config::default(),
             at: Vec::new(),
+            told: Vec::new(),
             bound_delay: BOUND_DELAY,
         }
     }
@@ -495,7 +514,7 @@ impl Server {
         self.local
     }
 
-    /// The endpoint of `transport`, if offered.
+    /// The address `transport`'s endpoint is bound to, if offered.
     pub fn endpoint(&self, transport: Transport) -> Option<SocketAddr> {
         self.endpoints
             .iter()
