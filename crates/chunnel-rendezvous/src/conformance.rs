@@ -144,6 +144,25 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
     let t2 = Transition { id: 3, ..t.clone() };
     assert!(store.propose(&g, &t2).await.unwrap());
     assert!(store.vote(&g, 3, "m2", &Ballot::Yes).await.unwrap());
+    // Not every live member said yes (m1 has not voted): the commit is refused, nothing
+    // written, the transition still pending.
+    assert!(
+        !store.finish(&g, 3, true).await.unwrap(),
+        "committed without m1's yes"
+    );
+    let s = store.snapshot(&g).await.unwrap();
+    assert_eq!((s.epoch(), s.transition.as_ref()), (1, Some(&t2)));
+    assert!(store.vote(&g, 3, "m1", &Ballot::Yes).await.unwrap());
+    // A member joining after the votes has had no say: refused again until it votes.
+    store
+        .join(&g, &member("m3"), None, Some(1), lease)
+        .await
+        .unwrap();
+    assert!(
+        !store.finish(&g, 3, true).await.unwrap(),
+        "committed without the yes of m3, which joined after the votes"
+    );
+    assert!(store.vote(&g, 3, "m3", &Ballot::Yes).await.unwrap());
     assert!(store.finish(&g, 3, true).await.unwrap());
     let s = store.snapshot(&g).await.unwrap();
     assert_eq!(s.epoch(), 2);
@@ -154,6 +173,7 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
     // Leaving removes the member at once; leaving twice is fine.
     store.leave(&g, "m2").await.unwrap();
     store.leave(&g, "m2").await.unwrap();
+    store.leave(&g, "m3").await.unwrap();
     let s = store.snapshot(&g).await.unwrap();
     assert_eq!(s.members, vec![member("m1")]);
 

@@ -162,6 +162,16 @@ impl Machine {
         })
     }
 
+    /// The store did not commit transition `id` (its [`Store::finish`](crate::Store::finish)
+    /// answered `false`): a live member had no yes ballot when the finish landed, e.g. one that
+    /// joined after our last read. Decide it again on a later snapshot, with that member's
+    /// ballot (or the deadline).
+    pub fn finish_refused(&mut self, id: u64) {
+        if self.finished == Some(id) {
+            self.finished = None;
+        }
+    }
+
     /// Re-synchronises after a rejoin at `epoch` with `option`.
     pub fn rejoined(&mut self, epoch: u64, option: usize) {
         self.epoch = epoch;
@@ -254,11 +264,7 @@ impl Machine {
             Ballot::No(why) if snap.is_member(m) => Some(why.clone()),
             _ => None,
         });
-        let all_yes = snap.members.iter().all(|m| {
-            snap.ballots
-                .iter()
-                .any(|(id, b)| id == &m.id && *b == Ballot::Yes)
-        });
+        let all_yes = snap.all_live_yes();
         let finish = if t.proposer == self.me {
             if let Some(why) = live_no {
                 Some((false, format!("refused by {why}")))

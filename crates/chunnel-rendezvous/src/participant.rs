@@ -471,7 +471,9 @@ impl<St: Store> Driver<St> {
                         // We ended our own proposal: we know its fate without reading it back
                         // (the outcome may be overwritten by another transition before then).
                         Ok(true) => self.answer(id, commit),
-                        Ok(false) => {}
+                        // Not pending any more, or (a commit) someone live has not said yes:
+                        // decide again on the next read.
+                        Ok(false) => self.machine.finish_refused(id),
                         Err(e) => {
                             tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
                         }

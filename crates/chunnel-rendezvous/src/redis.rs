@@ -182,7 +182,8 @@ return 1
 ";
 
 /// ARGV: transition id, `1` to commit (else `0`). Returns 1 if finished, 0 if `id` is not
-/// pending, -1 (nothing written) if the pending transition lacks its next epoch or stack.
+/// pending or (commit) a live member has no yes ballot, -1 (nothing written) if the pending
+/// transition lacks its next epoch or stack.
 const FINISH: &str = r"
 local t = redis.call('HMGET', transition, 'id', 'from_epoch', 'next_epoch', 'stack')
 if t[1] ~= ARGV[1] then
@@ -190,6 +191,13 @@ if t[1] ~= ARGV[1] then
 end
 if not t[2] or not t[3] or not t[4] then
   return -1
+end
+if ARGV[2] == '1' then
+  for _, m in ipairs(redis.call('ZRANGE', members, 0, -1)) do
+    if redis.call('HGET', ballots, m) ~= 'y' then
+      return 0
+    end
+  end
 end
 if ARGV[2] == '1' and redis.call('HGET', meta, 'epoch') == t[2] then
   redis.call('HSET', meta, 'epoch', t[3], 'stack', t[4])

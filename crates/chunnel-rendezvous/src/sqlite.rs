@@ -628,6 +628,9 @@ impl Store for SqliteStore {
         self.txn(move |tx| {
             collect(tx, &group)?;
             let snap = read(tx, &group)?;
+            if commit && !snap.all_live_yes() {
+                return Ok(false);
+            }
             let Some(t) = snap.transition.filter(|t| t.id == id) else {
                 return Ok(false);
             };

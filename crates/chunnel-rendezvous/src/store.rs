@@ -119,6 +119,16 @@ impl Snapshot {
     pub fn is_member(&self, id: &str) -> bool {
         self.members.iter().any(|m| m.id == id)
     }
+
+    /// Whether every live member has a yes ballot on the pending transition (what a commit
+    /// needs, checked again by [`Store::finish`] when it writes).
+    pub fn all_live_yes(&self) -> bool {
+        self.members.iter().all(|m| {
+            self.ballots
+                .iter()
+                .any(|(id, b)| id == &m.id && *b == Ballot::Yes)
+        })
+    }
 }
 
 /// What [`Store::join`] did.
@@ -196,7 +206,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Ends the pending transition `id`: when `commit`, the proposed stack becomes the
     /// committed one at `from_epoch + 1`; either way the transition and its ballots are removed
-    /// and the outcome recorded. `Ok(false)` (nothing written) if `id` is not pending.
+    /// and the outcome recorded. `Ok(false)` (nothing written) if `id` is not pending, or if
+    /// `commit` and a live member has no yes ballot on it *now* (one that joined after the
+    /// proposer's last read has had no say yet): the check and the write are one atomic
+    /// operation, so no member is switched without its yes (docs/wire.md §15).
     fn finish(
         &self,
         group: &str,

@@ -188,7 +188,7 @@ async fn leader(endpoints: &[String]) -> Option<usize> {
     None
 }
 
-/// Proposes, votes and commits a transition from `from_epoch` to `stack`, retrying through
+/// Proposes, votes (every live member) and commits a transition from `from_epoch` to `stack`, retrying through
 /// unavailability; an attempt whose answer was lost may have taken effect, which the snapshot
 /// then shows.
 async fn commit_transition(store: &EtcdStore, g: &str, id: u64, from_epoch: u64, stack: &Bytes) {
@@ -204,8 +204,12 @@ async fn commit_transition(store: &EtcdStore, g: &str, id: u64, from_epoch: u64,
         let s = retry("snapshot", within, || store.snapshot(g)).await;
         assert_eq!(s.transition.as_ref(), Some(&t), "proposal refused: {s:?}");
     }
-    for m in ["a", "b"] {
-        assert!(retry("vote", within, || store.vote(g, id, m, &Ballot::Yes)).await);
+    // Every live member says yes (a commit needs each one's).
+    let live = retry("snapshot", within, || store.snapshot(g))
+        .await
+        .members;
+    for m in &live {
+        assert!(retry("vote", within, || store.vote(g, id, &m.id, &Ballot::Yes)).await);
     }
     if !retry("finish", within, || store.finish(g, id, true)).await {
         let s = retry("snapshot", within, || store.snapshot(g)).await;

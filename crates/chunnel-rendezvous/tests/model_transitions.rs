@@ -183,6 +183,8 @@ struct Mem {
 enum MIn {
     Snap(Snapshot, u64),
     Rejoined(u64, usize),
+    /// The store refused the member's finish of this transition (`Machine::finish_refused`).
+    FinishRefused(u64),
 }
 
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
@@ -260,6 +262,10 @@ struct Config {
     extra: Option<Property>,
     /// Planted bug: the proposer's finish commits without looking at the ballots.
     planted_commit_on_any: bool,
+    /// The store's finish commits whatever the proposer decided on its last read, without
+    /// checking the ballots of the members live when it writes (the stores before the
+    /// conditional finish).
+    unconditional_finish: bool,
 }
 
 fn offers(cfg: &Config, m: usize) -> Vec<StackOption> {
@@ -278,6 +284,7 @@ fn replay(cfg: &Config, m: usize, start: (u64, usize), log: &[MIn]) -> Machine {
                 mc.on_snapshot(s, *now);
             }
             MIn::Rejoined(e, o) => mc.rejoined(*e, *o),
+            MIn::FinishRefused(id) => mc.finish_refused(*id),
         }
     }
     mc
@@ -420,6 +427,20 @@ fn perform_op(cfg: &Config, s: &mut State, m: usize, op: Op) {
                 return;
             };
             let commit = commit || cfg.planted_commit_on_any;
+            let all_yes = k
+                .store
+                .members
+                .iter()
+                .all(|&live| k.store.ballots.contains(&(live, id, true)));
+            if commit && !all_yes && !cfg.unconditional_finish {
+                // Refused, nothing written: the proposer decides again on a later read.
+                s.logs[m].1.push(MIn::FinishRefused(id));
+                let mc = replay(cfg, m, s.logs[m].0, &s.logs[m].1);
+                let mem = &mut s.key.mems[m];
+                mem.finished = None;
+                sync(mem, &mc);
+                return;
+            }
             if commit && k.store.committed.map(|c| c.0) == Some(t.1) {
                 if t.2 != m && k.violation.is_none() {
                     k.violation = Some(format!("{} committed {}'s transition", name(m), name(t.2)));
@@ -817,6 +838,7 @@ fn base(name: &'static str, members: usize) -> Config {
         check_answered: true,
         extra: None,
         planted_commit_on_any: false,
+        unconditional_finish: false,
     }
 }
 
@@ -896,13 +918,25 @@ fn bug_a_proposer_can_wait_forever() {
     assert!(r.commits > 0, "{r:?}");
 }
 
-/// FAILS (bug; `-- --ignored`).
+/// A member that joins (or rejoins after its lease ran out) between the proposer's decision
+/// and its finish has its say: the store's finish commits only with every member live *then*
+/// voting yes, and otherwise refuses, and the proposer decides again.
 #[test]
-#[ignore = "bug: the commit is decided on a snapshot; a member joining before the finish has no say"]
-fn bug_a_member_rejoining_during_a_transition_is_switched_without_its_yes() {
+fn a_member_joining_during_a_transition_has_its_say() {
+    let r = explore(&one_refuses()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(r.commits > 0, "{r:?}");
+}
+
+/// The same exploration over stores whose finish commits what the proposer decided on its
+/// last read (as all three did before the conditional finish): the checker finds the member
+/// switched without its yes.
+#[test]
+fn an_unconditional_finish_is_caught() {
     let mut cfg = one_refuses();
+    cfg.unconditional_finish = true;
     cfg.check_answered = false;
-    explore(&cfg).unwrap_or_else(|e| panic!("{e}"));
+    let e = explore(&cfg).expect_err("the unconditional finish must be caught");
+    assert!(e.contains("without the yes"), "{e}");
 }
 
 #[test]
@@ -912,6 +946,8 @@ fn planted_commit_on_a_no_is_caught() {
     cfg.offers[2] = vec![0];
     cfg.proposals = vec![1, 0, 0];
     cfg.planted_commit_on_any = true;
+    // The stores refuse a commit without every live yes, which would hide the plant.
+    cfg.unconditional_finish = true;
     cfg.check_progress = false;
     let e = explore(&cfg).expect_err("the planted bug must be caught");
     println!("{e}");
@@ -935,14 +971,12 @@ fn planted_wrong_property_is_caught() {
     assert!(e.contains("left epoch 1"), "{e}");
 }
 
-/// The counterexample of
-/// `bug_a_member_rejoining_during_a_transition_is_switched_without_its_yes`, replayed on the
-/// real `SqliteStore` with the real machines. FAILS (bug; `-- --ignored`): `Store::finish`
-/// commits whatever the proposer decided on its last snapshot, so a member that joined in
-/// between is switched without a vote (and here cannot build the new stack at all).
+/// The counterexample `an_unconditional_finish_is_caught` finds, replayed on the real
+/// `SqliteStore` with the real machines: a member joins between the proposer's decision and
+/// its finish. The finish is refused (the member has not voted), the member refuses the stack
+/// it cannot build, and the proposer aborts: nobody is switched.
 #[tokio::test]
-#[ignore = "bug: the commit is decided on a snapshot; a member joining before the finish has no say"]
-async fn bug_witness_on_sqlite_a_member_joining_before_the_finish() {
+async fn on_sqlite_a_member_joining_before_the_finish_has_its_say() {
     use chunnel_rendezvous::{SqliteStore, Store};
     use std::time::Duration;
     let dir = chunnel_test::services::Scratch::new("model-join-race");
@@ -994,14 +1028,38 @@ async fn bug_witness_on_sqlite_a_member_joining_before_the_finish() {
         .await
         .unwrap();
     let mut m2 = Machine::new(name(2), only_none, None, 1, 0);
-    assert!(store.finish(g, 7, true).await.unwrap());
-    let s = store.snapshot(g).await.unwrap();
-    let acts = m2.on_snapshot(&s, chunnel_rendezvous::store::now_ms());
     assert!(
-        !(s.epoch() == 2 && s.is_member("m2")),
-        "transition 7 committed (epoch {}) with live member m2, which never voted; m2 then: {acts:?}",
-        s.epoch()
+        !store.finish(g, 7, true).await.unwrap(),
+        "transition 7 committed with live member m2, which never voted"
     );
+    m1.finish_refused(7);
+    let s = store.snapshot(g).await.unwrap();
+    assert_eq!(
+        (s.epoch(), s.transition.as_ref().map(|t| t.id)),
+        (1, Some(7))
+    );
+    for a in m2.on_snapshot(&s, chunnel_rendezvous::store::now_ms()) {
+        if let Action::Vote { id, ballot } = a {
+            assert!(matches!(ballot, Ballot::No(_)), "{ballot:?}");
+            store.vote(g, id, &name(2), &ballot).await.unwrap();
+        }
+    }
+    let s = store.snapshot(g).await.unwrap();
+    let decision = m1.on_snapshot(&s, chunnel_rendezvous::store::now_ms());
+    assert!(
+        matches!(
+            &decision[..],
+            [Action::Finish {
+                id: 7,
+                commit: false,
+                ..
+            }]
+        ),
+        "{decision:?}"
+    );
+    assert!(store.finish(g, 7, false).await.unwrap());
+    let s = store.snapshot(g).await.unwrap();
+    assert_eq!(s.epoch(), 1, "nobody switched");
 }
 
 #[test]

@@ -358,6 +358,24 @@ impl Store for EtcdStore {
             if t.id != id {
                 return Ok(false);
             }
+            // A commit needs every live member's yes at the moment it is written: the members
+            // and ballots read here must be unchanged when the transaction applies.
+            let mut unchanged = Vec::with_capacity(2);
+            if commit {
+                let rec = self.read(&k).await?;
+                if rec.snap.transition.as_ref().map(|t| t.id) != Some(id) {
+                    continue;
+                }
+                if !rec.snap.all_live_yes() {
+                    return Ok(false);
+                }
+                for prefix in [k.members(), k.ballots.as_str()] {
+                    unchanged.push(
+                        Compare::mod_revision(prefix, CompareOp::Less, rec.revision + 1)
+                            .with_prefix(),
+                    );
+                }
+            }
             let mut ops = Vec::with_capacity(3);
             if let Some(kv) = &meta_kv {
                 let mut meta = Meta::decode(kv.value())?;
@@ -380,16 +398,16 @@ impl Store for EtcdStore {
                 k.ballots.as_str(),
                 Some(DeleteOptions::new().with_prefix()),
             ));
-            let txn = Txn::new()
-                .when([
-                    Compare::mod_revision(k.meta.as_str(), CompareOp::Equal, mod_rev(&meta_kv)),
-                    Compare::mod_revision(
-                        k.transition.as_str(),
-                        CompareOp::Equal,
-                        pending.mod_revision(),
-                    ),
-                ])
-                .and_then(ops);
+            let mut when = vec![
+                Compare::mod_revision(k.meta.as_str(), CompareOp::Equal, mod_rev(&meta_kv)),
+                Compare::mod_revision(
+                    k.transition.as_str(),
+                    CompareOp::Equal,
+                    pending.mod_revision(),
+                ),
+            ];
+            when.append(&mut unchanged);
+            let txn = Txn::new().when(when).and_then(ops);
             if self.txn(&txn, Retry::IfNotApplied).await?.succeeded() {
                 return Ok(true);
             }

@@ -35,6 +35,11 @@ impl Keys {
         })
     }
 
+    /// The prefix of the member keys.
+    pub(super) fn members(&self) -> &str {
+        &self.members
+    }
+
     pub(super) fn member(&self, id: &str) -> String {
         format!("{}{id}", self.members)
     }
@@ -64,6 +69,8 @@ pub(super) struct Record {
     pub(super) meta_lease: i64,
     /// (member id, `mod_revision`, lease) of each member key.
     member_keys: Vec<(String, i64, i64)>,
+    /// The store revision the read saw.
+    pub(super) revision: i64,
 }
 
 impl Record {
@@ -124,6 +131,7 @@ impl Record {
             meta_rev: meta_kv.map_or(0, KeyValue::mod_revision),
             meta_lease: meta_kv.map_or(0, KeyValue::lease),
             member_keys,
+            revision: meta.header().map_or(0, |h| h.revision()),
         })
     }
 
