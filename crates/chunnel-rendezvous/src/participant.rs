@@ -388,7 +388,9 @@ impl<St: Store> Driver<St> {
         {
             Ok((_, epoch, option, created)) => {
                 tracing::info!(group = %self.group, member = %self.me.id, epoch, created, "rejoined");
-                if epoch != self.machine.epoch() {
+                // A group the store lost and someone re-created may hold another stack at
+                // our epoch number: follow the stack, not only the number.
+                if epoch != self.machine.epoch() || option != self.machine.option() {
                     self.machine.rejoined(epoch, option);
                     self.view.send_modify(|v| {
                         v.epoch = epoch;
