@@ -170,6 +170,26 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
     assert_eq!(s.outcome.map(|o| (o.id, o.committed)), Some((3, true)));
     assert!(s.ballots.is_empty(), "ballots outlived their transition");
 
+    // A group created at a given epoch (re-created after the store lost it) starts there,
+    // and only creation uses it.
+    let g3 = format!("{prefix}-recreated");
+    match store
+        .join_creating_at(&g3, &member("m1"), Some(&a), None, 1 << 50, lease)
+        .await
+        .unwrap()
+    {
+        JoinReply::Created(s) => assert_eq!(s.epoch(), 1 << 50),
+        other => panic!("not created: {other:?}"),
+    }
+    match store
+        .join_creating_at(&g3, &member("m2"), Some(&b), Some(1 << 50), 7, lease)
+        .await
+        .unwrap()
+    {
+        JoinReply::Joined(s) => assert_eq!((s.epoch(), &s.committed.unwrap().stack), (1 << 50, &a)),
+        other => panic!("not joined: {other:?}"),
+    }
+
     // Leaving removes the member at once; leaving twice is fine.
     store.leave(&g, "m2").await.unwrap();
     store.leave(&g, "m2").await.unwrap();

@@ -113,12 +113,26 @@ fn random_id(_seed: &str) -> u64 {
 /// The join protocol: propose our first option by compare-and-swap, else join the committed
 /// stack with our first compatible option. Returns (snapshot after joining, epoch, option,
 /// created).
+/// The epoch a member at `epoch` re-creates a group the store lost at: above its own, and
+/// above any another member can hold from before the loss, taken as the wall clock in
+/// microseconds (a group commits far fewer transitions than microseconds pass between its
+/// creation and its loss), so one epoch number never names two stacks. Correct as long as
+/// the re-creating host's clock is not behind by more than the time since the group was last
+/// created (docs/wire.md §15.2).
+fn recreation_epoch(epoch: u64) -> u64 {
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
+    now_us.max(epoch.saturating_add(1))
+}
+
 async fn join_once<St: Store>(
     store: &St,
     group: &str,
     me: &Member,
     offers: &[StackOption],
     propose: Option<usize>,
+    create_epoch: u64,
     config: &Config,
 ) -> Result<(Snapshot, u64, usize, bool), Error> {
     let proposal = propose.map(|i| chunnel_negotiate::wire::encode_stack(&offers[i].chunnels));
@@ -127,11 +141,21 @@ async fn join_once<St: Store>(
         let reply = bounded(
             store.backend(),
             config.op_timeout,
-            store.join(group, me, proposal.as_ref(), expect, config.lease),
+            store.join_creating_at(
+                group,
+                me,
+                proposal.as_ref(),
+                expect,
+                create_epoch,
+                config.lease,
+            ),
         )
         .await?;
         let snap = match reply {
-            JoinReply::Created(s) => return Ok((s, 1, propose.unwrap_or(0), true)),
+            JoinReply::Created(s) => {
+                let epoch = s.epoch();
+                return Ok((s, epoch, propose.unwrap_or(0), true));
+            }
             JoinReply::Joined(s) => {
                 let c = s
                     .committed
@@ -149,7 +173,16 @@ async fn join_once<St: Store>(
             if proposal.is_none() {
                 // The group vanished between reads and we have nothing to propose: retry
                 // proposing our first option.
-                return Box::pin(join_once(store, group, me, offers, Some(0), config)).await;
+                return Box::pin(join_once(
+                    store,
+                    group,
+                    me,
+                    offers,
+                    Some(0),
+                    create_epoch,
+                    config,
+                ))
+                .await;
             }
             continue;
         };
@@ -197,7 +230,7 @@ impl Participant {
         crate::store::check_name("group name", group)?;
         crate::store::check_name("member id", &me.id)?;
         let (snap, epoch, option, created) =
-            join_once(&*store, group, &me, &offers, Some(0), &config).await?;
+            join_once(&*store, group, &me, &offers, Some(0), 1, &config).await?;
         let view = View {
             epoch,
             option,
@@ -324,7 +357,9 @@ impl<St: Store> Driver<St> {
                     match bounded(self.backend(), self.config.op_timeout,
                         self.store.renew(&self.group, &self.me.id, self.config.lease)).await {
                         Ok(true) => self.set_reachable(true),
-                        Ok(false) => self.rejoin().await,
+                        Ok(false) => {
+                            self.rejoin().await;
+                        }
                         Err(e) => {
                             tracing::warn!(group = %self.group, error = %e, "lease renewal failed");
                             self.set_reachable(false);
@@ -374,7 +409,8 @@ impl<St: Store> Driver<St> {
         }
     }
 
-    async fn rejoin(&mut self) {
+    /// Joins again; the group record the join returned, if it succeeded.
+    async fn rejoin(&mut self) -> Option<Snapshot> {
         let offers = self.machine.offers().to_vec();
         match join_once(
             &*self.store,
@@ -382,27 +418,33 @@ impl<St: Store> Driver<St> {
             &self.me,
             &offers,
             Some(self.machine.option()),
+            recreation_epoch(self.machine.epoch()),
             &self.config,
         )
         .await
         {
-            Ok((_, epoch, option, created)) => {
+            Ok((snap, epoch, option, created)) => {
                 tracing::info!(group = %self.group, member = %self.me.id, epoch, created, "rejoined");
                 // A group the store lost and someone re-created may hold another stack at
                 // our epoch number: follow the stack, not only the number.
                 if epoch != self.machine.epoch() || option != self.machine.option() {
                     self.machine.rejoined(epoch, option);
+                    // The members with the epoch, in one update: the old list belongs to the
+                    // old epoch (a re-created group starts with whoever re-joined so far).
                     self.view.send_modify(|v| {
                         v.epoch = epoch;
                         v.option = option;
                         v.stack = offers[option].chunnels.clone();
+                        v.members = snap.members.clone();
                     });
                 }
                 self.set_reachable(true);
+                Some(snap)
             }
             Err(e) => {
                 tracing::warn!(group = %self.group, error = %e, "rejoin failed");
                 self.set_reachable(false);
+                None
             }
         }
     }
@@ -422,7 +464,7 @@ impl<St: Store> Driver<St> {
     /// One read of the group record and the actions it implies; `Ok(true)` if it wrote a vote
     /// or a decision.
     async fn step_once(&mut self) -> Result<bool, ()> {
-        let snap = match bounded(
+        let mut snap = match bounded(
             self.backend(),
             self.config.op_timeout,
             self.store.snapshot(&self.group),
@@ -441,7 +483,12 @@ impl<St: Store> Driver<St> {
         for action in self.machine.on_snapshot(&snap, now_ms()) {
             wrote |= matches!(action, Action::Vote { .. } | Action::Finish { .. });
             match action {
-                Action::Rejoin => self.rejoin().await,
+                Action::Rejoin => {
+                    // The group as the join left it replaces this (older) read below.
+                    if let Some(joined) = self.rejoin().await {
+                        snap = joined;
+                    }
+                }
                 Action::Prepare { epoch, option } => {
                     self.view
                         .send_modify(|v| v.prepared = Some((epoch, option)));

@@ -228,8 +228,8 @@ where
             }),
             counters: Counters::default(),
         });
-        set_peers(&shared, &view.borrow(), local);
-        let demux = tokio::spawn(demux(shared.clone()));
+        set_peers(&shared, &view, local);
+        let demux = tokio::spawn(demux(shared.clone(), view.clone(), local));
         let follow = tokio::spawn(follow(shared.clone(), view.clone(), local));
         let g = Group {
             participant,
@@ -346,11 +346,8 @@ where
     {
         // The member list as of now: the task that follows the view may not have run yet
         // (a member that just joined would miss this send).
-        let epoch = {
-            let v = self.view.borrow();
-            refresh_peers(&self.shared, &v.members, self.local);
-            v.epoch
-        };
+        refresh_peers(&self.shared, &self.view, self.local);
+        let epoch = self.view.borrow().epoch;
         let c = self.conn(epoch).await?;
         c.send(burst).await?;
         Ok(())
@@ -398,34 +395,46 @@ async fn one<C: ChunnelConnection<Data = Bytes>>(c: Option<&C>) -> Result<Bytes,
 }
 
 /// Recomputes where sends go if the member list changed since the last time.
-fn refresh_peers(shared: &Shared, members: &[Member], local: SocketAddr) {
-    if shared.peers.read().unwrap_or_else(|p| p.into_inner()).1 == members {
+///
+/// Several tasks refresh (senders, the task following the view, the receiver): the view is
+/// read again under the write lock, so the last writer writes the newest member list and
+/// none puts back an older one.
+fn refresh_peers(shared: &Shared, view: &watch::Receiver<View>, local: SocketAddr) {
+    if shared.peers.read().unwrap_or_else(|p| p.into_inner()).1 == view.borrow().members {
         return;
     }
-    let peers: Arc<[SocketAddr]> = members
+    let mut peers = shared.peers.write().unwrap_or_else(|p| p.into_inner());
+    let v = view.borrow();
+    if peers.1 == v.members {
+        return;
+    }
+    let to: Arc<[SocketAddr]> = v
+        .members
         .iter()
         .filter_map(|m| m.addr.parse().ok())
         .filter(|a| *a != local)
         .collect();
-    *shared.peers.write().unwrap_or_else(|p| p.into_inner()) = (peers, members.to_vec());
+    *peers = (to, v.members.clone());
 }
 
-fn set_peers(shared: &Shared, v: &View, local: SocketAddr) {
-    refresh_peers(shared, &v.members, local);
+fn set_peers(shared: &Shared, view: &watch::Receiver<View>, local: SocketAddr) {
+    refresh_peers(shared, view, local);
+    let epoch = view.borrow().epoch;
     let mut q = shared.queues.lock().unwrap_or_else(|p| p.into_inner());
     // The next epoch is always accepted: a member that votes yes prepares it before its vote
-    // is stored, so nothing sent at the next epoch can arrive before we can queue it.
-    q.ceiling = v.epoch + 1;
+    // is stored, so nothing sent at the next epoch can arrive before we can queue it. Never
+    // lowered: an older view read late must not shut out a newer epoch.
+    q.ceiling = q.ceiling.max(epoch + 1);
 }
 
 async fn follow(shared: Arc<Shared>, mut view: watch::Receiver<View>, local: SocketAddr) {
     while view.changed().await.is_ok() {
-        let v = view.borrow_and_update().clone();
-        set_peers(&shared, &v, local);
+        view.borrow_and_update();
+        set_peers(&shared, &view, local);
     }
 }
 
-async fn demux(shared: Arc<Shared>) {
+async fn demux(shared: Arc<Shared>, view: watch::Receiver<View>, local: SocketAddr) {
     let mut buf = vec![0u8; 65_536];
     loop {
         let n = match shared.socket.recv_from(&mut buf).await {
@@ -440,9 +449,18 @@ async fn demux(shared: Arc<Shared>) {
             shared.counters.malformed.fetch_add(1, Ordering::Relaxed);
             continue;
         };
-        let tx = {
+        let queue = |epoch| {
             let mut q = shared.queues.lock().unwrap_or_else(|p| p.into_inner());
-            q.sender(epoch).cloned()
+            (q.sender(epoch).cloned(), epoch > q.ceiling)
+        };
+        let tx = match queue(epoch) {
+            // Ahead of what we accept: the view may have moved (a rejoin to a re-created group
+            // jumps epochs) before the task that follows it ran; look at it now.
+            (None, true) => {
+                set_peers(&shared, &view, local);
+                queue(epoch).0
+            }
+            (tx, _) => tx,
         };
         match tx {
             None => {

@@ -113,13 +113,14 @@ end
 ";
 
 /// ARGV: member id, address, lease ms, `1` if proposing, proposed stack, `1` if an epoch is
-/// expected, expected epoch. Returns `{'created' | 'joined' | 'current', read()}`.
+/// expected, expected epoch, epoch of a created group. Returns
+/// `{'created' | 'joined' | 'current', read()}`.
 const JOIN: &str = r"
 local id, addr, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local epoch = redis.call('HGET', meta, 'epoch')
 local reply
 if not epoch and ARGV[4] == '1' then
-  redis.call('HSET', meta, 'epoch', '1', 'stack', ARGV[5])
+  redis.call('HSET', meta, 'epoch', ARGV[8], 'stack', ARGV[5])
   reply = 'created'
 elseif epoch and ARGV[6] == '1' and epoch == ARGV[7] then
   reply = 'joined'
@@ -594,19 +595,21 @@ impl Store for RedisStore {
         BACKEND
     }
 
-    async fn join(
+    async fn join_creating_at(
         &self,
         group: &str,
         member: &Member,
         propose: Option<&Bytes>,
         expect_epoch: Option<u64>,
+        create_epoch: u64,
         lease: Duration,
     ) -> Result<JoinReply, Error> {
         check_name("group name", group)?;
         check_name("member id", &member.id)?;
         let lease = lease_ms(lease);
         let expect = expect_epoch.map(|e| e.to_string()).unwrap_or_default();
-        let args: [&[u8]; 7] = [
+        let create = create_epoch.max(1).to_string();
+        let args: [&[u8]; 8] = [
             member.id.as_bytes(),
             member.addr.as_bytes(),
             lease.as_bytes(),
@@ -614,6 +617,7 @@ impl Store for RedisStore {
             propose.map_or(&b""[..], |s| &s[..]),
             flag(expect_epoch.is_some()),
             expect.as_bytes(),
+            create.as_bytes(),
         ];
         let reply = self.run(&self.inner.scripts.join, group, &args).await?;
         let mut parts = array(reply)?.into_iter();

@@ -474,12 +474,13 @@ impl Store for SqliteStore {
         BACKEND
     }
 
-    async fn join(
+    async fn join_creating_at(
         &self,
         group: &str,
         member: &Member,
         propose: Option<&Bytes>,
         expect_epoch: Option<u64>,
+        create_epoch: u64,
         lease: Duration,
     ) -> Result<JoinReply, Error> {
         check_name("group name", group)?;
@@ -492,8 +493,8 @@ impl Store for SqliteStore {
             match (&snap.committed, propose) {
                 (None, Some(stack)) => {
                     tx.execute(
-                        "INSERT INTO chunnel_groups (grp, epoch, stack) VALUES (?1, 1, ?2)",
-                        params![group, &stack[..]],
+                        "INSERT INTO chunnel_groups (grp, epoch, stack) VALUES (?1, ?2, ?3)",
+                        params![group, to_sql(create_epoch.max(1)), &stack[..]],
                     )
                     .map_err(db)?;
                     upsert_member(tx, &group, &member, lease)?;

@@ -168,6 +168,22 @@ pub trait Store: Send + Sync + 'static {
         propose: Option<&Bytes>,
         expect_epoch: Option<u64>,
         lease: Duration,
+    ) -> impl Future<Output = Result<JoinReply, Error>> + Send {
+        self.join_creating_at(group, member, propose, expect_epoch, 1, lease)
+    }
+
+    /// [`Store::join`], but a group it creates starts at epoch `create_epoch` (at least 1)
+    /// instead of 1. A member re-creating a group the store lost uses an epoch number no
+    /// member can still hold from before, so that one number never names two stacks
+    /// (docs/wire.md §15.2).
+    fn join_creating_at(
+        &self,
+        group: &str,
+        member: &Member,
+        propose: Option<&Bytes>,
+        expect_epoch: Option<u64>,
+        create_epoch: u64,
+        lease: Duration,
     ) -> impl Future<Output = Result<JoinReply, Error>> + Send;
 
     /// Extends `member_id`'s lease to `lease` from now. `Ok(false)` if it is not a live member

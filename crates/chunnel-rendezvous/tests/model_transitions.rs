@@ -266,6 +266,9 @@ struct Config {
     /// checking the ballots of the members live when it writes (the stores before the
     /// conditional finish).
     unconditional_finish: bool,
+    /// A member re-creating a group the store lost starts it at epoch 1 again (as the driver
+    /// did before `recreation_epoch`).
+    recreate_at_one: bool,
 }
 
 fn offers(cfg: &Config, m: usize) -> Vec<StackOption> {
@@ -480,10 +483,17 @@ fn perform_op(cfg: &Config, s: &mut State, m: usize, op: Op) {
             let joined = match k.store.committed {
                 None => {
                     let l = label(cfg, m, propose);
-                    k.store.committed = Some((1, l));
-                    k.history.push((1, l));
+                    // A rejoin re-creates the group above every epoch held before (the
+                    // driver's `recreation_epoch`: the wall clock in microseconds, modelled as
+                    // one above the highest epoch ever committed); a fresh join creates at 1.
+                    let at = match fresh || cfg.recreate_at_one {
+                        true => 1,
+                        false => k.history.iter().map(|h| h.0).max().unwrap_or(0) + 1,
+                    };
+                    k.store.committed = Some((at, l));
+                    k.history.push((at, l));
                     k.store.add_member(m);
-                    Some((1, propose))
+                    Some((at, propose))
                 }
                 Some((epoch, l)) if Some(epoch) == expect => {
                     k.store.add_member(m);
@@ -839,6 +849,7 @@ fn base(name: &'static str, members: usize) -> Config {
         extra: None,
         planted_commit_on_any: false,
         unconditional_finish: false,
+        recreate_at_one: false,
     }
 }
 
@@ -892,17 +903,32 @@ fn crashes_and_restarts_agreement() {
     explore(&cfg).unwrap_or_else(|e| panic!("{e}"));
 }
 
-/// FAILS (bug; `-- --ignored`).
-#[test]
-#[ignore = "bug: a group the store lost is re-created at epoch 1, an epoch number a lagging member still runs another stack at"]
-fn bug_store_loses_the_group() {
+fn store_loses_the_group() -> Config {
     // A Redis without persistence restarts: the group's record is gone; members re-create it.
     let mut cfg = base("2 members, the store loses the group", 2);
     cfg.proposals = vec![1, 0];
     cfg.budgets.losses = 1;
     cfg.check_all_yes = false;
     cfg.check_answered = false;
-    explore(&cfg).unwrap_or_else(|e| panic!("{e}"));
+    cfg
+}
+
+/// The store loses the group; a member re-creates it above every epoch held before
+/// (`recreation_epoch`), so a member that lagged behind switches to it instead of running
+/// another stack under the same epoch number.
+#[test]
+fn the_store_losing_the_group_splits_nobody() {
+    explore(&store_loses_the_group()).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The same with the group re-created at epoch 1, as before: caught (two members at epoch 1
+/// with different stacks).
+#[test]
+fn a_group_re_created_at_epoch_one_is_caught() {
+    let mut cfg = store_loses_the_group();
+    cfg.recreate_at_one = true;
+    let e = explore(&cfg).expect_err("re-creating at epoch 1 must be caught");
+    assert!(e.contains("different stacks"), "{e}");
 }
 
 /// Concurrent proposers and deadlines, every property, every proposal answered. (Was a bug: the

@@ -285,6 +285,20 @@ async fn redis_group_survives_a_store_outage() {
     .await;
 }
 
+/// The group's data gone from Redis (FLUSHALL, as a restart without persistence does): the
+/// members re-create it above every epoch they held and agree on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_group_recreated_after_the_store_loses_it() {
+    let scratch = support::Scratch::new("redis-lost");
+    let (_server, url) = support::redis(&scratch);
+    let flush = || async {
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+    };
+    support::scenarios::store_loses_the_group(group_store(&url).await, flush).await;
+}
+
 /// A participant in another process, SIGKILLed, vanishes after its lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_process_expires() {

@@ -47,7 +47,8 @@ impl EtcdStore {
         &self,
         k: &Keys,
         member: &Member,
-        propose: Option<&Bytes>,
+        // The stack to create the group with if it has none, and the epoch to create it at.
+        propose: Option<(&Bytes, u64)>,
         expect_epoch: Option<u64>,
         ttl: i64,
         granted: &mut Granted,
@@ -59,7 +60,7 @@ impl EtcdStore {
             backoff(attempt).await;
             let rec = self.read(k).await?;
             let create = match (&rec.snap.committed, propose) {
-                (None, Some(stack)) => Some(stack),
+                (None, Some(proposal)) => Some(proposal),
                 (Some(c), _) if Some(c.epoch) == expect_epoch => None,
                 _ => return Ok(JoinReply::Current(rec.snap)),
             };
@@ -72,13 +73,13 @@ impl EtcdStore {
             };
             let (member_rev, old_lease) = rec.member_key(&member.id);
             let mut ops = Vec::with_capacity(2 + READ_OPS);
-            if let Some(stack) = create {
+            if let Some((stack, create_epoch)) = create {
                 let group_lease = match granted.group {
                     Some(id) => id,
                     None => *granted.group.insert(self.grant(need).await?),
                 };
                 let meta = Meta {
-                    epoch: 1,
+                    epoch: create_epoch.max(1),
                     stack: stack.clone(),
                     outcome: None,
                 };
@@ -195,12 +196,13 @@ impl Store for EtcdStore {
         BACKEND
     }
 
-    async fn join(
+    async fn join_creating_at(
         &self,
         group: &str,
         member: &Member,
         propose: Option<&Bytes>,
         expect_epoch: Option<u64>,
+        create_epoch: u64,
         lease: Duration,
     ) -> Result<JoinReply, Error> {
         let k = Keys::new(group)?;
@@ -210,7 +212,7 @@ impl Store for EtcdStore {
             .join_attempts(
                 &k,
                 member,
-                propose,
+                propose.map(|p| (p, create_epoch)),
                 expect_epoch,
                 ttl_secs(lease),
                 &mut granted,
