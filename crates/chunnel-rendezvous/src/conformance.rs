@@ -190,6 +190,17 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
         other => panic!("not joined: {other:?}"),
     }
 
+    // A lease longer than the store keeps (even `Duration::MAX`) is capped, never wrapped
+    // into one long past: the member is live.
+    store
+        .join(&g, &member("forever"), None, Some(2), Duration::MAX)
+        .await
+        .unwrap();
+    assert!(store.snapshot(&g).await.unwrap().is_member("forever"));
+    assert!(store.renew(&g, "forever", Duration::MAX).await.unwrap());
+    assert!(store.snapshot(&g).await.unwrap().is_member("forever"));
+    store.leave(&g, "forever").await.unwrap();
+
     // Leaving removes the member at once; leaving twice is fine.
     store.leave(&g, "m2").await.unwrap();
     store.leave(&g, "m2").await.unwrap();

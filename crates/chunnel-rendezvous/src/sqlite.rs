@@ -94,6 +94,10 @@ impl SqliteStore {
     /// How long a writer waits for another process's transaction before failing.
     pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
+    /// The longest lease kept (about 31,000 years); a longer one is taken as this, so that
+    /// an expiry plus the grace stays within SQLite's integers.
+    pub const MAX_LEASE: Duration = Duration::from_millis(MAX_GRACE_MS);
+
     /// How long a group outlives its last member by default (see [`SqliteStore::with_grace`]).
     pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
 
@@ -277,12 +281,21 @@ impl SqliteStore {
 }
 
 /// SQLite integers are signed 64-bit: ids and epochs are stored as their bit pattern.
+/// SQLite integers are `i64`: larger values are stored as `i64::MAX` (never as a negative
+/// number, which would read as long past).
 fn to_sql(v: u64) -> i64 {
-    v as i64
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 fn from_sql(v: i64) -> u64 {
-    v as u64
+    u64::try_from(v).unwrap_or(0)
+}
+
+/// The expiry of a lease of `lease` from now, in Unix ms; leases are capped at
+/// [`SqliteStore::MAX_LEASE`], so that expiry plus any grace stays an `i64`.
+fn expiry_ms(lease: Duration) -> u64 {
+    let ms = u64::try_from(lease.min(SqliteStore::MAX_LEASE).as_millis()).unwrap_or(u64::MAX);
+    now_ms().saturating_add(ms)
 }
 
 /// Collection on access, first in every write to `group`: deletes its expired members, and
@@ -459,7 +472,7 @@ fn upsert_member(
     m: &Member,
     lease: Duration,
 ) -> Result<(), Error> {
-    let expires = now_ms().saturating_add(lease.as_millis() as u64);
+    let expires = expiry_ms(lease);
     tx.execute(
         "INSERT INTO chunnel_members (grp, id, addr, expires_ms) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT (grp, id) DO UPDATE SET addr = excluded.addr, expires_ms = excluded.expires_ms",
@@ -517,7 +530,7 @@ impl Store for SqliteStore {
         let grace = self.grace_ms;
         self.txn(move |tx| {
             collect(tx, &group)?;
-            let expires = now_ms().saturating_add(lease.as_millis() as u64);
+            let expires = expiry_ms(lease);
             let n = tx
                 .execute(
                     "UPDATE chunnel_members SET expires_ms = ?3 WHERE grp = ?1 AND id = ?2",

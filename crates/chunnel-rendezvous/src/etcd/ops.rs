@@ -15,7 +15,7 @@ use crate::store::{Ballot, JoinReply, Member, Outcome, Snapshot, Store, Transiti
 use super::cluster::{Retry, backoff};
 use super::lease::{Granted, ttl_secs};
 use super::record::{Keys, Meta, READ_OPS, Record, decode_transition, encode_transition};
-use super::{BACKEND, EtcdStore};
+use super::{BACKEND, EtcdStore, MAX_TTL_SECS};
 
 impl EtcdStore {
     /// Reads `keys` in one `Txn` (one revision).
@@ -55,7 +55,10 @@ impl EtcdStore {
     ) -> Result<JoinReply, Error> {
         let member_key = k.member(&member.id);
         // The group's record outlives every member by the grace period.
-        let need = self.effective_ttl(ttl).saturating_add(self.grace_secs);
+        let need = self
+            .effective_ttl(ttl)
+            .saturating_add(self.grace_secs)
+            .min(MAX_TTL_SECS);
         for attempt in 0..Self::MAX_ATTEMPTS {
             backoff(attempt).await;
             let rec = self.read(k).await?;
@@ -125,7 +128,10 @@ impl EtcdStore {
     async fn renew_attempts(&self, k: &Keys, id: &str, ttl: i64) -> Result<bool, Error> {
         let (key, ballot_key) = (k.member(id), k.ballot(id));
         let key = key.as_str();
-        let need = self.effective_ttl(ttl).saturating_add(self.grace_secs);
+        let need = self
+            .effective_ttl(ttl)
+            .saturating_add(self.grace_secs)
+            .min(MAX_TTL_SECS);
         for attempt in 0..Self::MAX_ATTEMPTS {
             backoff(attempt).await;
             let [Some(kv), meta, ballot] = self.get_keys([key, &k.meta, &ballot_key]).await? else {
