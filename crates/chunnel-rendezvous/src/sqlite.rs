@@ -281,14 +281,14 @@ impl SqliteStore {
 }
 
 /// SQLite integers are signed 64-bit: ids and epochs are stored as their bit pattern.
-/// SQLite integers are `i64`: larger values are stored as `i64::MAX` (never as a negative
-/// number, which would read as long past).
+/// SQLite integers are `i64`: ids (random `u64`) are stored bit for bit; times and epochs stay
+/// below `i64::MAX` by construction (leases and the grace are capped).
 fn to_sql(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
+    v as i64
 }
 
 fn from_sql(v: i64) -> u64 {
-    u64::try_from(v).unwrap_or(0)
+    v as u64
 }
 
 /// The expiry of a lease of `lease` from now, in Unix ms; leases are capped at
