@@ -19,6 +19,7 @@ mod overhead;
 mod probe;
 mod reconfig;
 mod rendezvous;
+mod report;
 mod secure;
 mod shm;
 mod stats;
@@ -63,6 +64,8 @@ enum Cmd {
     Xdp(xdp::Args),
     /// TLS over TCP and QUIC: chunnel-secure vs tokio-rustls and quinn used directly.
     Secure(secure::Args),
+    /// Runs every figure, writes docs/figures/*.json and plots, regenerates docs/evaluation.md.
+    Report(report::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -80,6 +83,7 @@ fn main() -> Result<()> {
         Cmd::Datapaths(a) => datapaths::run(a),
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
+        Cmd::Report(a) => report::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }
