@@ -59,6 +59,9 @@ pub(crate) struct Args {
     /// 15 s, and the last lines of a figure that fails).
     #[arg(long)]
     verbose: bool,
+    /// Regenerate the document only; leave the PNGs as they are.
+    #[arg(long)]
+    no_plots: bool,
     /// List the figures, their commands and needs, and exit.
     #[arg(long)]
     list: bool,
@@ -69,7 +72,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
         ensure!(
             FIGURES.iter().any(|f| f.name == name),
             "no figure {name:?}; figures: {}",
-            FIGURES.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
+            FIGURES
+                .iter()
+                .map(|f| f.name)
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     if a.list {
@@ -92,10 +99,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         .collect();
 
     if !a.from_json {
-        let total: u64 = selected
-            .iter()
-            .map(|f| f.expected(a.quick).as_secs())
-            .sum();
+        let total: u64 = selected.iter().map(|f| f.expected(a.quick).as_secs()).sum();
         progress(&format!(
             "{} figure(s), about {} min in all{}",
             selected.len(),
@@ -147,7 +151,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     std::fs::write(&doc_path, &doc).with_context(|| format!("writing {}", doc_path.display()))?;
     progress(&format!("wrote {}", doc_path.display()));
-    draw(&dir, &figures, soak.as_ref())?;
+    if !a.no_plots {
+        draw(&dir, &figures, soak.as_ref())?;
+    }
     Ok(())
 }
 
@@ -182,8 +188,8 @@ fn load_all(dir: &Path) -> Result<Loaded> {
         if !path.exists() {
             continue;
         }
-        let text =
-            std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
         let v: Value =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         out.push((f, v));

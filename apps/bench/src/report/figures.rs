@@ -103,9 +103,8 @@ impl Figure {
 }
 
 fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH").is_some_and(|paths| {
-        std::env::split_paths(&paths).any(|d| d.join(program).is_file())
-    })
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(program).is_file()))
 }
 
 /// Every figure, in the order of the document.
@@ -125,7 +124,7 @@ pub(crate) static FIGURES: &[Figure] = &[
         taskset: Some("0"),
         args: &["negotiate", "--reps", "5", "--conns", "2000"],
         quick: &["negotiate", "--reps", "1", "--conns", "200"],
-        expected_secs: 10,
+        expected_secs: 5,
         needs: &[],
     },
     Figure {
@@ -133,7 +132,7 @@ pub(crate) static FIGURES: &[Figure] = &[
         taskset: Some("0,1"),
         args: &["negotiate", "--flood", "100000", "--flood-clients", "1000"],
         quick: &["negotiate", "--flood", "2000", "--flood-clients", "50"],
-        expected_secs: 15,
+        expected_secs: 12,
         needs: &[],
     },
     Figure {
@@ -157,7 +156,7 @@ pub(crate) static FIGURES: &[Figure] = &[
             "--flood-slow",
             "1",
         ],
-        expected_secs: 15,
+        expected_secs: 12,
         needs: &[],
     },
     Figure {
@@ -218,7 +217,7 @@ pub(crate) static FIGURES: &[Figure] = &[
             "--backends",
             "sqlite,redis,etcd",
         ],
-        expected_secs: 90,
+        expected_secs: 60,
         needs: &[
             Need::Stores,
             Need::Program("redis-server"),
@@ -230,7 +229,7 @@ pub(crate) static FIGURES: &[Figure] = &[
         taskset: None,
         args: &["shm", "--msgs", "20000", "--size", "64"],
         quick: &["shm", "--msgs", "2000", "--size", "64"],
-        expected_secs: 15,
+        expected_secs: 20,
         needs: &[],
     },
     Figure {
@@ -238,7 +237,7 @@ pub(crate) static FIGURES: &[Figure] = &[
         taskset: None,
         args: &["uring", "--msgs", "20000", "--size", "64"],
         quick: &["uring", "--msgs", "2000", "--size", "64"],
-        expected_secs: 20,
+        expected_secs: 60,
         needs: &[],
     },
     Figure {

@@ -100,22 +100,32 @@ fn bars(
     groups: &[String],
     series: &[(String, Vec<Option<Spread>>)],
     refs: &[(f64, &str)],
+    ratio_axis: bool,
 ) -> Result<()> {
-    let top = series
-        .iter()
-        .flat_map(|(_, v)| v.iter().flatten().map(|s| s.max.max(s.med)))
-        .chain(refs.iter().map(|r| r.0))
-        .filter(|x| x.is_finite())
-        .fold(0.0f64, f64::max)
-        * 1.12;
-    let top = if top > 0.0 { top } else { 1.0 };
+    let vals = || {
+        series
+            .iter()
+            .flat_map(|(_, v)| v.iter().flatten().flat_map(|s| [s.min, s.med, s.max]))
+            .chain(refs.iter().map(|r| r.0))
+            .filter(|x| x.is_finite())
+    };
+    let hi = vals().fold(0.0f64, f64::max);
+    let lo = vals().fold(f64::INFINITY, f64::min);
+    // Ratios near 1 start the axis near their smallest value, so differences show; the
+    // headroom above the largest value keeps the legend off the bars.
+    let (bottom, top) = if ratio_axis && lo.is_finite() && hi > lo {
+        let span = hi - lo;
+        ((lo - 0.3 * span).max(0.0), hi + 0.6 * span)
+    } else {
+        (0.0, if hi > 0.0 { hi * 1.35 } else { 1.0 })
+    };
     let n = groups.len().max(1) as f64;
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(34)
         .y_label_area_size(64)
-        .build_cartesian_2d(-0.5f64..n - 0.5, 0f64..top)
+        .build_cartesian_2d(-0.5f64..n - 0.5, bottom..top)
         .map_err(|e| anyhow!("{e}"))?;
     chart
         .configure_mesh()
@@ -138,7 +148,10 @@ fn bars(
             };
             let x0 = i as f64 - 0.4 + j as f64 * w;
             let x1 = x0 + w * 0.9;
-            rects.push(Rectangle::new([(x0, 0.0), (x1, s.med)], c.mix(0.85).filled()));
+            rects.push(Rectangle::new(
+                [(x0, bottom), (x1, s.med)],
+                c.mix(0.85).filled(),
+            ));
             if s.max > s.min {
                 let xm = (x0 + x1) / 2.0;
                 let cap = w * 0.2;
@@ -158,9 +171,7 @@ fn bars(
             .map_err(|e| anyhow!("{e}"))?
             .label(name.as_str())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled()));
-        chart
-            .draw_series(whiskers)
-            .map_err(|e| anyhow!("{e}"))?;
+        chart.draw_series(whiskers).map_err(|e| anyhow!("{e}"))?;
     }
     for (y, label) in refs {
         let line = DashedLineSeries::new(
@@ -182,13 +193,12 @@ fn bars(
             .map_err(|e| anyhow!("{e}"))?;
     }
     for (i, g) in groups.iter().enumerate() {
-        let (px, py) = chart.backend_coord(&(i as f64, 0.0));
+        let (px, py) = chart.backend_coord(&(i as f64, bottom));
         let (ax, ay) = area.get_base_pixel();
         area.draw(&Text::new(
             g.clone(),
             (px - ax, py - ay + 6),
-            TextStyle::from(("sans-serif", 13).into_font())
-                .pos(Pos::new(HPos::Center, VPos::Top)),
+            TextStyle::from(("sans-serif", 13).into_font()).pos(Pos::new(HPos::Center, VPos::Top)),
         ))
         .map_err(|e| anyhow!("{e}"))?;
     }
@@ -358,6 +368,7 @@ fn overhead(path: &Path, r: &Value) -> Result<()> {
         &labels,
         &series("throughput_ratio_to_raw"),
         &[(1.0, "raw"), (0.95, "bar 0.95")],
+        true,
     )?;
     bars(
         &b,
@@ -366,6 +377,7 @@ fn overhead(path: &Path, r: &Value) -> Result<()> {
         &labels,
         &series("p50_ratio_to_raw"),
         &[(1.0, "raw")],
+        true,
     )?;
     finish(root)
 }
@@ -397,7 +409,12 @@ fn negotiate(path: &Path, r: &Value) -> Result<()> {
         "ratio to raw_udp",
         &groups,
         &series,
-        &[(1.0, "raw_udp"), (1.2, "0-RTT bar 1.2"), (2.2, "1-RTT bar 2.2")],
+        &[
+            (1.0, "raw_udp"),
+            (1.2, "0-RTT bar 1.2"),
+            (2.2, "1-RTT bar 2.2"),
+        ],
+        true,
     )?;
     finish(root)
 }
@@ -420,6 +437,7 @@ fn reconfig(path: &Path, r: &Value) -> Result<()> {
                 .collect(),
         )],
         &[(1.0, "plain"), (0.98, "bar 0.98")],
+        true,
     )?;
     let sp = &r["switch_pause"];
     let ml = &r["multilateral"]["pause"];
@@ -439,6 +457,7 @@ fn reconfig(path: &Path, r: &Value) -> Result<()> {
             ("max".into(), pauses.iter().map(|x| q(x, "max")).collect()),
         ],
         &[],
+        false,
     )?;
     finish(root)
 }
@@ -528,7 +547,10 @@ fn datapaths(path: &Path, r: &Value) -> Result<()> {
         &root,
         "Each datapath through the library / its raw baseline",
         "ratio to raw",
-        &present.iter().map(|s| s.replace('_', " ")).collect::<Vec<_>>(),
+        &present
+            .iter()
+            .map(|s| s.replace('_', " "))
+            .collect::<Vec<_>>(),
         &[
             (
                 "p50 / raw".into(),
@@ -546,6 +568,7 @@ fn datapaths(path: &Path, r: &Value) -> Result<()> {
             ),
         ],
         &[(1.0, "raw"), (1.1, "bar 1.10 (p50)")],
+        true,
     )?;
     finish(root)
 }
@@ -616,13 +639,19 @@ fn secure(path: &Path, r: &Value) -> Result<()> {
             ("QUIC (stream)".into(), per("quic_stream")),
         ],
         &[(1.0, "raw")],
+        true,
     )?;
     finish(root)
 }
 
 fn uring(path: &Path, r: &Value) -> Result<()> {
     let v = &r["variants"];
-    let names = ["raw_uring", "uring_lib", "uring_lib_any_thread", "kernel_lib"];
+    let names = [
+        "raw_uring",
+        "uring_lib",
+        "uring_lib_any_thread",
+        "kernel_lib",
+    ];
     let present: Vec<&str> = names.into_iter().filter(|n| v[n].is_object()).collect();
     let groups: Vec<String> = present.iter().map(|s| s.replace('_', " ")).collect();
     let root = canvas(path, (1000, 420))?;
@@ -634,9 +663,13 @@ fn uring(path: &Path, r: &Value) -> Result<()> {
         &groups,
         &[(
             "p50".into(),
-            present.iter().map(|n| spread(&v[n]["rtt_p50_us"])).collect(),
+            present
+                .iter()
+                .map(|n| spread(&v[n]["rtt_p50_us"]))
+                .collect(),
         )],
         &[],
+        false,
     )?;
     bars(
         &b,
@@ -645,9 +678,13 @@ fn uring(path: &Path, r: &Value) -> Result<()> {
         &groups,
         &[(
             "p99".into(),
-            present.iter().map(|n| spread(&v[n]["rtt_p99_us"])).collect(),
+            present
+                .iter()
+                .map(|n| spread(&v[n]["rtt_p99_us"]))
+                .collect(),
         )],
         &[],
+        false,
     )?;
     finish(root)
 }

@@ -209,14 +209,21 @@ fn run_block(f: &Figure, env: Option<&Value>) -> String {
             s.push('.');
         }
         _ => {
-            let _ = write!(s, "**Run.** No measurement recorded: `{cmd}` (after `{build}`).");
+            let _ = write!(
+                s,
+                "**Run.** No measurement recorded: `{cmd}` (after `{build}`)."
+            );
         }
     }
     if let Some(nr) = e.get("not_remeasured") {
+        let kept = if e["result"].is_object() {
+            " The figures above are from the run described here."
+        } else {
+            ""
+        };
         let _ = write!(
             s,
-            "\n\n*Not re-measured by the report of {}: {}. The figures above are from the run \
-             described here.*",
+            "\n\n*Not re-measured by the report of {}: {}.{kept}*",
             nr["on"].as_str().unwrap_or("?"),
             nr["why"].as_str().unwrap_or("?")
         );

@@ -100,7 +100,12 @@ impl Soak {
         self.rows
             .windows(2)
             .filter(|w| w[1].t_s > w[0].t_s)
-            .map(|w| (w[1].t_s, (w[1].served - w[0].served) / (w[1].t_s - w[0].t_s)))
+            .map(|w| {
+                (
+                    w[1].t_s,
+                    (w[1].served - w[0].served) / (w[1].t_s - w[0].t_s),
+                )
+            })
             .collect()
     }
 

@@ -31,11 +31,20 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
 
 // ---- formatting --------------------------------------------------------------------------
 
-/// A ratio: `1.062 [1.049–1.301]`.
+/// A ratio: `1.062 [1.049–1.301]`; `171 [120–198]` for large ones.
 fn ratio(sp: Option<Spread>) -> String {
+    let f = |x: f64| {
+        if x.abs() >= 10.0 {
+            format!("{x:.0}")
+        } else if x.abs() >= 3.0 {
+            format!("{x:.2}")
+        } else {
+            format!("{x:.3}")
+        }
+    };
     match sp {
-        Some(s) if s.min == s.max => format!("{:.3}", s.med),
-        Some(s) => format!("{:.3} [{:.3}–{:.3}]", s.med, s.min, s.max),
+        Some(s) if s.min == s.max => f(s.med),
+        Some(s) => format!("{} [{}–{}]", f(s.med), f(s.min), f(s.max)),
         None => "–".into(),
     }
 }
@@ -125,7 +134,7 @@ fn overhead(r: &Value, s: &mut Section) {
             "**Throughput through the 0-Chunnel stack is {}× the raw socket** (UDP, 64 B, {}; \
              bar ≥ 0.95 — {}), {}× on Unix datagrams. One message in flight: the 0-layer p50 is \
              {}× raw (UDP 64 B) and {}× with 5 layers; {}× and {}× on Unix datagrams.",
-            ratio_b(zero),
+            ratio(zero),
             reps(zero),
             met(ok),
             ratio(tput("unix", 64, "0")),
@@ -161,12 +170,16 @@ fn overhead(r: &Value, s: &mut Section) {
             x["transport"].as_str().unwrap_or("?"),
             x["size"],
             x["layers"].as_str().unwrap_or("?"),
-            m.map_or("–".into(), |m| format!(
-                "{} [{}–{}]",
-                thousands(m.med),
-                thousands(m.min),
-                thousands(m.max)
-            )),
+            m.map_or("–".into(), |m| if m.min == m.max {
+                thousands(m.med)
+            } else {
+                format!(
+                    "{} [{}–{}]",
+                    thousands(m.med),
+                    thousands(m.min),
+                    thousands(m.max)
+                )
+            }),
             ratio(spread(&x["throughput_ratio_to_raw"])),
             us(med(spread(&x["rtt_p50_us"]))),
             us(med(spread(&x["rtt_p99_us"]))),
@@ -210,11 +223,10 @@ fn overhead(r: &Value, s: &mut Section) {
             ok,
         );
     } else {
-        let why = cg["skipped"].as_str().unwrap_or("run with `--no-callgrind`");
-        s.part(
-            "callgrind",
-            format!("Not counted in this run ({why})."),
-        );
+        let why = cg["skipped"]
+            .as_str()
+            .unwrap_or("run with `--no-callgrind`");
+        s.part("callgrind", format!("Not counted in this run ({why})."));
     }
     if let Some(a) = r["allocations_per_msg_5_layers"].as_f64() {
         s.part(
@@ -248,10 +260,10 @@ fn negotiate(r: &Value, s: &mut Section) {
             "**A 0-RTT connection's set-up and first echo take {}× a raw UDP exchange** (p50, \
              {}, each repetition against the `raw_udp` exchange of the same repetition; bar ≤ \
              1.2 — {}), **1-RTT {}×** (bar ≤ 2.2 — {}).",
-            ratio_b(zero),
+            ratio(zero),
             reps(zero),
             met(zok),
-            ratio_b(one),
+            ratio(one),
             met(ook)
         ),
     );
@@ -426,7 +438,7 @@ fn reconfig(r: &Value, s: &mut Section) {
              stack** ({}; bar ≥ 0.98 — {}); the lock mechanism at {}×. **A unilateral switch \
              pauses delivery for {:.1} µs at p99** (lock-free; lock {:.1} µs; bar < 1 ms — {}) \
              **with no message lost, duplicated or reordered** ({}).",
-            ratio_b(lf),
+            ratio(lf),
             reps(lf),
             met(tok),
             ratio(lk),
@@ -603,7 +615,10 @@ fn kv(r: &Value, s: &mut Section) {
     );
     s.part(
         "plot",
-        plot("kv", "p50 and p95 latency against offered load, both sharding modes"),
+        plot(
+            "kv",
+            "p50 and p95 latency against offered load, both sharding modes",
+        ),
     );
     let sweep = &r["sweep"];
     let cp = sweep["client_push"].as_array().cloned().unwrap_or_default();
@@ -646,18 +661,30 @@ fn kv(r: &Value, s: &mut Section) {
     );
     s.part("sweep", t);
     if pr.is_object() {
+        let mut detail = reps(paired);
+        if let (Some(f), Some(n)) = (
+            spread(&pr["full_p50_us"]),
+            spread(&pr["no_chunnels_p50_us"]),
+        ) {
+            let _ = write!(
+                detail,
+                "; full p50 {} µs, inline {} µs",
+                us_sp(Some(f)),
+                us_sp(Some(n))
+            );
+        }
+        if let (Some(f), Some(n)) = (
+            pr["samples"]["full"].as_u64(),
+            pr["samples"]["no_chunnels"].as_u64(),
+        ) {
+            let _ = write!(detail, "; {f} and {n} requests per run");
+        }
         s.part(
             "paired",
             format!(
-                "Paired p50 ratio full / no Chunnels: **{}** ({}; full p50 {} µs, inline {} µs; \
-                 {} and {} requests per run); **the bar (full within 10 % of no Chunnels) is \
-                 {}**.",
+                "Paired p50 ratio full / no Chunnels: **{}** ({detail}); **the bar (full within \
+                 10 % of no Chunnels) is {}**.",
                 ratio(paired),
-                reps(paired),
-                us_sp(spread(&pr["full_p50_us"])),
-                us_sp(spread(&pr["no_chunnels_p50_us"])),
-                pr["samples"]["full"],
-                pr["samples"]["no_chunnels"],
                 met(pok)
             ),
         );
@@ -672,7 +699,10 @@ fn rendezvous(r: &Value, s: &mut Section) {
     };
     s.part(
         "plot",
-        plot("rendezvous", "join and commit p50 against group size per backend"),
+        plot(
+            "rendezvous",
+            "join and commit p50 against group size per backend",
+        ),
     );
     let mut t = format!(
         "p50 / p90 in ms over {} repetitions, polling every {} ms:\n\n\
@@ -693,11 +723,8 @@ fn rendezvous(r: &Value, s: &mut Section) {
             .collect();
         ns.sort_by_key(|x| x.0);
         for (n, v) in ns {
-            let ms = |w: &str, q: &str| {
-                v[w][q]
-                    .as_f64()
-                    .map_or("–".into(), |x| format!("{x:.2}"))
-            };
+            let ms =
+                |w: &str, q: &str| v[w][q].as_f64().map_or("–".into(), |x| format!("{x:.2}"));
             let _ = writeln!(
                 t,
                 "| {name} | {n} | {} | {} | {} | {} |",
@@ -728,7 +755,7 @@ fn shm(r: &Value, s: &mut Section) {
              negotiation** (p50, {}; bar ≥ 5× — {}). **The library adds {:+.2} µs at p50 over \
              the raw ring** ({}×; the bar for paths under 10 µs is at most 1 µs above the raw \
              baseline — {}).",
-            ratio_b(udp_over),
+            ratio(udp_over),
             reps(udp_over),
             met(ok5),
             lib - raw,
@@ -750,10 +777,7 @@ fn shm(r: &Value, s: &mut Section) {
         "≤ 1 µs",
         ok1,
     );
-    let mut t = format!(
-        "| {} B | p50 µs | p99 µs |\n|---|---:|---:|\n",
-        r["size"]
-    );
+    let mut t = format!("| {} B | p50 µs | p99 µs |\n|---|---:|---:|\n", r["size"]);
     for (k, label) in [
         ("raw_ring", "raw SPSC ring (no library, the baseline)"),
         ("chunnel_shm", "chunnel-shm"),
@@ -781,7 +805,7 @@ fn uring(r: &Value, s: &mut Section) {
             "**The io_uring datapath's round trip is {}× the raw io_uring echo's** (p50, {}; \
              bar within 10 % — {}); a ring not bound to one thread (`uring_lib_any_thread`) is \
              {}×.",
-            ratio_b(lib),
+            ratio(lib),
             reps(lib),
             met(ok),
             ratio(spread(&v["uring_lib_any_thread"]["p50_ratio_to_raw"]))
@@ -800,7 +824,10 @@ fn uring(r: &Value, s: &mut Section) {
     );
     for (k, label) in [
         ("raw_uring", "raw io_uring echo (the baseline)"),
-        ("uring_lib", "`uring_lib`: chunnel-uring, ring bound to its thread"),
+        (
+            "uring_lib",
+            "`uring_lib`: chunnel-uring, ring bound to its thread",
+        ),
         ("uring_lib_any_thread", "`uring_lib_any_thread`"),
         ("kernel_lib", "kernel UDP through the library (context)"),
     ] {
@@ -856,7 +883,9 @@ fn datapaths(r: &Value, s: &mut Section) {
         let lib = spread(&x["library"]["rtt_p50_us"]);
         let small = med(raw) < 10.0;
         let rt = spread(&x["p50_ratio_lib_over_raw"]);
-        let diff = x["p50_lib_minus_raw_us"].as_f64().unwrap_or(med(lib) - med(raw));
+        let diff = x["p50_lib_minus_raw_us"]
+            .as_f64()
+            .unwrap_or(med(lib) - med(raw));
         let shown = if small {
             format!("{diff:+.2} µs")
         } else {
@@ -909,7 +938,10 @@ fn datapaths(r: &Value, s: &mut Section) {
             "**Not every datapath through the library is within its bar of the same technology \
              used directly**",
         )
-        .replace(" of 5 repetitions", &format!(" of {} repetitions", r["reps"])),
+        .replace(
+            " of 5 repetitions",
+            &format!(" of {} repetitions", r["reps"]),
+        ),
     );
     s.part(
         "plot",
@@ -932,7 +964,7 @@ fn datapaths(r: &Value, s: &mut Section) {
             .unwrap_or_default();
         let mut t = String::from("| size |");
         for l in &layers {
-            let _ = write!(t, " {l} layers |");
+            let _ = write!(t, " {l}{} |", if *l == 0 { " layers" } else { "" });
         }
         t.push_str("\n|---|");
         for _ in &layers {
@@ -943,9 +975,9 @@ fn datapaths(r: &Value, s: &mut Section) {
         for size in &sizes {
             let _ = write!(t, "| {size} B |");
             for l in &layers {
-                let x = rows
-                    .iter()
-                    .find(|x| x["size"].as_u64() == Some(*size) && x["layers"].as_u64() == Some(*l));
+                let x = rows.iter().find(|x| {
+                    x["size"].as_u64() == Some(*size) && x["layers"].as_u64() == Some(*l)
+                });
                 let p = x.and_then(|x| spread(&x["rtt_p50_us"]));
                 let rt = x.and_then(|x| spread(&x["p50_ratio_to_0_layers"]));
                 if *l == 0 {
@@ -997,7 +1029,7 @@ fn xdp(r: &Value, s: &mut Section) {
             "**The AF_XDP library's round trip is {}× the raw XSK loop's** (p50, {}; raw {} µs, \
              library {} µs; bar ≤ 1.10 — {}); every echoed request was redirected to the socket: \
              {}.",
-            ratio_b(rt),
+            ratio(rt),
             reps(rt),
             us_sp(spread(&x["raw"]["rtt_p50_us"])),
             us_sp(spread(&x["library"]["rtt_p50_us"])),
@@ -1009,7 +1041,13 @@ fn xdp(r: &Value, s: &mut Section) {
             }
         ),
     );
-    s.headline("xdp", "AF_XDP library p50 / raw XSK loop", ratio(rt), "≤ 1.10", ok);
+    s.headline(
+        "xdp",
+        "AF_XDP library p50 / raw XSK loop",
+        ratio(rt),
+        "≤ 1.10",
+        ok,
+    );
 }
 
 // ---- secure ------------------------------------------------------------------------------
@@ -1033,18 +1071,18 @@ fn secure(r: &Value, s: &mut Section) {
              (TLS) and {}× (QUIC)** (bar ≥ 0.95 — {} and {}; wall-clock {}× and {}×). **A \
              negotiated `select(quic, tls)` reconnect + first echo is {}× raw quinn's** (bar ≤ \
              1.1 — {}).",
-            ratio_b(rr(tls, "echo_p50")),
-            ratio_b(rr(quic, "echo_p50")),
+            ratio(rr(tls, "echo_p50")),
+            ratio(rr(quic, "echo_p50")),
             reps(rr(tls, "echo_p50")),
             met(echo_ok(tls)),
             met(echo_ok(quic)),
-            ratio_b(rr(tls, "bulk_throughput_per_cpu_s")),
-            ratio_b(rr(quic, "bulk_throughput_per_cpu_s")),
+            ratio(rr(tls, "bulk_throughput_per_cpu_s")),
+            ratio(rr(quic, "bulk_throughput_per_cpu_s")),
             met(cpu_ok(tls)),
             met(cpu_ok(quic)),
             ratio(rr(tls, "bulk_throughput")),
             ratio(rr(quic, "bulk_throughput")),
-            ratio_b(reco),
+            ratio(reco),
             met(reco_ok),
         ),
     );
@@ -1078,15 +1116,18 @@ fn secure(r: &Value, s: &mut Section) {
             "library / raw ratios for TLS and QUIC: connect, echo, bulk",
         ),
     );
-    let mut tb = String::from(
-        "| | raw | library | library / raw | bar |\n|---|---:|---:|---:|---|\n",
-    );
+    let mut tb =
+        String::from("| | raw | library | library / raw | bar |\n|---|---:|---:|---:|---|\n");
     for (name, x) in [("TLS", tls), ("QUIC", quic)] {
         let row = |what: &str, key: &str, rkey: &str, bar: String, mibs: bool| {
             let f = |sp: Option<Spread>| {
                 if mibs {
                     sp.map_or("–".into(), |s| {
-                        format!("{:.0} [{:.0}–{:.0}]", s.med, s.min, s.max)
+                        if s.min == s.max {
+                            format!("{:.0}", s.med)
+                        } else {
+                            format!("{:.0} [{:.0}–{:.0}]", s.med, s.min, s.max)
+                        }
                     })
                 } else {
                     us_sp(sp)
