@@ -86,7 +86,10 @@ fn check_mode_refuses_an_edited_document() {
     )
     .unwrap();
     let o = report(&["--from-json", "--check", "--out", out.to_str().unwrap()]);
-    assert!(!o.status.success(), "--check accepted a hand-edited document");
+    assert!(
+        !o.status.success(),
+        "--check accepted a hand-edited document"
+    );
     assert!(String::from_utf8_lossy(&o.stderr).contains("is not what"));
     let _ = std::fs::remove_dir_all(&out);
 }
@@ -98,7 +101,12 @@ fn from_json_runs_nothing_and_needs_no_json() {
     let o = report(&["--from-json", "--no-plots", "--out", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let doc = std::fs::read_to_string(out.join("evaluation.md")).unwrap();
-    assert!(doc.contains("Not measured yet: `taskset -c 0 ./target/release/chunnel-bench overhead`"));
-    assert!(!doc.contains("{{"), "a placeholder was left in the document");
+    assert!(
+        doc.contains("Not measured yet: `taskset -c 0 ./target/release/chunnel-bench overhead`")
+    );
+    assert!(
+        !doc.contains("{{"),
+        "a placeholder was left in the document"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }

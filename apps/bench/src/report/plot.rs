@@ -133,6 +133,7 @@ fn bars(
         .x_labels(0)
         .x_label_formatter(&|_| String::new())
         .y_desc(y_desc)
+        .y_label_formatter(&|y| tick(*y))
         .label_style(("sans-serif", 13))
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
@@ -255,6 +256,7 @@ fn lines(
         .configure_mesh()
         .x_desc(x_desc)
         .y_desc(y_desc)
+        .y_label_formatter(&|y| tick(*y))
         .label_style(("sans-serif", 13))
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
@@ -307,6 +309,18 @@ fn lines(
             .map_err(|e| anyhow!("{e}"))?;
     }
     Ok(())
+}
+
+/// An axis label: no decimals once they say nothing.
+fn tick(v: f64) -> String {
+    let a = v.abs();
+    if a >= 100.0 || (a >= 1.0 && v.fract().abs() < 1e-9) || v == 0.0 {
+        format!("{v:.0}")
+    } else if a >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
 }
 
 fn canvas(path: &Path, size: (u32, u32)) -> Result<Area<'_>> {

@@ -547,15 +547,15 @@ fn reconfig(r: &Value, s: &mut Section) {
     s.part("table", t);
     let m = &r["multilateral"]["pause"];
     if m.is_object() {
-        let q = |a: &str, b: &str| m[a][b].as_f64().unwrap_or(f64::NAN);
+        let q = |a: &str, b: &str| us(m[a][b].as_f64().unwrap_or(f64::NAN));
         let l = &m["loss"];
         s.part(
             "multilateral",
             format!(
-                "Multilateral (lock-free at both ends, {} switches): pause p50 **{:.1} µs**, p99 \
-                 **{:.1} µs**, max {:.1} µs; propose-to-peer-switched p50 {:.1} µs, p99 {:.1} \
-                 µs; {} lost, {} duplicated, {} reordered of {}; round trip p50 {:.1} µs in \
-                 steady state, {:.1} µs for messages in flight across a switch.",
+                "Multilateral (lock-free at both ends, {} switches): pause p50 **{} µs**, p99 \
+                 **{} µs**, max {} µs; propose-to-peer-switched p50 {} µs, p99 {} µs; {} lost, \
+                 {} duplicated, {} reordered of {}; round trip p50 {} µs in steady state, {} µs \
+                 for messages in flight across a switch.",
                 m["switches"],
                 q("pause_us", "p50"),
                 q("pause_us", "p99"),
@@ -566,8 +566,8 @@ fn reconfig(r: &Value, s: &mut Section) {
                 l["duplicates"],
                 l["reordered"],
                 thousands(l["sent"].as_f64().unwrap_or(f64::NAN)),
-                m["rtt_us"]["steady"]["p50"].as_f64().unwrap_or(f64::NAN),
-                m["rtt_us"]["during"]["p50"].as_f64().unwrap_or(f64::NAN),
+                us(m["rtt_us"]["steady"]["p50"].as_f64().unwrap_or(f64::NAN)),
+                us(m["rtt_us"]["during"]["p50"].as_f64().unwrap_or(f64::NAN)),
             ),
         );
     }
@@ -981,9 +981,9 @@ fn datapaths(r: &Value, s: &mut Section) {
                 let p = x.and_then(|x| spread(&x["rtt_p50_us"]));
                 let rt = x.and_then(|x| spread(&x["p50_ratio_to_0_layers"]));
                 if *l == 0 {
-                    let _ = write!(t, " {} |", us(med(p)));
+                    let _ = write!(t, " {:.3} |", med(p));
                 } else {
-                    let _ = write!(t, " {} ({:.2}) |", us(med(p)), med(rt));
+                    let _ = write!(t, " {:.3} ({:.2}) |", med(p), med(rt));
                 }
                 if let (Some(p), Some(z)) = (
                     p,
