@@ -245,7 +245,8 @@ fn measure(f: &Figure, quick: bool, verbose: bool, tag: &str) -> Result<Value> {
 
     // stderr: forwarded (verbose) or kept as the last lines for an error message.
     let stderr = child.stderr.take().expect("piped");
-    let (tx, rx) = mpsc::channel::<String>();
+    // Drained every 200 ms below and until the reader ends, so the bound is only a cushion.
+    let (tx, rx) = mpsc::sync_channel::<String>(4096);
     let verbose_tag = f.name;
     let reader = std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines() {
@@ -300,6 +301,10 @@ fn measure(f: &Figure, quick: bool, verbose: bool, tag: &str) -> Result<Value> {
         std::thread::sleep(Duration::from_millis(200));
     };
     let wall = started.elapsed().as_secs_f64();
+    while !reader.is_finished() {
+        tail.extend(rx.try_iter());
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let _ = reader.join();
     tail.extend(rx.try_iter());
     let out = out_reader.join().unwrap_or_default();

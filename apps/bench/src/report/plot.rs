@@ -256,6 +256,7 @@ fn lines(
         .configure_mesh()
         .x_desc(x_desc)
         .y_desc(y_desc)
+        .x_label_formatter(&|x| tick(*x))
         .y_label_formatter(&|y| tick(*y))
         .label_style(("sans-serif", 13))
         .draw()

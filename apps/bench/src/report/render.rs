@@ -180,7 +180,7 @@ fn run_block(f: &Figure, env: Option<&Value>) -> String {
             }
             let _ = write!(
                 s,
-                "; {}. The numbers are transcribed from the hand-run report of that date into \
+                "; {}. The numbers are transcribed from the hand-run report of the date given into \
                  `figures/{}.json`; `chunnel-bench report --only {}` replaces them with a run.",
                 machine_line(&e["machine"]),
                 f.name,

@@ -64,6 +64,8 @@ fn us(x: f64) -> String {
         "–".into()
     } else if x < 1.0 {
         format!("{x:.3}")
+    } else if x < 10.0 {
+        format!("{x:.2}")
     } else if x < 100.0 {
         format!("{x:.1}")
     } else {
