@@ -401,26 +401,17 @@ fn negotiate(path: &Path, r: &Value) -> Result<()> {
     let v = &r["variants"];
     let names = ["raw_udp_eager", "one_rtt", "zero_rtt"];
     let groups: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    let series = vec![
-        (
-            "p50 / raw_udp".to_string(),
-            names
-                .iter()
-                .map(|n| one(spread(&v[n]["p50_ratio_vs_raw"])))
-                .collect(),
-        ),
-        (
-            "p99 / raw_udp".to_string(),
-            names
-                .iter()
-                .map(|n| one(spread(&v[n]["p99_ratio_vs_raw"])))
-                .collect(),
-        ),
-    ];
+    let series = vec![(
+        "p50 / raw_udp".to_string(),
+        names
+            .iter()
+            .map(|n| one(spread(&v[n]["p50_ratio_vs_raw"])))
+            .collect(),
+    )];
     let root = canvas(path, (900, 450))?;
     bars(
         &root,
-        "Connect + first echo relative to a raw UDP exchange",
+        "Connect + first echo p50 relative to a raw UDP exchange (median, min–max)",
         "ratio to raw_udp",
         &groups,
         &series,
@@ -487,7 +478,7 @@ fn kv(path: &Path, r: &Value) -> Result<()> {
                     .filter_map(|p| {
                         Some((
                             p["offered_rps"].as_f64()? / 1000.0,
-                            spread(&p[key])?.med.min(2000.0),
+                            spread(&p[key])?.med.min(600.0),
                         ))
                     })
                     .collect()
@@ -498,7 +489,7 @@ fn kv(path: &Path, r: &Value) -> Result<()> {
     let root = canvas(path, (900, 480))?;
     lines(
         &root,
-        "Key-value store, YCSB B: latency against offered load (capped at 2 ms)",
+        "Key-value store, YCSB B: latency against offered load (capped at 600 µs)",
         "offered load (k req/s)",
         "µs",
         &[
