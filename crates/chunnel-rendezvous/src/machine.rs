@@ -203,6 +203,18 @@ impl Machine {
         (Ballot::Yes, Some(option))
     }
 
+    /// The store did not confirm our [`Action::Finish`] of transition `id` (the operation
+    /// failed or timed out): forget that we finished it, so a later snapshot that still shows
+    /// it pending decides again (the store's `finish` applies only while `id` is pending, so
+    /// a finish that did apply makes the retry a no-op). Without this, every member that saw
+    /// its finish fail would leave the transition pending for good: no later transition could
+    /// start, and the proposer would wait forever.
+    pub fn finish_failed(&mut self, id: u64) {
+        if self.finished == Some(id) {
+            self.finished = None;
+        }
+    }
+
     /// Feeds one snapshot read at `now_ms`; returns what to do, in order.
     pub fn on_snapshot(&mut self, snap: &Snapshot, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();

@@ -796,9 +796,18 @@ async fn scenario(seed: u64, checks: Checks) -> Result<Stats, String> {
     // Quiet: no more faults; every proposal returns, leases of the crashed run out,
     // orphaned transitions are aborted.
     store.stop_faults();
+    let context = |g: &Members, results: &Mutex<Vec<String>>| {
+        let snap = mem.with(GROUP, |gr, now| mem.snapshot_of(gr, now));
+        format!(
+            "\n  events: {:?}\n  proposals: {:?}\n  status: {:?}\n  store: {snap:?}",
+            g.p.events,
+            results.lock().unwrap(),
+            g.status
+        )
+    };
     for t in proposals {
         match within(bound * 2, "a proposal's task", t).await? {
-            Ok(r) => r?,
+            Ok(r) => r.map_err(|e| format!("{e}{}", context(&g, &results)))?,
             Err(e) if e.is_cancelled() => {}
             Err(e) => return Err(format!("a proposal's task panicked: {e}")),
         }
@@ -838,9 +847,14 @@ async fn scenario(seed: u64, checks: Checks) -> Result<Stats, String> {
         .await
         .map_err(|e| format!("snapshot: {e}"))?;
     let committed = snap.committed.clone().ok_or("the group has no stack")?;
-    if let Some(t) = &snap.transition {
+    // (A group whose members all crashed or left has nobody to end it.)
+    let anyone = (0..n).any(|m| g.status[m] == Status::Live);
+    if let Some(t) = &snap.transition
+        && anyone
+    {
         return Err(format!(
-            "a transition is still pending after the quiet period: {t:?}"
+            "a transition is still pending after the quiet period: {t:?}{}",
+            context(&g, &results)
         ));
     }
     for m in 0..n {
