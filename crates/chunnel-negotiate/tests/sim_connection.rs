@@ -33,6 +33,9 @@
 //! `CHUNNEL_SIM_SEED=<n>` reruns one seed, `CHUNNEL_SIM_SEEDS=<count>` (from
 //! `CHUNNEL_SIM_FIRST`, default 0) runs more; `-- --nocapture` prints the totals.
 
+// `tokio_unstable` is tokio's cfg for its unstable API (here: seeding its RNG).
+#![allow(unexpected_cfgs)]
+
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -225,7 +228,6 @@ impl<T> BaseChunnel for T where
 
 /// A current-thread runtime on a paused clock. Built with `--cfg tokio_unstable`, tokio's
 /// own random choices (which branch of a `select!` is polled first) are seeded too.
-#[allow(unexpected_cfgs)]
 fn runtime(seed: u64) -> tokio::runtime::Runtime {
     let mut b = tokio::runtime::Builder::new_current_thread();
     b.enable_time().start_paused(true);
@@ -628,16 +630,84 @@ fn sim_negotiated_connections() {
     }
 }
 
+/// Two runs of a seed take the same path (the same outcomes in the same order, the same
+/// fault counts, the same virtual time) when tokio's own random choices are seeded too, which
+/// needs `--cfg tokio_unstable`:
+///
+/// ```sh
+/// RUSTFLAGS="--cfg tokio_unstable" CARGO_TARGET_DIR=target/sim-replay cargo test \
+///   -p chunnel-negotiate --test sim_connection -- --include-ignored sim_runs_replay_exactly
+/// ```
+///
+/// The exception is a seed where two proposals met (an end saw `Contended`): the winner is
+/// the larger transaction id, drawn from `chunnel::util::random_u64` (keyed per process), so
+/// such seeds may go either way; their checks hold both ways.
 #[test]
-fn sim_runs_are_reproducible() {
+#[cfg_attr(
+    not(tokio_unstable),
+    ignore = "exact replay needs --cfg tokio_unstable (tokio seeds select! only there)"
+)]
+fn sim_runs_replay_exactly() {
     let seeds: Vec<u64> = (0..300).collect();
-    let ex = Explorer::new("reproducible", "cargo test -p chunnel-negotiate --test sim_connection -- sim_runs_are_reproducible");
-    let a = ex.run(&seeds, |seed| run_seed(seed, Plant::None, ordered_base)).unwrap();
-    let b = ex.run(&seeds, |seed| run_seed(seed, Plant::None, ordered_base)).unwrap();
-    let differ: Vec<u64> = a.results.iter().zip(&b.results).filter(|(x, y)| x.1.fingerprint != y.1.fingerprint).map(|(x, _)| x.0).collect();
-    println!("{} of {} differ: {:?}", differ.len(), seeds.len(), differ);
-    for s in differ.iter().take(3) {
-        let x = &a.results[*s as usize].1; let y = &b.results[*s as usize].1;
-        println!("{x:?}\n{y:?}");
+    let ex = Explorer::new(
+        "replay",
+        "RUSTFLAGS=\"--cfg tokio_unstable\" CARGO_TARGET_DIR=target/sim-replay cargo test \
+         -p chunnel-negotiate --test sim_connection -- --include-ignored sim_runs_replay_exactly",
+    );
+    let a = ex
+        .run(&seeds, |seed| run_seed(seed, Plant::None, ordered_base))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let b = ex
+        .run(&seeds, |seed| run_seed(seed, Plant::None, ordered_base))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (mut same, mut contended) = (0, 0);
+    for ((seed, x), (_, y)) in a.results.iter().zip(&b.results) {
+        if x.contended > 0 || y.contended > 0 {
+            contended += 1;
+            continue;
+        }
+        assert_eq!(
+            x.fingerprint, y.fingerprint,
+            "seed {seed} took another path the second time:\n{x:?}\n{y:?}"
+        );
+        same += 1;
     }
+    println!(
+        "replay: {same} seeds replayed exactly; {contended} with contended proposals not compared"
+    );
+}
+
+/// Planted bug: the client switches its own stack at the first switch point, without the
+/// two-phase commit. The server goes on with the old key; the checks must catch it.
+#[test]
+fn planted_switch_without_the_peers_yes_is_caught() {
+    let ex = Explorer::new(
+        "planted: unilateral switch",
+        "cargo test -p chunnel-negotiate --test sim_connection -- planted_switch_without",
+    );
+    let seeds: Vec<u64> = (0..200).collect();
+    let e = ex
+        .run(&seeds, |seed| run_seed(seed, Plant::Unilateral, ordered_base))
+        .expect_err("the planted bug must be caught");
+    println!("{e}");
+    assert!(
+        e.contains("arrived as") || e.contains("came back as") || e.contains("on key"),
+        "{e}"
+    );
+}
+
+/// Planted bug: `Reliable` without `Ordered` under the negotiation (exactly once, but in
+/// arrival order). Seeds whose network reorders must catch it.
+#[test]
+fn planted_base_without_ordering_is_caught() {
+    let ex = Explorer::new(
+        "planted: no ordering",
+        "cargo test -p chunnel-negotiate --test sim_connection -- planted_base_without",
+    );
+    let seeds: Vec<u64> = (0..200).collect();
+    let e = ex
+        .run(&seeds, |seed| run_seed(seed, Plant::None, unordered_base))
+        .expect_err("the planted bug must be caught");
+    println!("{e}");
+    assert!(e.contains("arrived as") || e.contains("came back as"), "{e}");
 }

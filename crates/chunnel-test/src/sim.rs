@@ -44,6 +44,11 @@ pub const SEED_VAR: &str = "CHUNNEL_SIM_SEED";
 pub const SEEDS_VAR: &str = "CHUNNEL_SIM_SEEDS";
 /// The first seed of a run (`CHUNNEL_SIM_FIRST=1000000`).
 pub const FIRST_VAR: &str = "CHUNNEL_SIM_FIRST";
+/// How many times [`SEED_VAR`]'s seed runs (`CHUNNEL_SIM_REPEAT=20`, default 1): a seed fixes
+/// the scenario, not every interleaving (see docs/testing.md), so a rerun repeats it.
+pub const REPEAT_VAR: &str = "CHUNNEL_SIM_REPEAT";
+/// The repeat count the printed rerun command asks for.
+pub const RERUN_REPEAT: u64 = 20;
 
 /// splitmix64: the scenario's choices, a function of the seed only.
 #[derive(Clone, Debug)]
@@ -131,8 +136,9 @@ impl Explorer {
         self
     }
 
-    /// The seeds to run: the one in `CHUNNEL_SIM_SEED` if set; else `CHUNNEL_SIM_SEEDS`
-    /// (default `default_count`) seeds from `CHUNNEL_SIM_FIRST` (default 0).
+    /// The seeds to run: the one in `CHUNNEL_SIM_SEED` if set (`CHUNNEL_SIM_REPEAT` times,
+    /// default once); else `CHUNNEL_SIM_SEEDS` (default `default_count`) seeds from
+    /// `CHUNNEL_SIM_FIRST` (default 0).
     pub fn seeds(&self, default_count: u64) -> Vec<u64> {
         let var = |k: &str| {
             std::env::var(k).ok().map(|v| {
@@ -142,16 +148,19 @@ impl Explorer {
             })
         };
         if let Some(s) = var(SEED_VAR) {
-            return vec![s];
+            return vec![s; var(REPEAT_VAR).unwrap_or(1).max(1) as usize];
         }
         let first = var(FIRST_VAR).unwrap_or(0);
         let n = var(SEEDS_VAR).unwrap_or(default_count);
         (first..first.saturating_add(n)).collect()
     }
 
-    /// The command that reruns `seed` alone.
+    /// The command that reruns `seed` alone ([`RERUN_REPEAT`] times).
     pub fn rerun_command(&self, seed: u64) -> String {
-        format!("{SEED_VAR}={seed} {}", self.rerun)
+        format!(
+            "{SEED_VAR}={seed} {REPEAT_VAR}={RERUN_REPEAT} {}",
+            self.rerun
+        )
     }
 
     /// Runs `run` for each seed in order and stops at the first that fails (returns `Err`
@@ -520,7 +529,10 @@ mod tests {
             .run(&[1, 2, 3, 4], |s| if s == 3 { Err("boom".into()) } else { Ok(s) })
             .unwrap_err();
         assert!(e.contains("seed 3 failed after 2 passing seeds: boom"), "{e}");
-        assert!(e.contains("CHUNNEL_SIM_SEED=3 cargo test x"), "{e}");
+        assert!(
+            e.contains("CHUNNEL_SIM_SEED=3 CHUNNEL_SIM_REPEAT=20 cargo test x"),
+            "{e}"
+        );
         let e = ex
             .run(&[5], |_| -> Result<(), String> { panic!("kaboom") })
             .unwrap_err();
