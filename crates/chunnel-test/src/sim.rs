@@ -48,7 +48,7 @@ pub const FIRST_VAR: &str = "CHUNNEL_SIM_FIRST";
 /// the scenario, not every interleaving (see docs/testing.md), so a rerun repeats it.
 pub const REPEAT_VAR: &str = "CHUNNEL_SIM_REPEAT";
 /// The repeat count the printed rerun command asks for.
-pub const RERUN_REPEAT: u64 = 20;
+pub const RERUN_REPEAT: u64 = 100;
 
 /// splitmix64: the scenario's choices, a function of the seed only.
 #[derive(Clone, Debug)]
@@ -530,7 +530,7 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("seed 3 failed after 2 passing seeds: boom"), "{e}");
         assert!(
-            e.contains("CHUNNEL_SIM_SEED=3 CHUNNEL_SIM_REPEAT=20 cargo test x"),
+            e.contains("CHUNNEL_SIM_SEED=3 CHUNNEL_SIM_REPEAT=100 cargo test x"),
             "{e}"
         );
         let e = ex
