@@ -13,7 +13,7 @@
 //! * **the negotiated stack**: a reconfigurable select of two `Xor` layers (an exact
 //!   capability; ends that disagree garble each other's messages), the server's branches in
 //!   an order drawn from the seed, so the pick is not always the first branch; a
-//!   `Coordinator` at each end;
+//!   `Coordinator` at each end (in one seed in eight an end refuses its peer's proposals);
 //! * **traffic**: the client pipelines numbered messages in bursts, the server echoes;
 //! * **reconfiguration mid-stream**: up to three multilateral switches, each started by the
 //!   client, the server or both at once, at a point of the stream drawn from the seed, with
@@ -54,8 +54,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 /// Seeds per run of `sim_negotiated_connections` (CI).
 const SEEDS: u64 = 2_000;
 
-const RERUN: &str =
-    "cargo test -p chunnel-negotiate --test sim_connection -- sim_negotiated_connections --nocapture";
+const RERUN: &str = "cargo test -p chunnel-negotiate --test sim_connection -- sim_negotiated_connections --nocapture";
 
 type Stack = Reconfigurable<Xor, Xor, LockFree>;
 
@@ -110,7 +109,9 @@ struct Params {
     max_pause_ms: u64,
     /// (after this many messages were sent/received, who proposes)
     switches: Vec<(usize, Who)>,
-    policy: Policy,
+    /// The client's and the server's policies (one end in eight refuses its peer's
+    /// proposals).
+    policies: [Policy; 2],
     tasks_seed: u64,
 }
 
@@ -159,12 +160,12 @@ fn params(seed: u64) -> Params {
         max_burst: r.range(1, 16) as usize,
         max_pause_ms: [0, 2, 20][r.below(3) as usize],
         switches,
-        policy: Policy {
+        policies: [0, 1].map(|_| Policy {
             may_initiate: true,
-            peer_may_initiate: true,
+            peer_may_initiate: !r.chance(0.125),
             vote_timeout: Duration::from_millis(vote_timeout),
             resend_after: Duration::from_millis(resend_after),
-        },
+        }),
         tasks_seed: r.fork(),
     }
 }
@@ -262,7 +263,7 @@ async fn scenario<B: BaseChunnel>(
 ) -> Result<Stats, String> {
     let p = params(seed);
     let t0 = tokio::time::Instant::now();
-    let (fail_tx, mut fail_rx) = mpsc::unbounded_channel::<String>();
+    let (fail_tx, mut fail_rx) = mpsc::channel::<String>(64);
     let work = run(&p, plant, base, fail_tx);
     let out = tokio::select! {
         biased;
@@ -294,7 +295,7 @@ async fn run<B: BaseChunnel>(
     p: &Params,
     plant: Plant,
     base: fn(FaultInjector, Duration) -> B,
-    fail: mpsc::UnboundedSender<String>,
+    fail: mpsc::Sender<String>,
 ) -> Result<Stats, String> {
     let client_keys = [1u8, 2];
     let (connect, listener) = mem_net();
@@ -313,20 +314,20 @@ async fn run<B: BaseChunnel>(
     let (srv_conn_tx, srv_conn_rx) = oneshot::channel();
     let (received_tx, received_rx) = watch::channel(0usize);
     let srv_fail = fail.clone();
-    let policy = p.policy;
+    let policy = p.policies[1];
     let server_keys = p.server_keys;
     let srv_task = tokio::spawn(async move {
         let conn = match srv.accept().await {
             Ok(c) => Arc::new(c),
             Err(e) => {
-                let _ = srv_fail.send(format!("server: accept failed: {e}"));
+                let _ = srv_fail.try_send(format!("server: accept failed: {e}"));
                 return;
             }
         };
         let coord = match Coordinator::start(&conn, &srv_stack, policy) {
             Ok(c) => Arc::new(c),
             Err(e) => {
-                let _ = srv_fail.send(format!("server: coordinator: {e}"));
+                let _ = srv_fail.try_send(format!("server: coordinator: {e}"));
                 return;
             }
         };
@@ -337,7 +338,7 @@ async fn run<B: BaseChunnel>(
             let n = match conn.recv(&mut slots).await {
                 Ok(n) => n,
                 Err(e) => {
-                    let _ = srv_fail.send(format!("server: recv failed after {next}: {e}"));
+                    let _ = srv_fail.try_send(format!("server: recv failed after {next}: {e}"));
                     return;
                 }
             };
@@ -345,7 +346,7 @@ async fn run<B: BaseChunnel>(
             for s in &mut slots[..n] {
                 let m = s.take().expect("filled");
                 if m != msg(next) {
-                    let _ = srv_fail.send(format!(
+                    let _ = srv_fail.try_send(format!(
                         "server: message {next} arrived as {m:?} (key {})",
                         key(server_keys, conn.get_ref().side())
                     ));
@@ -356,7 +357,7 @@ async fn run<B: BaseChunnel>(
             }
             received_tx.send_replace(next);
             if let Err(e) = conn.send(echo).await {
-                let _ = srv_fail.send(format!("server: echo failed after {next}: {e}"));
+                let _ = srv_fail.try_send(format!("server: echo failed after {next}: {e}"));
                 return;
             }
         }
@@ -386,7 +387,8 @@ async fn run<B: BaseChunnel>(
         .map_err(|e| format!("negotiation failed: {e}"))?,
     );
     let coord = Arc::new(
-        Coordinator::start(&conn, &cstack, p.policy).map_err(|e| format!("coordinator: {e}"))?,
+        Coordinator::start(&conn, &cstack, p.policies[0])
+            .map_err(|e| format!("coordinator: {e}"))?,
     );
     let (srv_conn, srv_coord) = within(Duration::from_secs(120), "server accept", srv_conn_rx)
         .await?
@@ -413,18 +415,18 @@ async fn run<B: BaseChunnel>(
             let n = match rconn.recv(&mut slots).await {
                 Ok(n) => n,
                 Err(e) => {
-                    let _ = rfail.send(format!("client: recv failed after {next} echoes: {e}"));
+                    let _ = rfail.try_send(format!("client: recv failed after {next} echoes: {e}"));
                     return;
                 }
             };
             for s in &mut slots[..n] {
                 let m = s.take().expect("filled");
                 if next >= total {
-                    let _ = rfail.send(format!("client: an echo after the last: {m:?}"));
+                    let _ = rfail.try_send(format!("client: an echo after the last: {m:?}"));
                     return;
                 }
                 if m != msg(next) {
-                    let _ = rfail.send(format!(
+                    let _ = rfail.try_send(format!(
                         "client: echo {next} came back as {m:?} (key {})",
                         key(client_keys, rconn.get_ref().side())
                     ));
@@ -493,7 +495,7 @@ async fn run<B: BaseChunnel>(
                             key(server_keys, sc.get_ref().side()),
                         );
                         if ck != sk {
-                            let _ = fail.send(format!(
+                            let _ = fail.try_send(format!(
                                 "switch {i} by the {end} returned Switched with the client on \
                                  key {ck} and the server on key {sk}"
                             ));
@@ -503,7 +505,7 @@ async fn run<B: BaseChunnel>(
                     Ok(Outcome::Contended(_)) => t.contended += 1,
                     Ok(Outcome::Unchanged) => t.unchanged += 1,
                     Err(e) => {
-                        let _ = fail.send(format!("switch {i} by the {end} failed: {e}"));
+                        let _ = fail.try_send(format!("switch {i} by the {end} failed: {e}"));
                     }
                 }
             })));
@@ -626,7 +628,10 @@ fn sim_negotiated_connections() {
     if seeds.len() > 1 {
         // The scenario space is exercised: each outcome and each fault happens somewhere.
         assert!(t.switched > 0 && t.aborted > 0 && t.contended > 0, "{t:?}");
-        assert!(t.dropped > 0 && t.duplicated > 0 && t.reordered > 0 && t.delayed > 0, "{t:?}");
+        assert!(
+            t.dropped > 0 && t.duplicated > 0 && t.reordered > 0 && t.delayed > 0,
+            "{t:?}"
+        );
     }
 }
 
@@ -687,7 +692,9 @@ fn planted_switch_without_the_peers_yes_is_caught() {
     );
     let seeds: Vec<u64> = (0..200).collect();
     let e = ex
-        .run(&seeds, |seed| run_seed(seed, Plant::Unilateral, ordered_base))
+        .run(&seeds, |seed| {
+            run_seed(seed, Plant::Unilateral, ordered_base)
+        })
         .expect_err("the planted bug must be caught");
     println!("{e}");
     assert!(
@@ -709,5 +716,8 @@ fn planted_base_without_ordering_is_caught() {
         .run(&seeds, |seed| run_seed(seed, Plant::None, unordered_base))
         .expect_err("the planted bug must be caught");
     println!("{e}");
-    assert!(e.contains("arrived as") || e.contains("came back as"), "{e}");
+    assert!(
+        e.contains("arrived as") || e.contains("came back as"),
+        "{e}"
+    );
 }

@@ -288,20 +288,25 @@ pub async fn within<T>(
 // ---------------------------------------------------------------------------------------
 // The in-memory network.
 
+/// How many messages wait in one direction of a [`MemConn`] before more are dropped.
+pub const MEM_QUEUE: usize = 4096;
+
 /// One end of an in-memory datagram link: whatever the other end sends arrives here, in
-/// order, without loss (put a [`crate::FaultInjector`] on top for faults). Implements
+/// order, without loss while the receiver keeps up (a message that finds [`MEM_QUEUE`]
+/// waiting is dropped, as a datagram socket's full buffer drops); put a
+/// [`crate::FaultInjector`] on top for faults. Implements
 /// [`SendHeader`] and [`PeerHandoff`] (no listener-level hand-off), so it can be the base
 /// of a negotiated connection as it is.
 #[derive(Debug)]
 pub struct MemConn {
-    tx: mpsc::UnboundedSender<Bytes>,
-    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Bytes>>,
+    tx: mpsc::Sender<Bytes>,
+    rx: tokio::sync::Mutex<mpsc::Receiver<Bytes>>,
 }
 
 /// Two connected ends.
 pub fn mem_pair() -> (MemConn, MemConn) {
-    let (atx, brx) = mpsc::unbounded_channel();
-    let (btx, arx) = mpsc::unbounded_channel();
+    let (atx, brx) = mpsc::channel(MEM_QUEUE);
+    let (btx, arx) = mpsc::channel(MEM_QUEUE);
     (
         MemConn {
             tx: atx,
@@ -323,7 +328,10 @@ impl ChunnelConnection for MemConn {
         B::IntoIter: Send,
     {
         for m in burst {
-            self.tx.send(m).map_err(|_| Error::PeerClosed)?;
+            match self.tx.try_send(m) {
+                Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => {}
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(Error::PeerClosed),
+            }
         }
         Ok(())
     }
@@ -384,18 +392,18 @@ fn with_header(header: &[u8], m: &Bytes) -> Bytes {
 /// link and hands its other end to the [`MemListener`].
 #[derive(Clone, Debug)]
 pub struct MemConnect {
-    to: mpsc::UnboundedSender<MemConn>,
+    to: mpsc::Sender<MemConn>,
 }
 
 /// The server side of an in-memory network: yields the server end of each new link.
 #[derive(Debug)]
 pub struct MemListener {
-    from: mpsc::UnboundedReceiver<MemConn>,
+    from: mpsc::Receiver<MemConn>,
 }
 
-/// A network with one server.
+/// A network with one server (at most 64 links waiting to be accepted; more are refused).
 pub fn mem_net() -> (MemConnect, MemListener) {
-    let (to, from) = mpsc::unbounded_channel();
+    let (to, from) = mpsc::channel(64);
     (MemConnect { to }, MemListener { from })
 }
 
@@ -410,9 +418,9 @@ impl Chunnel<()> for MemConnect {
 
     async fn connect_wrap(&mut self, _: ()) -> Result<MemConn, Error> {
         let (a, b) = mem_pair();
-        self.to.send(b).map_err(|_| Error::ConnectionRefused {
-            addr: "mem".into(),
-        })?;
+        self.to
+            .try_send(b)
+            .map_err(|_| Error::ConnectionRefused { addr: "mem".into() })?;
         Ok(a)
     }
 }
@@ -420,8 +428,8 @@ impl Chunnel<()> for MemConnect {
 impl Listener for MemListener {
     type Connection = MemConn;
 
-    fn accept(&mut self) -> impl Future<Output = Result<MemConn, Error>> + Send {
-        async move { self.from.recv().await.ok_or(Error::Closed) }
+    async fn accept(&mut self) -> Result<MemConn, Error> {
+        self.from.recv().await.ok_or(Error::Closed)
     }
 }
 
@@ -497,12 +505,10 @@ where
 {
     type Connection = Base<Ch::Connection>;
 
-    fn accept(&mut self) -> impl Future<Output = Result<Self::Connection, Error>> + Send {
-        async move {
-            let c = self.inner.accept().await?;
-            let mut ch = self.chunnel.clone();
-            Ok(Base(ch.connect_wrap(c).await?))
-        }
+    async fn accept(&mut self) -> Result<Self::Connection, Error> {
+        let c = self.inner.accept().await?;
+        let mut ch = self.chunnel.clone();
+        Ok(Base(ch.connect_wrap(c).await?))
     }
 }
 
@@ -526,9 +532,14 @@ mod tests {
     fn explorer_names_the_failing_seed() {
         let ex = Explorer::new("t", "cargo test x");
         let e = ex
-            .run(&[1, 2, 3, 4], |s| if s == 3 { Err("boom".into()) } else { Ok(s) })
+            .run(&[1, 2, 3, 4], |s| {
+                if s == 3 { Err("boom".into()) } else { Ok(s) }
+            })
             .unwrap_err();
-        assert!(e.contains("seed 3 failed after 2 passing seeds: boom"), "{e}");
+        assert!(
+            e.contains("seed 3 failed after 2 passing seeds: boom"),
+            "{e}"
+        );
         assert!(
             e.contains("CHUNNEL_SIM_SEED=3 CHUNNEL_SIM_REPEAT=100 cargo test x"),
             "{e}"
