@@ -52,7 +52,7 @@ use chunnel_test::sim::{Base, BaseListener, Explorer, MemConn, SimRng, mem_net, 
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// Seeds per run of `sim_negotiated_connections` (CI).
-const SEEDS: u64 = 2_000;
+const SEEDS: u64 = 1_500;
 
 const RERUN: &str = "cargo test -p chunnel-negotiate --test sim_connection -- sim_negotiated_connections --nocapture";
 

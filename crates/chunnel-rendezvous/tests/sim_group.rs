@@ -56,7 +56,7 @@ use chunnel_test::sim::{Explorer, SimRng, within};
 use tokio::time::Instant;
 
 /// Seeds per run of `sim_groups` (CI).
-const SEEDS: u64 = 800;
+const SEEDS: u64 = 600;
 
 const RERUN: &str = "cargo test -p chunnel-rendezvous --test sim_group -- sim_groups --nocapture";
 
@@ -573,7 +573,7 @@ fn params(seed: u64) -> Params {
     let config = Config {
         lease: Duration::from_millis(r.range(1_500, 4_000)),
         renew_every: Duration::from_millis(500),
-        poll: Duration::from_millis([20, 50, 100][r.below(3) as usize]),
+        poll: Duration::from_millis([20, 50, 100, 200][r.below(4) as usize]),
         transition_timeout: Duration::from_millis([300, 1_000, 3_000][r.below(3) as usize]),
         join_attempts: 64,
         op_timeout: Duration::from_millis(500),
