@@ -48,7 +48,7 @@ pub const FIRST_VAR: &str = "CHUNNEL_SIM_FIRST";
 /// the scenario, not every interleaving (see docs/testing.md), so a rerun repeats it.
 pub const REPEAT_VAR: &str = "CHUNNEL_SIM_REPEAT";
 /// The repeat count the printed rerun command asks for.
-pub const RERUN_REPEAT: u64 = 100;
+pub const RERUN_REPEAT: u64 = 200;
 
 /// splitmix64: the scenario's choices, a function of the seed only.
 #[derive(Clone, Debug)]
@@ -541,7 +541,7 @@ mod tests {
             "{e}"
         );
         assert!(
-            e.contains("CHUNNEL_SIM_SEED=3 CHUNNEL_SIM_REPEAT=100 cargo test x"),
+            e.contains("CHUNNEL_SIM_SEED=3 CHUNNEL_SIM_REPEAT=200 cargo test x"),
             "{e}"
         );
         let e = ex
