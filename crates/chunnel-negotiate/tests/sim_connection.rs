@@ -271,6 +271,10 @@ async fn scenario<B: BaseChunnel>(
         r = work => r,
     };
     let mut stats = out?;
+    // A failure reported while the run finished.
+    if let Ok(e) = fail_rx.try_recv() {
+        return Err(e);
+    }
     stats.virtual_ms = t0.elapsed().as_millis() as u64;
     let mut h = DefaultHasher::new();
     (
