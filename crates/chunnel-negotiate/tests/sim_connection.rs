@@ -788,3 +788,249 @@ fn bug_the_hello_was_resent_on_the_wall_clock() {
         server.await.expect("server task").expect("accepted");
     });
 }
+
+// ---------------------------------------------------------------------------------------
+// The handshake and the two-phase commit straight over the faulty link.
+
+/// What one seed of `sim_control_over_lossy_links` did.
+#[derive(Clone, Debug, Default)]
+struct ControlStats {
+    handshakes_given_up: u64,
+    switched: u64,
+    aborted: u64,
+    contended: u64,
+    unchanged: u64,
+    hellos: u64,
+}
+
+/// The negotiation and multilateral reconfiguration with no `Reliable` under them: every
+/// message of the handshake and of the two-phase commit crosses the faulty link itself. No
+/// data (a message sent around a switch may be lost there, which the two-phase commit does not
+/// promise to prevent); each end keeps receiving, since votes are handled on the receive
+/// path. Checked: the handshake ends with both ends on the same key, or the client gives up
+/// after its attempts (every hello or every answer lost: allowed); every switch returns, a
+/// `Switched` one with the peer already on the same key; after 120 s of quiet both ends are
+/// on the same key.
+async fn control_scenario(seed: u64) -> Result<ControlStats, String> {
+    let p = params(seed);
+    let mut r = SimRng::new(p.tasks_seed);
+    let mut st = ControlStats::default();
+    let client_keys = [1u8, 2];
+    let (mut connect, listener) = mem_net();
+    let client_faults = injector(p.fault_seeds[0], p.client_faults);
+    let server_faults = injector(p.fault_seeds[1], p.server_faults);
+    let srv_stack = stack(p.server_keys);
+    let mut srv = listen(
+        srv_stack.clone(),
+        BaseListener::new(listener, server_faults),
+        Config::default(),
+    );
+    // The server takes its connection at once and keeps receiving on it: a retransmitted
+    // hello is answered on the receive path, and the fault injector releases held messages
+    // when its connection sends or receives.
+    let (srv_conn_tx, srv_conn_rx) = oneshot::channel();
+    let (fail_tx, mut fail_rx) = mpsc::channel::<String>(8);
+    let srv_fail = fail_tx.clone();
+    let _server = AbortOnDrop(tokio::spawn(async move {
+        let c = match srv.accept().await {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                let _ = srv_fail.try_send(format!("server accept: {e}"));
+                return;
+            }
+        };
+        let _ = srv_conn_tx.send(c.clone());
+        receive_nothing("server", &c, &srv_fail).await;
+    }));
+    let cstack = stack(client_keys);
+    let mem = connect
+        .connect_wrap(())
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut cf = client_faults;
+    let cbase = Base(
+        cf.connect_wrap(mem)
+            .await
+            .map_err(|e| format!("client base: {e}"))?,
+    );
+    let conn = match within(
+        Duration::from_secs(120),
+        "negotiation",
+        Client::new(Config::default()).connect("srv", cstack.clone(), cbase),
+    )
+    .await?
+    {
+        Ok(c) => Arc::new(c),
+        Err(chunnel_negotiate::Error::Timeout { .. }) => {
+            st.handshakes_given_up = 1;
+            return Ok(st);
+        }
+        Err(e) => return Err(format!("negotiation failed: {e}")),
+    };
+    st.hellos = u64::from(conn.info().hellos_sent);
+    let srv_conn = within(Duration::from_secs(120), "server accept", srv_conn_rx)
+        .await?
+        .map_err(|_| "the server never accepted".to_owned())?;
+    let (ckey, skey) = (
+        || key(client_keys, conn.get_ref().side()),
+        || key(p.server_keys, srv_conn.get_ref().side()),
+    );
+    if ckey() != skey() {
+        return Err(format!(
+            "negotiation: the client picked key {}, the server key {}",
+            ckey(),
+            skey()
+        ));
+    }
+    let coords = [
+        Arc::new(
+            Coordinator::start(&conn, &cstack, p.policies[0])
+                .map_err(|e| format!("coordinator: {e}"))?,
+        ),
+        Arc::new(
+            Coordinator::start(&srv_conn, &srv_stack, p.policies[1])
+                .map_err(|e| format!("coordinator: {e}"))?,
+        ),
+    ];
+    // The client keeps receiving too (nothing is sent, so anything received is a failure).
+    let (c, fail) = (conn.clone(), fail_tx.clone());
+    let _reader = AbortOnDrop(tokio::spawn(async move {
+        receive_nothing("client", &c, &fail).await;
+    }));
+    drop(fail_tx);
+    let mut switches = Vec::new();
+    for (i, &(_, who)) in p.switches.iter().enumerate() {
+        tokio::time::sleep(r.millis(500)).await;
+        let ends: &[usize] = match who {
+            Who::Client => &[0],
+            Who::Server => &[1],
+            Who::Both => &[0, 1],
+        };
+        for &end in ends {
+            let coord = coords[end].clone();
+            let (c, sc) = (conn.clone(), srv_conn.clone());
+            let server_keys = p.server_keys;
+            switches.push(tokio::spawn(async move {
+                let mine = if end == 0 {
+                    c.get_ref().side()
+                } else {
+                    sc.get_ref().side()
+                };
+                let out = coord.switch(other(mine)).await;
+                let (ck, sk) = (
+                    key(client_keys, c.get_ref().side()),
+                    key(server_keys, sc.get_ref().side()),
+                );
+                match out {
+                    Ok(Outcome::Switched) if ck != sk => Err(format!(
+                        "switch {i} by end {end} returned Switched with the client on key {ck} \
+                         and the server on key {sk}"
+                    )),
+                    Ok(o) => Ok(o),
+                    Err(e) => Err(format!("switch {i} by end {end} failed: {e}")),
+                }
+            }));
+        }
+    }
+    let all = async {
+        for t in switches {
+            match within(Duration::from_secs(600), "a switch", t).await? {
+                Ok(Ok(Outcome::Switched)) => st.switched += 1,
+                Ok(Ok(Outcome::Aborted(_))) => st.aborted += 1,
+                Ok(Ok(Outcome::Contended(_))) => st.contended += 1,
+                Ok(Ok(Outcome::Unchanged)) => st.unchanged += 1,
+                Ok(Err(e)) => return Err(e),
+                Err(e) => return Err(format!("a switch panicked: {e}")),
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        Ok(())
+    };
+    tokio::select! {
+        biased;
+        Some(e) = fail_rx.recv() => return Err(e),
+        r = all => r?,
+    }
+    if let Ok(e) = fail_rx.try_recv() {
+        return Err(e);
+    }
+    if ckey() != skey() {
+        return Err(format!(
+            "after the quiet period the client is on key {} and the server on key {}",
+            ckey(),
+            skey()
+        ));
+    }
+    Ok(st)
+}
+
+/// Receives on `c` (which drives the control protocol) and reports anything that arrives.
+async fn receive_nothing<C: ChunnelConnection<Data = Bytes>>(
+    end: &str,
+    c: &C,
+    fail: &mpsc::Sender<String>,
+) {
+    let mut slots = vec![None; 8];
+    let e = match c.recv(&mut slots).await {
+        Ok(_) => format!("{end}: received data nobody sent"),
+        Err(e) => format!("{end}: recv failed: {e}"),
+    };
+    let _ = fail.try_send(e);
+}
+
+const CONTROL_SEEDS: u64 = 3_000;
+
+#[test]
+fn sim_control_over_lossy_links() {
+    let ex = Explorer::new(
+        "negotiation and two-phase commit over lossy links",
+        "cargo test -p chunnel-negotiate --test sim_connection -- sim_control_over_lossy_links --nocapture",
+    );
+    let seeds = ex.seeds(CONTROL_SEEDS);
+    let report = ex
+        .run(&seeds, |seed| {
+            let rt = runtime(seed);
+            let r = rt.block_on(async {
+                within(
+                    Duration::from_secs(3_600),
+                    "the whole scenario",
+                    control_scenario(seed),
+                )
+                .await?
+            });
+            drop(rt);
+            r
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut t = ControlStats::default();
+    for (_, s) in &report.results {
+        t.handshakes_given_up += s.handshakes_given_up;
+        t.switched += s.switched;
+        t.aborted += s.aborted;
+        t.contended += s.contended;
+        t.unchanged += s.unchanged;
+        t.hellos += s.hellos;
+    }
+    println!(
+        "simulation `control over lossy links`: {} seeds ({}..={}) in {:.1} s of wall time; \
+         {} handshakes given up, {} hellos sent by the others; switches: {} switched, {} \
+         aborted, {} contended, {} unchanged",
+        report.results.len(),
+        seeds.first().copied().unwrap_or(0),
+        seeds.last().copied().unwrap_or(0),
+        report.elapsed.as_secs_f64(),
+        t.handshakes_given_up,
+        t.hellos,
+        t.switched,
+        t.aborted,
+        t.contended,
+        t.unchanged,
+    );
+    if seeds.len() > 1 {
+        assert!(t.switched > 0 && t.aborted > 0 && t.contended > 0, "{t:?}");
+        assert!(
+            t.hellos > report.results.len() as u64,
+            "no hello was ever resent: {t:?}"
+        );
+    }
+}
