@@ -30,6 +30,9 @@
 //! * after the last echo and a quiet period, both ends are on the same key, nothing more
 //!   arrives, and a final exchange goes through.
 //!
+//! `sim_control_over_lossy_links` runs the handshake and the two-phase commit with no
+//! `Reliable` under them (see `control_scenario`).
+//!
 //! `CHUNNEL_SIM_SEED=<n>` reruns one seed, `CHUNNEL_SIM_SEEDS=<count>` (from
 //! `CHUNNEL_SIM_FIRST`, default 0) runs more; `-- --nocapture` prints the totals.
 
