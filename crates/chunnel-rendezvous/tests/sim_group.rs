@@ -996,7 +996,8 @@ fn sim_groups() {
         t.views,
         t.exempted,
     );
-    if seeds.len() > 1 {
+    // (Not when one seed runs, or runs again and again.)
+    if seeds.first() != seeds.last() {
         assert!(
             t.commits > 0 && t.aborts > 0 && t.crashes > 0 && t.restarts > 0,
             "{t:?}"
@@ -1007,6 +1008,7 @@ fn sim_groups() {
 
 #[test]
 fn mem_store_has_the_store_semantics() {
+    let _one = chunnel_test::sim::exclusive();
     let rt = runtime(0);
     rt.block_on(chunnel_rendezvous::conformance::store_semantics(
         &MemStore::new(Checks::default()),
@@ -1067,6 +1069,7 @@ fn sim_group_every_live_member_voted_yes() {
 /// the proposal never returned. Now a failed finish is decided again on the next snapshot.)
 #[test]
 fn bug_a_failed_finish_left_the_transition_pending() {
+    let _one = chunnel_test::sim::exclusive();
     let rt = runtime(0);
     rt.block_on(async {
         let mem = Arc::new(MemStore::new(Checks {

@@ -100,6 +100,19 @@ impl SimRng {
     }
 }
 
+/// Runs simulations one at a time in this process: the explorer holds it for a whole run,
+/// and a test that builds its own paused runtime should too.
+///
+/// Some state is shared by every runtime of a process, and a paused clock runs ahead while
+/// its tasks wait on another runtime: chunnel-negotiate's limit on concurrent offer searches
+/// is a process-wide semaphore, so a simulated server waiting for a permit that another test
+/// thread's simulation holds would see virtual seconds pass (a handshake then gave up after
+/// 12.7 s of virtual time in well under a millisecond of wall time).
+pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The results of a run of many seeds.
 #[derive(Debug)]
 pub struct Report<T> {
@@ -171,6 +184,7 @@ impl Explorer {
         seeds: &[u64],
         mut run: impl FnMut(u64) -> Result<T, String>,
     ) -> Result<Report<T>, String> {
+        let _one = exclusive();
         let started = Instant::now();
         let watchdog = Watchdog::start(self.clone());
         let mut results = Vec::with_capacity(seeds.len());
