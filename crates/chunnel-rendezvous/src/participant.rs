@@ -526,7 +526,7 @@ impl<St: Store> Driver<St> {
                         Err(e) => {
                             tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
                             // Decide again on the next snapshot that still shows it pending.
-                            self.machine.finish_failed(id);
+                            self.machine.finish_refused(id);
                         }
                     }
                 }
