@@ -172,6 +172,13 @@ impl MemStore {
     }
 }
 
+/// When a lease taken at `now` runs out: capped at ten years (never wrapped), as the stores
+/// cap theirs.
+fn expiry(now: Instant, lease: Duration) -> Instant {
+    let cap = Duration::from_secs(10 * 365 * 86_400);
+    now.checked_add(lease.min(cap)).unwrap_or(now + cap)
+}
+
 /// Transition deadlines: the participant sets and compares them on the wall clock
 /// (`now_ms`), which hardly moves while virtual time runs. The store keeps each deadline in
 /// virtual time and shows a snapshot reader a wall-clock value that compares the same way
@@ -201,12 +208,13 @@ impl Store for MemStore {
         BACKEND
     }
 
-    async fn join(
+    async fn join_creating_at(
         &self,
         group: &str,
         member: &Member,
         propose: Option<&Bytes>,
         expect_epoch: Option<u64>,
+        create_epoch: u64,
         lease: Duration,
     ) -> Result<JoinReply, Error> {
         chunnel_rendezvous::store::check_name("group name", group)?;
@@ -217,14 +225,14 @@ impl Store for MemStore {
                     member.id.clone(),
                     Live {
                         member: member.clone(),
-                        expires: now + lease,
+                        expires: expiry(now, lease),
                     },
                 );
             };
             match (&g.committed, propose) {
                 (None, Some(stack)) => {
                     g.committed = Some(Committed {
-                        epoch: 1,
+                        epoch: create_epoch.max(1),
                         stack: stack.clone(),
                     });
                     add(g);
@@ -250,7 +258,7 @@ impl Store for MemStore {
         Ok(
             self.with(group, |g, now| match g.members.get_mut(member_id) {
                 Some(l) => {
-                    l.expires = now + lease;
+                    l.expires = expiry(now, lease);
                     true
                 }
                 None => false,
@@ -450,16 +458,24 @@ impl Store for SimStore {
     fn backend(&self) -> &'static str {
         BACKEND
     }
-    async fn join(
+    async fn join_creating_at(
         &self,
         group: &str,
         member: &Member,
         propose: Option<&Bytes>,
         expect_epoch: Option<u64>,
+        create_epoch: u64,
         lease: Duration,
     ) -> Result<JoinReply, Error> {
-        self.op(self.inner.join(group, member, propose, expect_epoch, lease))
-            .await
+        self.op(self.inner.join_creating_at(
+            group,
+            member,
+            propose,
+            expect_epoch,
+            create_epoch,
+            lease,
+        ))
+        .await
     }
     async fn renew(&self, group: &str, member_id: &str, lease: Duration) -> Result<bool, Error> {
         self.op(self.inner.renew(group, member_id, lease)).await
