@@ -15,6 +15,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+/// Now on tokio's clock (the wall clock unless a test paused it), the clock the handshake's
+/// deadlines are computed on: a paused runtime then drives the retransmissions too.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 /// How often the ticker wakes while deadlines are registered.
 pub(crate) const GRAIN: Duration = Duration::from_millis(10);
 
@@ -97,7 +103,7 @@ impl Ticker {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let now = Instant::now();
+            let now = now();
             let mut st = lock(&self.st);
             for i in 0..st.slots.len() {
                 if st.slots[i].as_ref().is_some_and(|(d, _, _)| *d <= now)
@@ -134,7 +140,7 @@ impl Future for Deadline {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = &mut *self;
-        if Instant::now() >= this.deadline {
+        if now() >= this.deadline {
             if let Some(id) = this.id.take() {
                 lock(&this.ticker.st).leave(id);
             }

@@ -165,7 +165,11 @@ impl Machine {
     /// The store did not commit transition `id` (its [`Store::finish`](crate::Store::finish)
     /// answered `false`): a live member had no yes ballot when the finish landed, e.g. one that
     /// joined after our last read. Decide it again on a later snapshot, with that member's
-    /// ballot (or the deadline).
+    /// ballot (or the deadline). Likewise when the finish failed (the store was unavailable or
+    /// did not answer in time): a later snapshot that still shows `id` pending decides again
+    /// (`finish` applies only while `id` is pending, so a finish that did apply, its answer
+    /// lost, makes the retry a no-op); otherwise a transition whose every finish failed stayed
+    /// pending for good, no later one could start, and its proposer waited forever.
     pub fn finish_refused(&mut self, id: u64) {
         if self.finished == Some(id) {
             self.finished = None;

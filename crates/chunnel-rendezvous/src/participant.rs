@@ -525,6 +525,8 @@ impl<St: Store> Driver<St> {
                         Ok(false) => self.machine.finish_refused(id),
                         Err(e) => {
                             tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
+                            // Decide again on the next snapshot that still shows it pending.
+                            self.machine.finish_refused(id);
                         }
                     }
                 }

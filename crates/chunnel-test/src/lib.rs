@@ -17,6 +17,7 @@ pub mod flood;
 pub mod kind;
 pub mod netns;
 pub mod services;
+pub mod sim;
 pub mod xor;
 pub use fault::{FaultInjector, FaultStats, Faulty};
 pub use xor::{Xor, XorConn, xor};
