@@ -123,9 +123,9 @@ pub(super) struct Peer<A> {
     /// Listed in [`Demux::silent`] (changed under the demux lock only), so that marking a
     /// connection again does not list it twice.
     pub(super) silent_listed: AtomicBool,
-    /// How many receives of this connection wait for the reader's place (listed once in
-    /// [`Shared::vacancy`] while any do); reset by the reader that offers it the place.
-    pub(super) wants_place: AtomicU32,
+    /// How many receives of this connection wait for the reader role (listed once in
+    /// [`Shared::vacancy`] while any do); reset by the reader that offers it the reader role.
+    pub(super) wants_reader_role: AtomicU32,
     /// The session its datagrams started ([`chunnel::Listener::recognise_sessions`]); 0:
     /// none yet. Changed under the demux lock only.
     pub(super) session: AtomicU64,
@@ -231,7 +231,7 @@ impl<A> Peer<A> {
             silent: AtomicBool::new(false),
             silent_listed: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
-            wants_place: AtomicU32::new(0),
+            wants_reader_role: AtomicU32::new(0),
             session: AtomicU64::new(0),
         }
     }
