@@ -1573,9 +1573,9 @@ async fn udp_recv_ends_when_the_peer_port_is_closed() {
 
 /// A connection that keeps calling `recv` reads its own datagrams from the shared socket
 /// (straight into its slots), even though `accept` waits on the same socket for new peers:
-/// only the first datagram, which made the connection, goes through a queue. When `accept`
-/// kept the reader role instead, every datagram went through the connection's queue and
-/// woke two tasks.
+/// only the first datagram, which made the connection, goes through a queue. If `accept`
+/// kept the reader role instead, every datagram would go through the connection's queue and
+/// wake two tasks.
 #[tokio::test(flavor = "current_thread")]
 async fn a_connection_reads_its_own_datagrams_while_accept_waits() {
     let mut l = udp::Listener::bind(loopback()).await.unwrap();

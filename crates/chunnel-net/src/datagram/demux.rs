@@ -18,7 +18,7 @@ use super::socket::DgramSocket;
 
 /// The hash of the peer map, looked up for every datagram a listener receives.
 ///
-/// `SipHash` (std's default) cost more than the rest of demultiplexing a datagram. This is
+/// `SipHash` (std's default) costs more than the rest of demultiplexing a datagram. This is
 /// a keyed folded multiply (the construction of `foldhash`/`ahash`'s fallback): each word
 /// is mixed as `fold(acc ^ word, key)`, where `fold` multiplies to 128 bits and XORs the
 /// halves. Trade-off: peers choose their source ports (and, off-path, addresses), so an
@@ -239,7 +239,7 @@ impl<A> Peer<A> {
 
 /// The listener's peers by address: a table of the peers themselves (each knows its
 /// address), hashed by [`PeerHash`]: 8 bytes a slot, with no copy of the address beside
-/// each (a map from address to peer kept 40).
+/// each (a map from address to peer would take 40).
 pub(super) struct PeerMap<A> {
     table: hashbrown::HashTable<Arc<Peer<A>>>,
     hash: PeerHash,

@@ -88,8 +88,8 @@ fn peer_queue_is_first_in_first_out() {
 
 /// A task that still acts as the reader after the reader role changed hands does not
 /// register in the socket's one receive-waker slot: the new reader's registration stays,
-/// and a datagram wakes the new reader. (Registering without the check overwrote it, and
-/// the new reader slept through the datagram.)
+/// and a datagram wakes the new reader. (Without the check the stale task would overwrite
+/// it, and the new reader would sleep through the datagram.)
 #[tokio::test(flavor = "current_thread")]
 async fn a_stale_reader_does_not_take_the_receive_waker_slot() {
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
@@ -170,8 +170,9 @@ fn receiving(s: Arc<ServerConnection<tokio::net::UdpSocket>>) -> tokio::task::Jo
 const SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
 const WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// Two receives on one connection both wait for the reader role: both are served (a
-/// per-connection flag, not a count, left the second unlisted and asleep).
+/// Two receives on one connection both wait for the reader role: both are served (the
+/// connection counts its waiting receives; a per-connection flag would leave the second
+/// unlisted and asleep).
 #[tokio::test]
 async fn two_receives_of_one_connection_both_get_the_reader_role() {
     let (l, cs, ss) = accepted(2).await;
@@ -196,7 +197,8 @@ async fn two_receives_of_one_connection_both_get_the_reader_role() {
 }
 
 /// A receive offered the reader role and cancelled before it ran passes the offer on:
-/// the next waiting connection gets the reader role (it was lost, and the socket unread).
+/// the next waiting connection gets the reader role (otherwise the offer would be lost, and
+/// the socket left unread).
 #[tokio::test]
 async fn an_offer_to_a_cancelled_receive_goes_to_the_next_waiter() {
     let (l, cs, ss) = accepted(3).await;
