@@ -215,7 +215,7 @@ impl<C: ChunnelConnection> ChunnelConnection for Negotiated<C> {
 
 /// The hasher of the client's cache: 64-bit FNV-1a. Its keys are the application's own names
 /// for its servers, not bytes a peer chooses, so a keyed hash buys nothing there (std's
-/// SipHash cost ~250 instructions per connect).
+/// SipHash costs ~250 instructions per connect).
 struct NameHasher(u64);
 
 impl Default for NameHasher {
@@ -288,7 +288,7 @@ async fn drive<C: SendHeader>(
     // Two: the accept and, for 0-RTT, the first reply (more only means more receive memory).
     let mut slots: [Option<Bytes>; 2] = Default::default();
     // The clock is read again only after a wait: until then no time worth a retransmission
-    // has passed (a clock read per step was most of a step's cost).
+    // has passed (a clock read per step would be most of a step's cost).
     let mut now = Some(started);
     loop {
         if let Some(r) = hs.poll_outcome() {

@@ -85,7 +85,7 @@ pub struct Server {
     limits: Limits,
     /// Most recently used first. A short list searched in order, not a hash map: it holds
     /// at most [`REMEMBERED_ACCEPTS`] entries, a server usually sees one or two offer lists,
-    /// and hashing a key of ~100 bytes cost more than comparing it with the first entry.
+    /// and hashing a key of ~100 bytes costs more than comparing it with the first entry.
     remembered: Mutex<Vec<(Box<[u8]>, Remembered)>>,
     /// Refused offer lists (flags, decision part, the reject), most recently used first, at
     /// most [`REMEMBERED_REJECTS`] of them and [`REMEMBERED_REJECT_BYTES`] of keys: a

@@ -203,8 +203,8 @@ pub(crate) struct RecvMeta {
 ///
 /// The `recvmmsg` headers, their iovecs and address buffers live here too and are wired to
 /// the slots once, then reused by every call: building 64-byte headers afresh for every slot
-/// on every call (most calls on a quiet socket find one datagram, or none) cost more than
-/// the rest of the receive path.
+/// on every call (most calls on a quiet socket find one datagram, or none) would cost more
+/// than the rest of the receive path.
 #[derive(Default)]
 pub(crate) struct Scratch {
     buf: Vec<MaybeUninit<u8>>,

@@ -1573,9 +1573,9 @@ async fn udp_recv_ends_when_the_peer_port_is_closed() {
 
 /// A connection that keeps calling `recv` reads its own datagrams from the shared socket
 /// (straight into its slots), even though `accept` waits on the same socket for new peers:
-/// only the first datagram, which made the connection, goes through a queue. When `accept`
-/// kept the reader's place instead, every datagram went through the connection's queue and
-/// woke two tasks.
+/// only the first datagram, which made the connection, goes through a queue. If `accept`
+/// kept the reader role instead, every datagram would go through the connection's queue and
+/// wake two tasks.
 #[tokio::test(flavor = "current_thread")]
 async fn a_connection_reads_its_own_datagrams_while_accept_waits() {
     let mut l = udp::Listener::bind(loopback()).await.unwrap();
@@ -1637,8 +1637,8 @@ impl<F: Future> Future for CountPolls<F> {
 
 /// With many idle connections waiting on one listener, a message for a busy connection costs
 /// the idle ones at most one wake-up: the idle connection that waits on the socket and reads
-/// the message for the busy one keeps that place instead of handing it to another idle
-/// connection (a second wake-up) and taking it back. Handing the place over on every
+/// the message for the busy one keeps the reader role instead of handing it to another idle
+/// connection (a second wake-up) and taking it back. Handing the reader role over on every
 /// wake-up polls idle connections about twice per message.
 #[tokio::test(flavor = "current_thread")]
 async fn idle_connections_are_not_woken_twice_per_message() {
@@ -1787,10 +1787,10 @@ async fn new_peers_wake_a_looping_accept_not_waiting_connections() {
     }
 }
 
-/// A looping listener keeps the socket's reader place between `accept` calls (it waits on the
-/// socket before each new peer comes); dropped, it gives the place up, so connections still
+/// A looping listener keeps the reader role between `accept` calls (it waits on the
+/// socket before each new peer comes); dropped, it gives the reader role up, so connections still
 /// waiting keep receiving (one of them reads for all), also after a datagram from an unknown
-/// peer (which a connection reading while new peers came in handed the place to the
+/// peer (which a connection reading while new peers came in handed the reader role to the
 /// dropped `accept` for).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_keep_receiving_after_a_looping_listener_is_dropped() {
@@ -1826,7 +1826,7 @@ async fn connections_keep_receiving_after_a_looping_listener_is_dropped() {
     stop_tx.send(()).unwrap();
     within("server stop", server).await.unwrap();
     // First a datagram from a peer the closed listener does not know (dropped): it must not
-    // leave the place with an `accept` that is gone.
+    // leave the reader role with an `accept` that is gone.
     let stranger = within("connect", k.clone().connect_wrap(())).await.unwrap();
     send_id(&stranger, 99).await;
     tokio::time::sleep(SETTLE).await;
@@ -1843,9 +1843,9 @@ async fn connections_keep_receiving_after_a_looping_listener_is_dropped() {
 }
 
 /// Connections waiting to receive while nobody calls `accept` read for each other: every
-/// message reaches its connection, round after round, whichever of them holds the reader's
-/// place when it comes (one that finds its message queued passes the wake-up of a vacant
-/// place on to the next waiting connection).
+/// message reaches its connection, round after round, whichever of them holds the reader
+/// role when it comes (one that finds its message queued passes the wake-up of a vacant
+/// reader role on to the next waiting connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_connections_all_receive_while_nobody_accepts() {
     const N: u32 = 8;
@@ -1887,7 +1887,7 @@ async fn waiting_connections_all_receive_while_nobody_accepts() {
     drop(l);
 }
 
-/// The reader's place changes hands all the time on a looping listener with both kinds of
+/// The reader role changes hands all the time on a looping listener with both kinds of
 /// traffic (a connection takes it while its peer keeps talking; new peers hand it back to
 /// `accept`), on two worker threads: every request still gets its echo. Each hand-over
 /// re-registers the socket's one receive waker; a reader whose registration was lost would

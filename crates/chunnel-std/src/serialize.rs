@@ -304,7 +304,7 @@ pub struct SerializeConn<C, T, F> {
     /// A decode error of a batch that also had good messages, reported by the next `recv`.
     pending: Mutex<Option<Error>>,
     /// The array the inner connection receives into, kept between calls: a fresh one per
-    /// call was 1 KiB to zero and 32 slots to drop for every message. Taken by one `recv` at
+    /// call would be 1 KiB to zero and 32 slots to drop for every message. Taken by one `recv` at
     /// a time (a concurrent one makes its own) and put back empty, also when the call is
     /// cancelled.
     spare: Mutex<Option<Box<RawSlots>>>,

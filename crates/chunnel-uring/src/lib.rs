@@ -61,8 +61,9 @@
 //!   under the socket's lock and sorts what it finds into bounded queues (per peer on a
 //!   listener, as in `chunnel_net::datagram`). The ring's descriptor is registered with
 //!   tokio's reactor (`AsyncFd`) and turns readable when completions are posted; only one task
-//!   waits on it at a time. A dedicated ring thread handing completions to tasks through
-//!   channels would add a cross-thread wake-up (two context switches) to every message.
+//!   waits on it at a time (the one holding the reader role). A dedicated ring thread handing
+//!   completions to tasks through channels would add a cross-thread wake-up (two context
+//!   switches) to every message.
 //! * **Receive**: one multishot `RecvMsg` and a registered buffer ring of
 //!   [`udp::Config::recv_buffers`] buffers of `max_payload` (+ 44) bytes, never zeroed.
 //!   Each payload is **copied once** from the kernel's buffer into a compact block that hands

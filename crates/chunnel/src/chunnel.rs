@@ -74,11 +74,11 @@ pub trait Listener: Send {
     /// The caller's promise that `accept` is called in a loop from now on, by a task that
     /// does little else between calls than hand each connection on, until the listener is
     /// dropped. A listener may then keep waiting for the network between calls: the
-    /// datagram listeners of `chunnel-net` keep their place as the task that reads the
-    /// socket, so a new peer's first datagram wakes the accepting task directly (otherwise
-    /// a waiting connection would read it and wake that task). Breaking the promise delays
-    /// connections waiting to receive until the next `accept` call or the drop. Default:
-    /// nothing.
+    /// datagram listeners of `chunnel-net` keep the reader role (being the task that reads
+    /// the socket for every connection), so a new peer's first datagram wakes the accepting
+    /// task directly (otherwise a waiting connection would read it and wake that task).
+    /// Breaking the promise delays connections waiting to receive until the next `accept`
+    /// call or the drop. Default: nothing.
     fn accepting_in_loop(&mut self) {}
 
     /// Tells the listener how to recognise a message that starts a session: `session_of`

@@ -18,7 +18,7 @@ use super::socket::DgramSocket;
 
 /// The hash of the peer map, looked up for every datagram a listener receives.
 ///
-/// `SipHash` (std's default) cost more than the rest of demultiplexing a datagram. This is
+/// `SipHash` (std's default) costs more than the rest of demultiplexing a datagram. This is
 /// a keyed folded multiply (the construction of `foldhash`/`ahash`'s fallback): each word
 /// is mixed as `fold(acc ^ word, key)`, where `fold` multiplies to 128 bits and XORs the
 /// halves. Trade-off: peers choose their source ports (and, off-path, addresses), so an
@@ -123,9 +123,9 @@ pub(super) struct Peer<A> {
     /// Listed in [`Demux::silent`] (changed under the demux lock only), so that marking a
     /// connection again does not list it twice.
     pub(super) silent_listed: AtomicBool,
-    /// How many receives of this connection wait for the reader's place (listed once in
-    /// [`Shared::vacancy`] while any do); reset by the reader that offers it the place.
-    pub(super) wants_place: AtomicU32,
+    /// How many receives of this connection wait for the reader role (listed once in
+    /// [`Shared::vacancy`] while any do); reset by the reader that offers it the reader role.
+    pub(super) wants_reader_role: AtomicU32,
     /// The session its datagrams started ([`chunnel::Listener::recognise_sessions`]); 0:
     /// none yet. Changed under the demux lock only.
     pub(super) session: AtomicU64,
@@ -231,7 +231,7 @@ impl<A> Peer<A> {
             silent: AtomicBool::new(false),
             silent_listed: AtomicBool::new(false),
             last_rx: AtomicU64::new(0),
-            wants_place: AtomicU32::new(0),
+            wants_reader_role: AtomicU32::new(0),
             session: AtomicU64::new(0),
         }
     }
@@ -239,7 +239,7 @@ impl<A> Peer<A> {
 
 /// The listener's peers by address: a table of the peers themselves (each knows its
 /// address), hashed by [`PeerHash`]: 8 bytes a slot, with no copy of the address beside
-/// each (a map from address to peer kept 40).
+/// each (a map from address to peer would take 40).
 pub(super) struct PeerMap<A> {
     table: hashbrown::HashTable<Arc<Peer<A>>>,
     hash: PeerHash,

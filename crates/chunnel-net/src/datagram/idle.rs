@@ -14,8 +14,8 @@ use super::socket::DgramSocket;
 
 /// The accepted connections of a listener with an idle timeout, by when each is next
 /// checked (the earliest on top). One task per listener sweeps it; a connection has no
-/// timer of its own (a timer per connection was an allocation and a timer-wheel insertion
-/// per connection, and a timer to poll in every wait of its receives).
+/// timer of its own (a timer per connection would cost an allocation and a timer-wheel
+/// insertion per connection, and a timer to poll in every wait of its receives).
 pub(super) struct IdleSweep<A> {
     pub(super) due: std::collections::BinaryHeap<IdleEntry<A>>,
     pub(super) task: Option<tokio::task::JoinHandle<()>>,

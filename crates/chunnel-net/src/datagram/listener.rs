@@ -41,39 +41,40 @@ pub(crate) struct Shared<S: DgramSocket> {
     pub(super) listener_open: AtomicBool,
     /// Which task, if any, waits for the socket to become readable ([`NO_READER`],
     /// [`ACCEPT_READER`], [`CONN_READER`]). Only that task waits on the socket; the others
-    /// wait on their own queue's notification (or for the reader's place to fall vacant), so
+    /// wait on their own queue's notification (or for the reader role to fall vacant), so
     /// a datagram wakes one task, not every connection. A connection about to wait takes the
-    /// place from `accept` (waking it through [`Shared::accept_waker`]) unless the datagrams
+    /// reader role from `accept` (waking it through [`Shared::accept_waker`]) unless the datagrams
     /// coming in start new connections ([`Shared::fresh`]): the datagrams a connection reads
     /// for itself go straight into its slots, where those `accept` reads go through a queue
-    /// and a wake-up of the connection's task. A looping `accept` keeps the place between
+    /// and a wake-up of the connection's task. A looping `accept` keeps the reader role between
     /// calls ([`Shared::looping`]).
     pub(super) reader: AtomicU8,
     /// Whether the last datagram sorted started a new connection. While it did (a stream of
     /// new peers, each sending one request: short-lived clients), a connection about to wait
-    /// leaves the reader's place to `accept`, which those datagrams are for: a connection
+    /// leaves the reader role to `accept`, which those datagrams are for: a connection
     /// holding it would be woken for each of them only to queue it and wake `accept`.
     pub(super) fresh: AtomicBool,
     /// `accept` is called in a loop ([`chunnel::Listener::accepting_in_loop`]): it keeps the
-    /// reader's place between calls, and a connection holding the place hands it to
+    /// reader role between calls, and a connection holding the reader role hands it to
     /// `accept` once new peers are what comes in.
     pub(super) accept_in_loop: AtomicBool,
     /// Held while the reader checks that it still is the reader and registers its task in
     /// the socket's one receive-waker slot ([`DgramSocket::poll_read_ready`]). A task that
-    /// takes the place registers after it took it, so it registers after any task that
-    /// still saw itself as the reader: the slot ends with the real reader's waker. (A
-    /// readiness future per wait put a waiter in a locked list and took it out again: a
-    /// few hundred instructions per wait, and its size in every receive future.)
+    /// takes the reader role registers after it took it, so it registers after any task that
+    /// still saw itself as the reader: the slot ends with the real reader's waker. (A lock
+    /// and one slot rather than a readiness future per wait, which puts the waiter in a
+    /// locked list and takes it out again: a few hundred instructions per wait, and its size
+    /// in every receive future.)
     pub(super) read_register: Mutex<()>,
-    /// Connections waiting for the reader's place, oldest first (entries of connections that
+    /// Connections waiting for the reader role, oldest first (entries of connections that
     /// stopped waiting are skipped when met); `vacancy_waiters` connections still wait. A
-    /// reader leaving the place wakes the first through the connection's own wake-up, so a
+    /// task giving up the reader role wakes the first through the connection's own wake-up, so a
     /// waiting receive holds one registration, not two.
     pub(super) vacancy: Mutex<VecDeque<std::sync::Weak<Peer<S::Addr>>>>,
     pub(super) vacancy_waiters: AtomicUsize,
-    /// `accept` waiting for the place to change hands: to fall vacant while a connection
+    /// `accept` waiting for the reader role to change hands: to fall vacant while a connection
     /// holds it, or to be taken from `accept` by a connection. One task, woken through a
-    /// plain waker slot: while a connection serves requests the place changes hands once per
+    /// plain waker slot: while a connection serves requests the reader role changes hands once per
     /// request, and `accept` re-registers after every such wake-up.
     pub(super) accept_waker: Mutex<Option<Waker>>,
     /// The origin of the connections' receive times (kept as nanoseconds since it).
@@ -216,7 +217,7 @@ impl<S: DgramSocket> Drop for Listener<S> {
     fn drop(&mut self) {
         // Connections already accepted keep working; new peers are no longer admitted, and
         // peers nobody accepted are forgotten.
-        // Closed before the place is given up (see `ReaderGuard::hand_to_accept`).
+        // Closed before the reader role is given up (see `ReaderGuard::hand_to_accept`).
         self.shared.listener_open.store(false, Ordering::SeqCst);
         {
             let mut d = lock(&self.shared.demux);
@@ -225,8 +226,8 @@ impl<S: DgramSocket> Drop for Listener<S> {
                 d.peers.remove(&p.addr);
             }
         }
-        // A place `accept` kept between calls (or was handed) is given up as any reader
-        // gives it up (the listener is closed: `looping` is false now): a waiting connection
+        // The reader role `accept` kept between calls (or was handed) is given up as any
+        // reader gives it up (the listener is closed: `looping` is false now): a waiting connection
         // takes it. Nothing if `accept` does not hold it.
         self.shared.release_reader(ACCEPT_READER);
         if self.shared.accept_in_loop.load(Ordering::Relaxed) {
@@ -245,13 +246,13 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
 
     async fn accept(&mut self) -> Result<ServerConnection<S>, Error> {
         let sh = &self.shared;
-        // Registered once and kept until it fires: this task is woken whenever the reader's
-        // place falls vacant (once per datagram a connection reads), and re-registering on
-        // every such wake-up was most of what the wake-up cost.
+        // Registered once and kept until it fires: this task is woken whenever the reader
+        // role falls vacant (once per datagram a connection reads), and registering again on
+        // every such wake-up would be most of what the wake-up costs.
         let notified = sh.accept_notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        // The reader's place, once taken, is kept until this call returns; in a loop, until
+        // The reader role, once taken, is kept until this call returns; in a loop, until
         // the next call (unless a connection took it meanwhile): see `wait_readable`.
         let mut held = ReaderGuard::new(sh);
         loop {
@@ -260,8 +261,8 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
                 if let Some(t) = sh.cfg.idle_timeout {
                     sh.watch_idle(&peer, t);
                 }
-                // A looping `accept` keeps the place (the guard's drop leaves it): the next call
-                // takes it up again.
+                // A looping `accept` keeps the reader role (the guard's drop leaves it): the next
+                // call takes it up again.
                 return Ok(ServerConnection {
                     shared: sh.clone(),
                     peer,
@@ -269,10 +270,10 @@ impl<S: DgramSocket> chunnel::Listener for Listener<S> {
             }
             // While a connection waits on the socket it reads (and sorts new peers into the
             // backlog) for everyone: reading here too would only cost a system call on every
-            // wake-up (the reader's place falling vacant wakes this task once per datagram
-            // the reader takes). Once the place is free, `wait_readable` takes it; tokio's
+            // wake-up (the reader role falling vacant wakes this task once per datagram
+            // the reader takes). Once the reader role is free, `wait_readable` takes it; tokio's
             // readiness is only cleared by a read that would block, so nothing is missed.
-            // A connection may have taken the place from us (see `wait_readable`).
+            // A connection may have taken the reader role from us (see `wait_readable`).
             if held.holds() && sh.reader.load(Ordering::SeqCst) != ACCEPT_READER {
                 held.release();
             }

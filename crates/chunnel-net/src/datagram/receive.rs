@@ -44,7 +44,7 @@ const OUT_BLOCK: usize = 64 * 1024;
 /// What the kernel writes into during one `recvmmsg`: up to `batch` slots of the largest
 /// datagram. Only used for the duration of one read, so one per thread serves every socket
 /// the thread reads: a new connection costs no receive allocation (a per-connection scratch
-/// was 2 x 64 KiB of fresh heap, and its page faults, for every short-lived client). Bounded
+/// would be 2 x 64 KiB of fresh heap, and its page faults, for every short-lived client). Bounded
 /// by `MAX_BATCH x (max_payload + 1)` per thread; only the bytes the kernel writes are touched.
 #[derive(Default)]
 struct KernelScratch {

@@ -214,9 +214,9 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
             if slots.is_empty() {
                 return Ok(0);
             }
-            // The reader's place, once taken, is kept until this call returns (or handed to a
+            // The reader role, once taken, is kept until this call returns (or handed to a
             // looping `accept` while new peers come in): woken for other connections' datagrams,
-            // this one sorts them out and waits again, without handing the place to another
+            // this one sorts them out and waits again, without handing the reader role to another
             // waiting connection (a wake-up of that one's task) and taking it back.
             let mut held = ReaderGuard::new(&self.shared);
             loop {
@@ -230,18 +230,18 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                 if self.peer.closed.load(Ordering::Acquire) {
                     return Err(self.closed_error());
                 }
-                // As in `accept`: another connection waiting on the socket reads for this one
-                // too. One that finds `accept` there reads for itself (and then takes its place),
+                // As in `accept`: another connection waiting on the socket reads for this one too.
+                // One that finds `accept` there reads for itself (and then takes the reader role),
                 // unless new peers are what comes in: then `accept` keeps reading for everyone.
-                if held.holds() || self.shared.place_open_to_conn() {
+                if held.holds() || self.shared.reader_role_open_to_conn() {
                     let me = Direct {
                         peer: &self.peer,
                         slots: &mut *slots,
                     };
                     match self.shared.pump_for(Some(me)) {
                         Ok((_, 0)) => {
-                            // New peers coming in, for an `accept` that loops: the place goes to
-                            // it, so their next datagrams wake it directly, not this task first.
+                            // New peers coming in, for an `accept` that loops: the reader role goes
+                            // to it, so their next datagrams wake it directly, not this task first.
                             if held.holds()
                                 && !self.shared.conn_may_take_from_accept()
                                 && self.shared.looping()
@@ -275,8 +275,8 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
                     .wait_readable(CONN_READER, &mut held, Some(&self.peer), notified)
                     .await
                     .map_err(|e| conn_err("recv", &self.peer.addr, e))?;
-                // Back without the place: this call may have taken the wake-up that a vacant place
-                // sends one waiting connection.
+                // Back without the reader role: this call may have taken the wake-up that a
+                // vacant reader role sends one waiting connection.
                 held.armed = !held.holds();
             }
         }

@@ -1,4 +1,4 @@
-//! Unit tests of the peer table, the peer queue and the reader's place.
+//! Unit tests of the peer table, the peer queue and the reader role.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -86,10 +86,10 @@ fn peer_queue_is_first_in_first_out() {
     assert!(q.pop_front().is_none() && q.is_empty());
 }
 
-/// A task that still acts as the reader after the place changed hands does not
+/// A task that still acts as the reader after the reader role changed hands does not
 /// register in the socket's one receive-waker slot: the new reader's registration stays,
-/// and a datagram wakes the new reader. (Registering without the check overwrote it, and
-/// the new reader slept through the datagram.)
+/// and a datagram wakes the new reader. (Without the check the stale task would overwrite
+/// it, and the new reader would sleep through the datagram.)
 #[tokio::test(flavor = "current_thread")]
 async fn a_stale_reader_does_not_take_the_receive_waker_slot() {
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
@@ -103,7 +103,7 @@ async fn a_stale_reader_does_not_take_the_receive_waker_slot() {
     sh.reader.store(ACCEPT_READER, Ordering::SeqCst);
     let mut old_cx = Context::from_waker(&old_waker);
     assert!(sh.poll_socket(ACCEPT_READER, &mut old_cx).is_pending());
-    // A connection takes the place and registers.
+    // A connection takes the reader role and registers.
     sh.reader.store(CONN_READER, Ordering::SeqCst);
     let mut new_cx = Context::from_waker(&new_waker);
     assert!(sh.poll_socket(CONN_READER, &mut new_cx).is_pending());
@@ -170,10 +170,11 @@ fn receiving(s: Arc<ServerConnection<tokio::net::UdpSocket>>) -> tokio::task::Jo
 const SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
 const WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// Two receives on one connection both wait for the reader's place: both are served (a
-/// per-connection flag, not a count, left the second unlisted and asleep).
+/// Two receives on one connection both wait for the reader role: both are served (the
+/// connection counts its waiting receives; a per-connection flag would leave the second
+/// unlisted and asleep).
 #[tokio::test]
-async fn two_receives_of_one_connection_both_get_the_place() {
+async fn two_receives_of_one_connection_both_get_the_reader_role() {
     let (l, cs, ss) = accepted(2).await;
     let holder = receiving(ss[1].clone());
     tokio::time::sleep(SETTLE).await;
@@ -195,8 +196,9 @@ async fn two_receives_of_one_connection_both_get_the_place() {
     assert_eq!(got, [b'1', b'2']);
 }
 
-/// A receive offered the reader's place and cancelled before it ran passes the offer on:
-/// the next waiting connection gets the place (it was lost, and the socket unread).
+/// A receive offered the reader role and cancelled before it ran passes the offer on:
+/// the next waiting connection gets the reader role (otherwise the offer would be lost, and
+/// the socket left unread).
 #[tokio::test]
 async fn an_offer_to_a_cancelled_receive_goes_to_the_next_waiter() {
     let (l, cs, ss) = accepted(3).await;
@@ -213,7 +215,7 @@ async fn an_offer_to_a_cancelled_receive_goes_to_the_next_waiter() {
     assert_eq!(l.shared.vacancy_waiters.load(Ordering::SeqCst), 2);
     cs[1].send(b"x").await.unwrap();
     assert_eq!(holder.await.unwrap(), b'x');
-    // The place was offered to the first, which is cancelled without running.
+    // The reader role was offered to the first, which is cancelled without running.
     drop(first);
     cs[2].send(b"y").await.unwrap();
     let got = tokio::time::timeout(WAIT, second).await;
@@ -223,11 +225,11 @@ async fn an_offer_to_a_cancelled_receive_goes_to_the_next_waiter() {
     );
 }
 
-/// A connection waiting for the reader's place is offered it through its own wake-up,
+/// A connection waiting for the reader role is offered it through its own wake-up,
 /// once; one that stopped waiting is skipped; the list of waiters stays bounded however
 /// often connections start and stop waiting.
 #[tokio::test]
-async fn the_place_is_offered_to_a_waiting_connection_through_its_own_wake_up() {
+async fn the_reader_role_is_offered_to_a_waiting_connection_through_its_own_wake_up() {
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
     let l = Listener::new(sock, Config::with_max_payload(65_507));
     let sh = &l.shared;
@@ -237,26 +239,26 @@ async fn the_place_is_offered_to_a_waiting_connection_through_its_own_wake_up() 
         Arc::new(Peer::new(addr(2), PeerQueue::default())),
     );
     for _ in 0..1000 {
-        drop(sh.want_place(&a));
+        drop(sh.want_reader_role(&a));
     }
     assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
     assert!(lock(&sh.vacancy).len() <= 17, "swept as it grows");
-    let gone = sh.want_place(&a);
-    let waiting = sh.want_place(&b);
+    let gone = sh.want_reader_role(&a);
+    let waiting = sh.want_reader_role(&b);
     drop(gone); // `a` stops waiting: skipped
     assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 1);
     let woken = b.notify.notified();
     tokio::pin!(woken);
     woken.as_mut().enable();
-    sh.offer_place();
+    sh.offer_reader_role();
     assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
-    assert_eq!(b.wants_place.load(Ordering::SeqCst), 0);
+    assert_eq!(b.wants_reader_role.load(Ordering::SeqCst), 0);
     tokio::time::timeout(std::time::Duration::from_secs(5), woken)
         .await
         .expect("the waiting connection is woken");
     // Offered already: stopping its wait does not count it off twice.
     drop(waiting);
     assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
-    sh.offer_place(); // nobody waits: nothing
+    sh.offer_reader_role(); // nobody waits: nothing
     assert_eq!(sh.vacancy_waiters.load(Ordering::SeqCst), 0);
 }

@@ -248,7 +248,7 @@ where
                 }
             };
             // A task of its own rather than a branch of the `select!` below: a listener wakes
-            // its `accept` when the reader's place on the socket changes hands, and a wake-up
+            // its `accept` when the reader role on the socket changes hands, and a wake-up
             // of the `block_on` future costs this thread an extra poll of every branch and an
             // extra trip to the I/O driver, where a task's is one poll.
             let accept = tokio::spawn({

@@ -15,8 +15,9 @@
 //!   slot owned by the ring until the completion is reaped, so a cancelled `send` future never
 //!   leaves the kernel pointing at freed memory.
 //! * **Readiness**: the ring's file descriptor is registered with tokio (`AsyncFd`); it turns
-//!   readable when completions are posted. Only one task at a time waits on it (as in
-//!   `chunnel_net::datagram`), the others wait for their own notification.
+//!   readable when completions are posted. Only the task holding the reader role waits on it
+//!   (one task at a time, as in `chunnel_net::datagram`); the others wait for their own
+//!   notification, or for the reader role to fall vacant.
 
 mod addr;
 mod buf;

@@ -46,9 +46,10 @@ pub(crate) struct Driver<R> {
     send_done: Notify,
     /// Woken (one waiter) when a `send` reaped datagrams for a client's receivers.
     pub(crate) rx_notify: Notify,
-    /// Whether one task is waiting for the ring to become readable.
+    /// Whether a task holds the reader role: the right to wait for the ring to become
+    /// readable, held by one task at a time.
     reader: AtomicBool,
-    /// Tasks waiting for the reader's place.
+    /// Tasks waiting for the reader role to fall vacant.
     waiters: AtomicUsize,
     reader_vacant: Notify,
 }
@@ -62,7 +63,7 @@ impl<R> std::fmt::Debug for Driver<R> {
     }
 }
 
-/// Held by the task that waits on the ring; gives the place up on drop (also when the
+/// Held by the task that waits on the ring; gives the reader role up on drop (also when the
 /// waiting future is cancelled) and wakes one other waiter to take it.
 struct ReaderGuard<'a> {
     reader: &'a AtomicBool,
@@ -79,7 +80,7 @@ impl Drop for ReaderGuard<'_> {
     }
 }
 
-/// Counts a task waiting for the reader's place while it waits.
+/// Counts a task waiting for the reader role while it waits.
 struct WaiterGuard<'a>(&'a AtomicUsize);
 
 impl Drop for WaiterGuard<'_> {
@@ -209,7 +210,7 @@ impl<R: Rx> Driver<R> {
         } else {
             // Another task waits on the ring; wait for it to leave (or for `other`). The
             // counter and the flag are checked crosswise (SeqCst): either the reader sees
-            // this waiter and wakes it, or this waiter sees the place free and retries.
+            // this waiter and wakes it, or this waiter sees the reader role free and retries.
             self.waiters.fetch_add(1, Ordering::SeqCst);
             let _w = WaiterGuard(&self.waiters);
             let vacant = self.reader_vacant.notified();
