@@ -19,6 +19,8 @@ command -v protoc >/dev/null 2>&1 || need_pkgs+=(protobuf-compiler)
 command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
 command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
 command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)  # chunnel-secure's interop tests
+# The font `chunnel-bench report` draws its plots' text with (feature `report`).
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if ((${#need_pkgs[@]})); then
   log "installing ${need_pkgs[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -41,7 +43,7 @@ for src in crates/*/src; do python3 scripts/module-cycles.py "$src" > /dev/null 
 export CHUNNEL_XDP_REQUIRE=1
 
 # Optional backends that need servers or build tools are features; the suite enables them all.
-FEATURES="chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores"
+FEATURES="chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report"
 
 log "cargo clippy --all-targets -D warnings (default features, then all backends)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
