@@ -60,6 +60,14 @@ log "loom: the reconfiguration cell's switch against send/recv, every interleavi
 RUSTFLAGS="--cfg chunnel_loom" CARGO_TARGET_DIR=target/loom \
   cargo test --release --locked -p chunnel --test loom_reconfig -- --test-threads=1 --nocapture
 
+log "deterministic simulation: a seed replays exactly with tokio's own choices seeded (--cfg tokio_unstable)"
+# Its own cfg and target directory, as loom's. The normal run above explores the seeds; this
+# checks that two runs of a seed take the same path.
+RUSTFLAGS="--cfg tokio_unstable" CARGO_TARGET_DIR=target/sim-replay \
+  cargo test --locked -p chunnel-negotiate --test sim_connection -- sim_runs_replay_exactly
+RUSTFLAGS="--cfg tokio_unstable" CARGO_TARGET_DIR=target/sim-replay \
+  cargo test --locked -p chunnel-rendezvous --test sim_group -- sim_group_runs_replay_exactly
+
 log "fuzzing: every cargo-fuzz target 20 s on its committed seeds"
 ./scripts/fuzz-ci.sh
 
