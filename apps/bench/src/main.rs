@@ -21,6 +21,7 @@ mod reconfig;
 mod rendezvous;
 mod secure;
 mod shm;
+mod soak;
 mod stats;
 mod uring;
 mod xdp;
@@ -63,6 +64,8 @@ enum Cmd {
     Xdp(xdp::Args),
     /// TLS over TCP and QUIC: chunnel-secure vs tokio-rustls and quinn used directly.
     Secure(secure::Args),
+    /// Soak: the KV store under YCSB with live switches, server restarts, malformed frames.
+    Soak(soak::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -80,6 +83,7 @@ fn main() -> Result<()> {
         Cmd::Datapaths(a) => datapaths::run(a),
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
+        Cmd::Soak(a) => soak::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }
