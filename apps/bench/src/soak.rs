@@ -417,19 +417,26 @@ fn value_hash(v: &[u8]) -> u64 {
     })
 }
 
-/// Every value ever written to each key (hashes): a GET's value, or a PUT's previous value,
-/// must be one of them, else the reply is wrong (for example matched to another request).
+/// The last [`WRITTEN`] values written to each key (hashes): a GET's value, or a PUT's
+/// previous value, must be one of them, else the reply is wrong (for example matched to
+/// another request). Bounded, so that the check does not grow the client's memory.
 #[derive(Default)]
-struct Written(Mutex<HashMap<Vec<u8>, std::collections::HashSet<u64>>>);
+struct Written(Mutex<HashMap<Vec<u8>, std::collections::VecDeque<u64>>>);
+
+/// Values remembered per key.
+const WRITTEN: usize = 32;
 
 impl Written {
     fn add(&self, key: &[u8], value: &[u8]) {
-        self.0
-            .lock()
-            .unwrap()
-            .entry(key.to_vec())
-            .or_default()
-            .insert(value_hash(value));
+        let mut map = self.0.lock().unwrap();
+        let q = match map.get_mut(key) {
+            Some(q) => q,
+            None => map.entry(key.to_vec()).or_default(),
+        };
+        if q.len() >= WRITTEN {
+            q.pop_front();
+        }
+        q.push_back(value_hash(value));
     }
 
     fn valid(&self, key: &[u8], value: Option<&[u8]>) -> bool {
@@ -605,10 +612,9 @@ async fn soak(a: Args, csv: PathBuf) -> Result<Value> {
                             if i >= s.args.records {
                                 return;
                             }
-                            let op = Op::Put {
-                                key: ycsb::key(i),
-                                value: ycsb::value(i, s.args.value_size),
-                            };
+                            let (key, value) = (ycsb::key(i), ycsb::value(i, s.args.value_size));
+                            s.written.add(&key, &value);
+                            let op = Op::Put { key, value };
                             if client.call(op).await.is_err() {
                                 return;
                             }
