@@ -872,9 +872,7 @@ async fn request(s: &Soak, op: Op) {
     }
     let issued_ms = s.ms();
     let outcome = tokio::time::timeout(Duration::from_secs(s.args.lost_after_secs), async {
-        let Some((generation, client)) = s.client().await else {
-            return None;
-        };
+        let (generation, client) = s.client().await?;
         Some((generation, client.call(op).await))
     })
     .await;
