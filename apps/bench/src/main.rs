@@ -22,6 +22,7 @@ mod rendezvous;
 mod report;
 mod secure;
 mod shm;
+mod soak;
 mod stats;
 mod uring;
 mod xdp;
@@ -66,6 +67,8 @@ enum Cmd {
     Secure(secure::Args),
     /// Runs every figure, writes docs/figures/*.json and plots, regenerates docs/evaluation.md.
     Report(report::Args),
+    /// Soak: the KV store under YCSB with live switches, server restarts, malformed frames.
+    Soak(soak::Args),
     /// Internal: one deterministic run for callgrind / the allocation counter.
     #[command(hide = true)]
     Probe(probe::Args),
@@ -84,6 +87,7 @@ fn main() -> Result<()> {
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
         Cmd::Report(a) => report::run(a),
+        Cmd::Soak(a) => soak::run(a),
         Cmd::Probe(a) => probe::run(a),
     }
 }

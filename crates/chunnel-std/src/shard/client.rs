@@ -382,3 +382,24 @@ where
         }
     }
 }
+
+/// At a switch away from client push (a [`chunnel::Reconfigurable`] select of [`ClientShard`]
+/// and [`ViaCanonical`]): stops the tasks that pump the canonical connection (and shards past
+/// the fourth) into the merge queue and hands over the replies already queued there. Replies
+/// still in the shard sockets go with them (the transports are best effort; a client that
+/// retries, as chunnel-kv's does, asks again). Nothing to import: a new connection starts
+/// with no shard dialled.
+impl<C, D, S, T> chunnel::Handover for ClientShardConn<C, D, S>
+where
+    C: ChunnelConnection<Data = T> + 'static,
+    T: Keyed + Send + 'static,
+    D: Dial,
+    S: Chunnel<D::Conn> + Clone + Send + Sync + 'static,
+    S::Connection: ChunnelConnection<Data = T> + 'static,
+{
+    fn export(&self, state: &mut chunnel::Handoff<T>) {
+        self.merge.stop_into(&mut state.buffered);
+    }
+
+    fn import(&self, _: &mut chunnel::Handoff<T>) {}
+}

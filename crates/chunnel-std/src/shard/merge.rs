@@ -78,6 +78,26 @@ impl<T: Send + 'static> Merge<T> {
             .push(task.abort_handle());
     }
 
+    /// Stops the pumps and moves the messages already queued to `out` (a pending error is
+    /// dropped). For a hand-over at a switch point, when no call is inside `recv`.
+    pub(super) fn stop_into(&self, out: &mut std::collections::VecDeque<T>) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+        if let Ok(mut guard) = self.rx.try_lock() {
+            while let Ok(m) = guard.0.try_recv() {
+                if let Ok(m) = m {
+                    out.push_back(m);
+                }
+            }
+        }
+    }
+
     pub(super) async fn recv(&self, slots: &mut [Option<T>]) -> Result<usize, chunnel::Error> {
         if slots.is_empty() {
             return Ok(0);

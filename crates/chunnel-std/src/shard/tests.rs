@@ -262,3 +262,32 @@ fn bad_advertisements_are_typed_errors() {
         );
     }
 }
+
+/// At a switch away from client push (a reconfigurable select), the replies already in the
+/// merge queue (shards past the fourth) are handed over, once each.
+#[tokio::test(flavor = "current_thread")]
+async fn handover_exports_the_merged_replies() {
+    use chunnel::Handover;
+    let n = DIRECT + 2;
+    let (_shards, _canonical, conn) = push_client(n).await;
+    let msgs: Vec<KeyedMsg> = (0..500)
+        .map(|i| KeyedMsg {
+            key: format!("key-{i}"),
+            shard: u32::MAX,
+        })
+        .filter(|m| shard_of(m.key.as_bytes(), n) >= DIRECT)
+        .take(20)
+        .collect();
+    assert_eq!(msgs.len(), 20);
+    conn.send(msgs.clone()).await.unwrap();
+    // The pumps move the replies into the merge queue; nobody reads it.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let mut h = chunnel::Handoff::new();
+    conn.export(&mut h);
+    assert!(h.buffered.iter().all(|m| m.shard as usize >= DIRECT));
+    let mut got: Vec<String> = h.buffered.iter().map(|m| m.key.clone()).collect();
+    let mut want: Vec<String> = msgs.iter().map(|m| m.key.clone()).collect();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want);
+}
