@@ -109,6 +109,17 @@ assert p["samples"]["full"] > 0 and p["samples"]["no_chunnels"] > 0, p
 assert d["server"]["clients_client_push"] >= 1 and d["server"]["clients_server_side"] >= 1, d["server"]
 print("bench JSON ok: max loads", d["max_load_meeting_bound"])'
 
+log "chunnel-bench soak (10 s: live switches, two server kills, malformed frames; nothing lost)"
+mkdir -p target/soak
+cargo run --release --locked -q -p chunnel-bench -- soak --duration 10 --restart-secs 4 --sample-secs 1 \
+  --csv target/soak/smoke.csv \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "soak" and d["ok"] and d["served"] > 0 and d["lost"] == 0, d
+assert d["switches"] > 0 and d["restarts"] > 0, d
+print("soak JSON ok:", {k: d[k] for k in ("served", "errors", "lost", "switches", "restarts", "malformed")})'
+
 log "chunnel-bench reconfig (short run: every switch delivered every message once, both kinds)"
 cargo run --release --locked -q -p chunnel-bench -- reconfig --reps 1 --millis 30 --pause-reps 1 \
   --messages 4000 --switch-every 500 --no-callgrind \

@@ -268,8 +268,11 @@ fn lines(
             .copied()
             .filter(|p| p.0.is_finite() && p.1.is_finite())
             .collect();
+        // Long, jagged series at width 1: plotters' joins of wide polylines spike at sharp
+        // turns (a restart's drop in memory drew a line across the neighbouring panel).
+        let width = if v.len() > 200 { 1 } else { 2 };
         chart
-            .draw_series(LineSeries::new(v.clone(), c.stroke_width(2)))
+            .draw_series(LineSeries::new(v.clone(), c.stroke_width(width)))
             .map_err(|e| anyhow!("{e}"))?
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));

@@ -343,7 +343,9 @@ fn soak_section(soak: Option<&Soak>) -> String {
     let rates: Vec<f64> = s.served_per_s().iter().map(|x| x.1).collect();
     let mean = (last.served - first.served) / s.duration_s().max(f64::MIN_POSITIVE);
     let min_rate = rates.iter().copied().fold(f64::INFINITY, f64::min);
-    let mut out = String::from("## Soak run (`figures/soak.csv`)\n\n");
+    let mut out = String::from(
+        "## Soak: one hour of YCSB with live switches, restarts and malformed frames\n\n",
+    );
     let _ = write!(
         out,
         "A long run's counters sampled over time (cumulative; `figures/soak.csv`, columns \
