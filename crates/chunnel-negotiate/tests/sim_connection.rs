@@ -667,24 +667,20 @@ fn sim_runs_replay_exactly() {
         "RUSTFLAGS=\"--cfg tokio_unstable\" CARGO_TARGET_DIR=target/sim-replay cargo test \
          -p chunnel-negotiate --test sim_connection -- --include-ignored sim_runs_replay_exactly",
     );
-    let a = ex
-        .run(&seeds, |seed| run_seed(seed, Plant::None, ordered_base))
+    let r = ex
+        .replay(
+            &seeds,
+            |seed| run_seed(seed, Plant::None, ordered_base),
+            |x| x.fingerprint,
+            |x| x.contended > 0,
+        )
         .unwrap_or_else(|e| panic!("{e}"));
-    let b = ex
-        .run(&seeds, |seed| run_seed(seed, Plant::None, ordered_base))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (mut same, mut contended) = (0, 0);
-    for ((seed, x), (_, y)) in a.results.iter().zip(&b.results) {
-        if x.contended > 0 || y.contended > 0 {
-            contended += 1;
-            continue;
-        }
-        assert_eq!(
-            x.fingerprint, y.fingerprint,
-            "seed {seed} took another path the second time:\n{x:?}\n{y:?}"
-        );
-        same += 1;
-    }
+    let (same, contended) = (r.same, r.skipped);
+    assert!(
+        r.differ.is_empty(),
+        "seeds that took another path the second time: {:?}",
+        r.differ
+    );
     println!(
         "replay: {same} seeds replayed exactly; {contended} with contended proposals not compared"
     );

@@ -1168,18 +1168,15 @@ fn sim_group_runs_replay_exactly() {
         plant_no_live_yes_check: false,
         deadlines_in_virtual_time: true,
     };
-    let a = ex
-        .run(&seeds, |seed| run_seed(seed, checks))
+    let r = ex
+        .replay(
+            &seeds,
+            |seed| run_seed(seed, checks),
+            |x| x.fingerprint,
+            |_| false,
+        )
         .unwrap_or_else(|e| panic!("{e}"));
-    let b = ex
-        .run(&seeds, |seed| run_seed(seed, checks))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut differ = Vec::new();
-    for ((seed, x), (_, y)) in a.results.iter().zip(&b.results) {
-        if x.fingerprint != y.fingerprint {
-            differ.push(*seed);
-        }
-    }
+    let differ: Vec<u64> = r.differ.iter().map(|d| d.0).collect();
     println!(
         "group replay: {} of {} seeds took another path",
         differ.len(),

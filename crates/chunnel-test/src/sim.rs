@@ -215,6 +215,43 @@ impl Explorer {
     }
 }
 
+/// What [`Explorer::replay`] found.
+#[derive(Debug, Default)]
+pub struct Replay {
+    /// Seeds whose two runs took the same path.
+    pub same: usize,
+    /// Seeds left out of the comparison (the caller's `skip`).
+    pub skipped: usize,
+    /// Seeds whose runs differed, with both runs' results.
+    pub differ: Vec<(u64, String)>,
+}
+
+impl Explorer {
+    /// The replay check: runs every seed twice (each a [`Explorer::run`]) and compares the
+    /// two runs of each seed by `path`, leaving out the seeds `skip` names in either run.
+    pub fn replay<T: std::fmt::Debug, P: PartialEq>(
+        &self,
+        seeds: &[u64],
+        mut run: impl FnMut(u64) -> Result<T, String>,
+        path: impl Fn(&T) -> P,
+        skip: impl Fn(&T) -> bool,
+    ) -> Result<Replay, String> {
+        let a = self.run(seeds, &mut run)?;
+        let b = self.run(seeds, &mut run)?;
+        let mut out = Replay::default();
+        for ((seed, x), (_, y)) in a.results.iter().zip(&b.results) {
+            if skip(x) || skip(y) {
+                out.skipped += 1;
+            } else if path(x) == path(y) {
+                out.same += 1;
+            } else {
+                out.differ.push((*seed, format!("{x:?}\n{y:?}")));
+            }
+        }
+        Ok(out)
+    }
+}
+
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_owned()
