@@ -877,8 +877,8 @@ fn one_refuses() -> Config {
 #[test]
 fn a_member_that_refuses() {
     let mut cfg = one_refuses();
-    // The yes of a member that rejoins while a decision is in flight:
-    // `bug_a_member_rejoining_during_a_transition_is_switched_without_its_yes`.
+    // Agreement and progress only; the same exploration with every property is
+    // `a_member_joining_during_a_transition_has_its_say`.
     cfg.check_all_yes = false;
     cfg.check_answered = false;
     let r = explore(&cfg).unwrap_or_else(|e| panic!("{e}"));
