@@ -110,9 +110,6 @@ fn random_id(_seed: &str) -> u64 {
     chunnel::util::random_u64()
 }
 
-/// The join protocol: propose our first option by compare-and-swap, else join the committed
-/// stack with our first compatible option. Returns (snapshot after joining, epoch, option,
-/// created).
 /// The epoch a member at `epoch` re-creates a group the store lost at: above its own, and
 /// above any another member can hold from before the loss, taken as the wall clock in
 /// microseconds (a group commits far fewer transitions than microseconds pass between its
@@ -126,6 +123,9 @@ fn recreation_epoch(epoch: u64) -> u64 {
     now_us.max(epoch.saturating_add(1))
 }
 
+/// The join protocol: propose our first option by compare-and-swap, else join the committed
+/// stack with our first compatible option. Returns (snapshot after joining, epoch, option,
+/// created). A group it creates starts at `create_epoch`.
 async fn join_once<St: Store>(
     store: &St,
     group: &str,
