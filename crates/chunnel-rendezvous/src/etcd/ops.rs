@@ -358,47 +358,32 @@ impl Store for EtcdStore {
         let k = Keys::new(group)?;
         for attempt in 0..Self::MAX_ATTEMPTS {
             backoff(attempt).await;
-            let [meta_kv, pending] = self.get_keys([&k.meta, &k.transition]).await?;
-            let Some(pending) = pending else {
+            // One read at one revision: the record, and the ballots of the members live then.
+            let rec = self.read(&k).await?;
+            let Some(t) = rec.snap.transition.clone().filter(|t| t.id == id) else {
                 return Ok(false);
             };
-            let t = decode_transition(pending.value())?;
-            if t.id != id {
+            if commit && !rec.snap.all_live_yes() {
                 return Ok(false);
             }
-            // A commit needs every live member's yes at the moment it is written: the members
-            // and ballots read here must be unchanged when the transaction applies.
-            let mut unchanged = Vec::with_capacity(2);
-            if commit {
-                let rec = self.read(&k).await?;
-                if rec.snap.transition.as_ref().map(|t| t.id) != Some(id) {
-                    continue;
-                }
-                if !rec.snap.all_live_yes() {
-                    return Ok(false);
-                }
-                for prefix in [k.members(), k.ballots.as_str()] {
-                    unchanged.push(
-                        Compare::mod_revision(prefix, CompareOp::Less, rec.revision + 1)
-                            .with_prefix(),
-                    );
-                }
-            }
             let mut ops = Vec::with_capacity(3);
-            if let Some(kv) = &meta_kv {
-                let mut meta = Meta::decode(kv.value())?;
-                if commit && meta.epoch == t.from_epoch {
-                    meta.epoch = t.from_epoch + 1;
-                    meta.stack = t.stack;
-                }
-                meta.outcome = Some(Outcome {
-                    id,
-                    committed: commit,
-                });
+            if let Some(c) = &rec.snap.committed {
+                let (epoch, stack) = match commit && c.epoch == t.from_epoch {
+                    true => (t.from_epoch + 1, t.stack),
+                    false => (c.epoch, c.stack.clone()),
+                };
+                let meta = Meta {
+                    epoch,
+                    stack,
+                    outcome: Some(Outcome {
+                        id,
+                        committed: commit,
+                    }),
+                };
                 ops.push(TxnOp::put(
                     k.meta.as_str(),
                     meta.encode(),
-                    Some(PutOptions::new().with_lease(kv.lease())),
+                    Some(PutOptions::new().with_lease(rec.meta_lease)),
                 ));
             }
             ops.push(TxnOp::delete(k.transition.as_str(), None));
@@ -407,14 +392,19 @@ impl Store for EtcdStore {
                 Some(DeleteOptions::new().with_prefix()),
             ));
             let mut when = vec![
-                Compare::mod_revision(k.meta.as_str(), CompareOp::Equal, mod_rev(&meta_kv)),
-                Compare::mod_revision(
-                    k.transition.as_str(),
-                    CompareOp::Equal,
-                    pending.mod_revision(),
-                ),
+                Compare::mod_revision(k.meta.as_str(), CompareOp::Equal, rec.meta_rev),
+                Compare::mod_revision(k.transition.as_str(), CompareOp::Equal, rec.transition_rev),
             ];
-            when.append(&mut unchanged);
+            // A commit needs every live member's yes at the moment it is written: no member
+            // and no ballot may have changed since the read.
+            if commit {
+                for prefix in [k.members(), k.ballots.as_str()] {
+                    when.push(
+                        Compare::mod_revision(prefix, CompareOp::Less, rec.revision + 1)
+                            .with_prefix(),
+                    );
+                }
+            }
             let txn = Txn::new().when(when).and_then(ops);
             if self.txn(&txn, Retry::IfNotApplied).await?.succeeded() {
                 return Ok(true);

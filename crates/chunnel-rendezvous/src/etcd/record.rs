@@ -65,6 +65,8 @@ pub(super) struct Record {
     pub(super) snap: Snapshot,
     /// `mod_revision` of the meta key, 0 if absent.
     pub(super) meta_rev: i64,
+    /// `mod_revision` of the pending transition's key, 0 if none.
+    pub(super) transition_rev: i64,
     /// The lease the meta key is attached to (the group's lease), 0 if none.
     pub(super) meta_lease: i64,
     /// (member id, `mod_revision`, lease) of each member key.
@@ -129,6 +131,7 @@ impl Record {
         Ok(Record {
             snap,
             meta_rev: meta_kv.map_or(0, KeyValue::mod_revision),
+            transition_rev: transition.kvs().first().map_or(0, KeyValue::mod_revision),
             meta_lease: meta_kv.map_or(0, KeyValue::lease),
             member_keys,
             revision: meta.header().map_or(0, |h| h.revision()),
