@@ -56,10 +56,66 @@ pub trait Chunnel<I> {
     ) -> impl Future<Output = Result<Self::Connection, Error>> + Send;
 }
 
+/// The server side of a datapath's configuration: what `Chunnel<()>` is to a client, binding
+/// instead of connecting.
+///
+/// A datapath's bind config (an address and its options) implements this; `listen` binds it
+/// and returns the [`Listener`] that hands out the base connection of each new peer. A
+/// [`Select`](crate::Select) of two bind configs listens on the first available branch, in
+/// preference order, like `Chunnel<()>`'s select connects: a preferred branch that reports
+/// [`Error::NotAvailable`] (at its availability check or when it binds) leaves the fallback
+/// bound, and the listener is an [`Either`](crate::Either) of the two.
+///
+/// ```
+/// use chunnel::{select, Error, Listen, Listener, Negotiate, Side};
+///
+/// /// A bind config that is unavailable on this host.
+/// struct Fast;
+/// impl Negotiate for Fast {
+///     fn id(&self) -> &'static str { "doc/fast/1" }
+///     fn check_available(&self) -> Result<(), Error> {
+///         Err(Error::NotAvailable { chunnel: "doc/fast/1", reason: "no hardware".into() })
+///     }
+/// }
+/// # struct Never;
+/// # impl Listener for Never {
+/// #     type Connection = chunnel::BoxConnection<u8>;
+/// #     async fn accept(&mut self) -> Result<Self::Connection, Error> { Err(Error::Closed) }
+/// # }
+/// impl Listen for Fast {
+///     type Listener = Never;
+///     async fn listen(&self) -> Result<Never, Error> { Ok(Never) }
+/// }
+///
+/// /// A bind config that always binds.
+/// struct Plain;
+/// impl Negotiate for Plain {
+///     fn id(&self) -> &'static str { "doc/plain/1" }
+/// }
+/// impl Listen for Plain {
+///     type Listener = Never;
+///     async fn listen(&self) -> Result<Never, Error> { Ok(Never) }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Error> {
+/// let listener = select(Fast, Plain).listen().await?;
+/// assert_eq!(listener.side(), Side::Right); // the fallback was bound
+/// # Ok(()) }
+/// ```
+pub trait Listen {
+    /// The listener a successful `listen` returns.
+    type Listener: Listener;
+
+    /// Binds this configuration and starts listening.
+    fn listen(&self) -> impl Future<Output = Result<Self::Listener, Error>> + Send;
+}
+
 /// A source of incoming base connections: the server side of a datapath.
 ///
-/// A listener plays the role `Chunnel<()>` plays on the client: it produces the connection at
-/// the bottom of a stack. [`Serve`](crate::Serve) applies the rest of a stack to every accepted connection.
+/// A listener plays the role a `Chunnel<()>`'s connection plays on the client: it produces
+/// the connection at the bottom of a stack. [`Listen::listen`] makes one from a bind config;
+/// [`Serve`](crate::Serve) applies the rest of a stack to every accepted connection.
 pub trait Listener: Send {
     /// The base connection handed out for each new peer.
     type Connection: ChunnelConnection;

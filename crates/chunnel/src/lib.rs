@@ -23,10 +23,12 @@
 //! * [`ChunnelConnection`]: batched async `send(burst)` / `recv(&mut slots) -> n` of a typed
 //!   [`ChunnelConnection::Data`].
 //! * [`Chunnel<I>`]: `connect_wrap(inner: I) -> Connection`. Base datapaths implement
-//!   `Chunnel<()>`; the server side of a datapath is a [`Listener`].
-//! * [`stack!`] builds a [`Stack`]; [`select`] builds a [`Select`] whose connection is an
-//!   [`Either`]. [`Identity`] is no layer; [`Noop`] is a layer that does nothing but is real.
-//! * [`Negotiate`] (per Chunnel: id, [`Capability`]s, availability, pick hook) and [`Offers`]
+//!   `Chunnel<()>`; their bind configs implement [`Listen`], whose `listen` returns the
+//!   server side of the datapath, a [`Listener`].
+//! * [`stack!`] builds a [`Stack`]; [`select`] builds a [`Select`] whose connection (or, for
+//!   a select of bind configs, listener) is an [`Either`]. [`Identity`] is no layer;
+//!   [`Noop`] is a layer that does nothing but is real.
+//! * [`Negotiate`] (per Chunnel: id, [`Capability`]s, availability) and [`Offers`]
 //!   (per tree: the flattened [`StackOption`]s and applying a [`Pick`]).
 //! * [`Select::reconfigurable`] makes a select switchable at run time: its
 //!   [`ReconfigHandle`] moves live connections to the other branch (mechanism [`Lock`] or
@@ -103,7 +105,7 @@ mod stack;
 pub mod util;
 
 pub use crate::boxed::{BoxChunnel, BoxConnection};
-pub use crate::chunnel::{Chunnel, Listener};
+pub use crate::chunnel::{Chunnel, Listen, Listener};
 pub use crate::connection::{ChunnelConnection, ConnectionExt, Oversized, PeerHandoff, SendHeader};
 pub use crate::error::{BoxError, Error};
 pub use crate::ext::{ChunnelExt, Serve};

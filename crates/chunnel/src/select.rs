@@ -1,8 +1,8 @@
-//! `Select`: a choice between two Chunnels (or stacks) in one layer, and `Either`, the
-//! connection it produces.
+//! `Select`: a choice between two Chunnels (or stacks, or bind configs) in one layer, and
+//! `Either`, the connection (or listener) it produces.
 
 use crate::negotiate::{Offers, Pick, PickReader, StackOption};
-use crate::{Chunnel, ChunnelConnection, Error};
+use crate::{Chunnel, ChunnelConnection, Error, Listen, Listener};
 
 pub use crate::side::Side;
 
@@ -89,6 +89,41 @@ where
     }
 }
 
+impl<A, B> Listen for Select<A, B>
+where
+    A: Listen + Offers + Sync,
+    B: Listen + Offers + Sync,
+    <B::Listener as Listener>::Connection: ChunnelConnection<
+        Data = <<A::Listener as Listener>::Connection as ChunnelConnection>::Data,
+    >,
+{
+    type Listener = Either<A::Listener, B::Listener>;
+
+    /// Listens on the branch [`Select::resolve`] names. When no branch was fixed and the
+    /// preferred branch passed its availability check but fails to bind with
+    /// [`Error::NotAvailable`] (a program the kernel refuses to attach, say), listens on the
+    /// fallback branch instead, or fails with [`Error::NoBranch`] holding both reasons if the
+    /// fallback is unavailable too. Any other error of the bound branch is returned as is.
+    async fn listen(&self) -> Result<Self::Listener, Error> {
+        match self.resolve()? {
+            Side::Left => match self.left.listen().await {
+                Ok(l) => Ok(Either::Left(l)),
+                Err(e @ Error::NotAvailable { .. }) if self.choice.is_none() => {
+                    match self.right.available() {
+                        Ok(()) => Ok(Either::Right(self.right.listen().await?)),
+                        Err(right) => Err(Error::NoBranch {
+                            left: Box::new(e),
+                            right: Box::new(right),
+                        }),
+                    }
+                }
+                Err(e) => Err(e),
+            },
+            Side::Right => Ok(Either::Right(self.right.listen().await?)),
+        }
+    }
+}
+
 impl<A: Offers, B: Offers> Offers for Select<A, B> {
     fn hash_offers(&self, h: &mut dyn std::hash::Hasher) {
         h.write_u8(crate::negotiate::DIGEST_SELECT);
@@ -130,7 +165,9 @@ impl<A: Offers, B: Offers> Offers for Select<A, B> {
     }
 }
 
-/// The connection of a [`Select`]: one of two connections carrying the same `Data`.
+/// What a [`Select`] builds: one of two connections carrying the same `Data` (its
+/// `connect_wrap`), or one of two listeners whose connections do (its [`Listen::listen`]),
+/// which accepts `Either` connections.
 #[derive(Debug)]
 pub enum Either<L, R> {
     /// Built from the preferred branch.
@@ -140,7 +177,7 @@ pub enum Either<L, R> {
 }
 
 impl<L, R> Either<L, R> {
-    /// Which branch this connection came from.
+    /// Which branch this connection (or listener) came from.
     pub fn side(&self) -> Side {
         match self {
             Either::Left(_) => Side::Left,
@@ -176,6 +213,36 @@ where
         match self {
             Either::Left(c) => EitherFuture::Left(c.recv(slots)),
             Either::Right(c) => EitherFuture::Right(c.recv(slots)),
+        }
+    }
+}
+
+impl<L, R> Listener for Either<L, R>
+where
+    L: Listener,
+    R: Listener,
+    R::Connection: ChunnelConnection<Data = <L::Connection as ChunnelConnection>::Data>,
+{
+    type Connection = Either<L::Connection, R::Connection>;
+
+    async fn accept(&mut self) -> Result<Self::Connection, Error> {
+        match self {
+            Either::Left(l) => l.accept().await.map(Either::Left),
+            Either::Right(r) => r.accept().await.map(Either::Right),
+        }
+    }
+
+    fn accepting_in_loop(&mut self) {
+        match self {
+            Either::Left(l) => l.accepting_in_loop(),
+            Either::Right(r) => r.accepting_in_loop(),
+        }
+    }
+
+    fn recognise_sessions(&mut self, session_of: fn(&[u8]) -> Option<u64>) {
+        match self {
+            Either::Left(l) => l.recognise_sessions(session_of),
+            Either::Right(r) => r.recognise_sessions(session_of),
         }
     }
 }

@@ -40,8 +40,8 @@
 //! each exactly once, `1 <= N <= `[`MAX_SHARDS`].
 //!
 //! **Why a directory:** the negotiation driver builds the client's stack (`connect_wrap`) before it
-//! returns the [`Info`](https://docs.rs/chunnel-negotiate) with the server stack, and a Chunnel's
-//! [`Negotiate::picked`](chunnel::Negotiate::picked) hook sees only the pick, not the server's
+//! returns the [`Info`](https://docs.rs/chunnel-negotiate) with the server stack, and a
+//! Chunnel is told only which branch of each select was picked, not the server's
 //! capabilities. So [`ClientShard`] shares a [`ShardDirectory`] with its creator, who calls
 //! `directory.learn(&negotiated.info().server_stack)` once `connect` returns; the connection dials
 //! the shards on its first `send` (which fails with

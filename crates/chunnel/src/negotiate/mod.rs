@@ -3,8 +3,8 @@
 //!
 //! The negotiation *protocol* lives elsewhere; this module holds the types it works on:
 //!
-//! * [`Negotiate`] is implemented by every leaf Chunnel: a stable id, its [`Capability`]s, an
-//!   availability check and a hook told which branch was picked.
+//! * [`Negotiate`] is implemented by every leaf Chunnel: a stable id, its [`Capability`]s and
+//!   an availability check.
 //! * [`Offers`] is implemented by leaves (through [`Negotiate`]), by [`crate::Stack`] and by
 //!   [`crate::Select`]: it enumerates every concrete stack a tree of selects allows
 //!   ([`StackOption`]), in preference order, and applies a [`Pick`] — the compact nonce naming
@@ -26,7 +26,7 @@ pub use types::{
 /// What a leaf Chunnel tells the negotiator about itself.
 ///
 /// Every Chunnel implements this; the defaults describe a Chunnel with no capabilities that is
-/// always available and ignores the pick.
+/// always available.
 pub trait Negotiate {
     /// A stable, versioned identifier such as `"chunnel/noop/1"`.
     fn id(&self) -> &'static str;
@@ -41,11 +41,6 @@ pub trait Negotiate {
     fn check_available(&self) -> Result<(), Error> {
         Ok(())
     }
-
-    /// Called once the stack containing this Chunnel was picked, with the nonce of the pick,
-    /// before `connect_wrap`. Chunnels that tell other endpoints which stack a client uses
-    /// (paper §5.1) keep the nonce here.
-    fn picked(&mut self, _nonce: &Pick) {}
 }
 
 /// A tree of Chunnels that can describe its concrete options and be told which one to build.
@@ -70,8 +65,8 @@ pub trait Offers {
     /// Whether at least one concrete stack of this tree can work on this host.
     fn available(&self) -> Result<(), Error>;
 
-    /// Fixes every select on the path named by `pick` (and tells leaves via
-    /// [`Negotiate::picked`]). `connect_wrap` then builds exactly that stack.
+    /// Fixes every select on the path named by `pick`. `connect_wrap` then builds exactly
+    /// that stack.
     fn apply_pick(&mut self, pick: &mut PickReader<'_>) -> Result<(), Error>;
 
     /// Feeds `h` what [`Offers::offers`] is made of, without making the offers: trees that
@@ -177,8 +172,7 @@ impl<T: Negotiate> Offers for T {
         self.check_available()
     }
 
-    fn apply_pick(&mut self, pick: &mut PickReader<'_>) -> Result<(), Error> {
-        self.picked(pick.pick());
+    fn apply_pick(&mut self, _pick: &mut PickReader<'_>) -> Result<(), Error> {
         Ok(())
     }
 }

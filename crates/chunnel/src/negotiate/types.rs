@@ -362,7 +362,6 @@ impl Pick {
     pub fn reader(&self) -> PickReader<'_> {
         PickReader {
             rest: self.branches(),
-            whole: self,
         }
     }
 }
@@ -399,7 +398,6 @@ impl std::fmt::Debug for Pick {
 #[derive(Debug)]
 pub struct PickReader<'a> {
     rest: &'a [u8],
-    whole: &'a Pick,
 }
 
 impl<'a> PickReader<'a> {
@@ -415,11 +413,6 @@ impl<'a> PickReader<'a> {
         }
         self.rest = rest;
         Ok(b)
-    }
-
-    /// The whole pick (passed to [`Negotiate::picked`](crate::Negotiate::picked)).
-    pub fn pick(&self) -> &'a Pick {
-        self.whole
     }
 
     /// Fails if decisions are left over.
