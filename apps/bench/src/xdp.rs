@@ -31,7 +31,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail, ensure};
-use chunnel::{Listener as _, Negotiate};
+use chunnel::{Listen as _, Listener as _, Negotiate};
 use chunnel_test::netns::{self, VethPair};
 use chunnel_xdp::{AfXdpUdp, Config, Counters, raw};
 use serde_json::{Value, json};

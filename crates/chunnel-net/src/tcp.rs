@@ -73,6 +73,44 @@ impl Chunnel<()> for Connect {
     }
 }
 
+/// The bind config of a TCP server: [`Listen::listen`](chunnel::Listen::listen) binds `addr`
+/// ([`Listener::bind_with`]). The server-side counterpart of [`Connect`], with the same id.
+#[derive(Clone, Debug)]
+pub struct Bind {
+    addr: SocketAddr,
+    cfg: Config,
+}
+
+impl Bind {
+    /// Binds `addr` (port 0: the kernel picks one) with the default [`Config`].
+    pub fn new(addr: SocketAddr) -> Self {
+        Bind {
+            addr,
+            cfg: Config::default(),
+        }
+    }
+
+    /// Uses `cfg` instead of the default.
+    pub fn with_config(mut self, cfg: Config) -> Self {
+        self.cfg = cfg;
+        self
+    }
+}
+
+impl Negotiate for Bind {
+    fn id(&self) -> &'static str {
+        "chunnel/tcp/1"
+    }
+}
+
+impl chunnel::Listen for Bind {
+    type Listener = Listener;
+
+    fn listen(&self) -> impl Future<Output = Result<Listener, Error>> + Send {
+        Listener::bind_with(self.addr, self.cfg.clone())
+    }
+}
+
 /// A TCP server socket handing out one [`Connection`] per accepted stream.
 #[derive(Debug)]
 pub struct Listener {

@@ -2,8 +2,8 @@
 //!
 //! * Client: [`Connect`] is a `Chunnel<()>`; its connection is a socket connected to the
 //!   server.
-//! * Server: [`Listener::bind`] gives a [`chunnel::Listener`] handing out one
-//!   [`ServerConnection`] per peer address.
+//! * Server: [`Bind`] is a [`chunnel::Listen`]; [`Listener::bind`] gives the
+//!   [`chunnel::Listener`] handing out one [`ServerConnection`] per peer address.
 //!
 //! ```
 //! use chunnel::{Chunnel, ConnectionExt, Listener as _};
@@ -114,6 +114,51 @@ impl Chunnel<()> for Connect {
         .and_then(UdpSocket::from_std)
         .map_err(|e| Error::from_io("connect", self.addr, e))?;
         Ok(datagram::Connection::new(sock, self.addr, self.cfg.clone()))
+    }
+}
+
+/// The bind config of a UDP server: [`Listen::listen`](chunnel::Listen::listen) binds `addr`
+/// ([`Listener::bind_with`]). The server-side counterpart of [`Connect`], with the same id, so
+/// `select(chunnel_uring::udp::Bind, udp::Bind)` listens on io_uring where the host allows it
+/// and on this otherwise.
+#[derive(Clone, Debug)]
+pub struct Bind {
+    addr: SocketAddr,
+    cfg: Config,
+}
+
+impl Bind {
+    /// Binds `addr` (port 0: the kernel picks one) with the default [`Config`].
+    pub fn new(addr: SocketAddr) -> Self {
+        Bind {
+            addr,
+            cfg: Config::default(),
+        }
+    }
+
+    /// Uses `cfg` instead of the default.
+    pub fn with_config(mut self, cfg: Config) -> Self {
+        self.cfg = cfg;
+        self
+    }
+
+    /// The address to bind.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Negotiate for Bind {
+    fn id(&self) -> &'static str {
+        "chunnel/udp/1"
+    }
+}
+
+impl chunnel::Listen for Bind {
+    type Listener = Listener;
+
+    fn listen(&self) -> impl Future<Output = Result<Listener, Error>> + Send {
+        Listener::bind_with(self.addr, self.cfg.clone())
     }
 }
 

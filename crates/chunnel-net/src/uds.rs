@@ -145,6 +145,45 @@ impl Chunnel<()> for DatagramConnect {
     }
 }
 
+/// The bind config of a Unix datagram server: [`Listen::listen`](chunnel::Listen::listen)
+/// binds `addr` ([`DatagramListener::bind_with`]). The server-side counterpart of
+/// [`DatagramConnect`], with the same id.
+#[derive(Clone, Debug)]
+pub struct DatagramBind {
+    addr: UnixAddr,
+    cfg: DatagramConfig,
+}
+
+impl DatagramBind {
+    /// Binds `addr` with the default configuration.
+    pub fn new(addr: impl Into<UnixAddr>) -> Self {
+        DatagramBind {
+            addr: addr.into(),
+            cfg: default_dgram_config(),
+        }
+    }
+
+    /// Uses `cfg` instead of the default.
+    pub fn with_config(mut self, cfg: DatagramConfig) -> Self {
+        self.cfg = cfg;
+        self
+    }
+}
+
+impl Negotiate for DatagramBind {
+    fn id(&self) -> &'static str {
+        "chunnel/unix-dgram/1"
+    }
+}
+
+impl chunnel::Listen for DatagramBind {
+    type Listener = DatagramListener;
+
+    fn listen(&self) -> impl Future<Output = Result<DatagramListener, Error>> + Send {
+        DatagramListener::bind_with(self.addr.clone(), self.cfg.clone())
+    }
+}
+
 /// A Unix datagram server socket, one connection per client address.
 #[derive(Debug)]
 pub struct DatagramListener {
@@ -265,6 +304,45 @@ impl Chunnel<()> for StreamConnect {
             &self.cfg,
             self.addr.to_string(),
         ))
+    }
+}
+
+/// The bind config of a Unix stream server: [`Listen::listen`](chunnel::Listen::listen)
+/// binds `addr` ([`StreamListener::bind_with`]). The server-side counterpart of
+/// [`StreamConnect`], with the same id.
+#[derive(Clone, Debug)]
+pub struct StreamBind {
+    addr: UnixAddr,
+    cfg: StreamConfig,
+}
+
+impl StreamBind {
+    /// Binds `addr` with the default configuration.
+    pub fn new(addr: impl Into<UnixAddr>) -> Self {
+        StreamBind {
+            addr: addr.into(),
+            cfg: StreamConfig::default(),
+        }
+    }
+
+    /// Uses `cfg` instead of the default.
+    pub fn with_config(mut self, cfg: StreamConfig) -> Self {
+        self.cfg = cfg;
+        self
+    }
+}
+
+impl Negotiate for StreamBind {
+    fn id(&self) -> &'static str {
+        "chunnel/unix-stream/1"
+    }
+}
+
+impl chunnel::Listen for StreamBind {
+    type Listener = StreamListener;
+
+    fn listen(&self) -> impl Future<Output = Result<StreamListener, Error>> + Send {
+        StreamListener::bind_with(self.addr.clone(), self.cfg.clone())
     }
 }
 

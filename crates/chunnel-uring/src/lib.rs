@@ -33,18 +33,25 @@
 //! ```
 //!
 //! Preferring io_uring and falling back to kernel sockets where it cannot be set up (old
-//! kernels, `kernel.io_uring_disabled`, seccomp filters in containers):
+//! kernels, `kernel.io_uring_disabled`, seccomp filters in containers), on either side:
 //!
 //! ```
-//! use chunnel::{Chunnel, ConnectionExt, Listener as _, select};
+//! use chunnel::{Chunnel, ConnectionExt, Listen, Listener as _, select};
+//! use chunnel_net::udp as kernel;
+//! use chunnel_uring::udp as uring;
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), chunnel::Error> {
-//! # let mut server = chunnel_net::udp::Listener::bind("127.0.0.1:0".parse().unwrap()).await?;
-//! # let addr = server.local_addr()?;
-//! let mut c = select(chunnel_uring::udp::Connect::new(addr), chunnel_net::udp::Connect::new(addr));
-//! let conn = c.connect_wrap(()).await?; // Either::Left (io_uring) or Either::Right (kernel)
+//! let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+//! // Either::Left (io_uring) or Either::Right (kernel UDP).
+//! let mut server = select(uring::Bind::new(any), kernel::Bind::new(any)).listen().await?;
+//! let addr = match &server {
+//!     chunnel::Either::Left(l) => l.local_addr()?,
+//!     chunnel::Either::Right(l) => l.local_addr()?,
+//! };
+//! let mut c = select(uring::Connect::new(addr), kernel::Connect::new(addr));
+//! let conn = c.connect_wrap(()).await?;
 //! conn.send_one("hello".into()).await?; // the same wire either way
-//! # assert_eq!(server.accept().await?.recv_one().await?, "hello");
+//! assert_eq!(server.accept().await?.recv_one().await?, "hello");
 //! # Ok(()) }
 //! ```
 //!

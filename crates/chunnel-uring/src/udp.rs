@@ -22,7 +22,9 @@ use tokio::time::Instant;
 
 use crate::driver::{ClientRx, Driver, Rx, Stats, conn_err};
 
+mod bind;
 pub use crate::config::{Config, MAX_PAYLOAD};
+pub use bind::Bind;
 
 use chunnel::util::lock;
 

@@ -151,3 +151,49 @@ fn env_var_disables_in_a_process() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The server side: `select(uring::Bind, udp::Bind)` listens on io_uring where it runs and on
+/// kernel UDP where it is unavailable (forced here), and a kernel UDP client is echoed by
+/// whichever was bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listen_select_falls_back_to_kernel_udp() {
+    use chunnel::{Either, Listen};
+    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let off = udp::Config::default().with_forced_unavailable(true);
+    for (uring, want) in [
+        (
+            udp::Bind::new(any),
+            if chunnel_uring::check_available().is_ok() {
+                Side::Left
+            } else {
+                Side::Right
+            },
+        ),
+        (udp::Bind::new(any).with_config(off.clone()), Side::Right),
+    ] {
+        let s = select(uring, chunnel_net::udp::Bind::new(any));
+        let mut l = tokio::time::timeout(WAIT, s.listen())
+            .await
+            .expect("listen within the time limit")
+            .unwrap();
+        assert_eq!(l.side(), want);
+        let addr = match &l {
+            Either::Left(l) => l.local_addr().unwrap(),
+            Either::Right(l) => l.local_addr().unwrap(),
+        };
+        let conn = chunnel_net::udp::Connect::new(addr)
+            .connect_wrap(())
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            conn.send_one(Bytes::from_static(b"ping")).await.unwrap();
+            let s = l.accept().await.unwrap();
+            assert_eq!(s.side(), want);
+            assert_eq!(s.recv_one().await.unwrap(), "ping");
+            s.send_one(Bytes::from_static(b"pong")).await.unwrap();
+            assert_eq!(conn.recv_one().await.unwrap(), "pong");
+        })
+        .await
+        .expect("echo within the time limit");
+    }
+}

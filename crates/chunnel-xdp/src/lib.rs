@@ -14,13 +14,14 @@
 //! the MAC address the peer's frame came from.
 //!
 //! ```no_run
-//! use chunnel::{select, ConnectionExt, Listener as _};
-//! use chunnel_xdp::{AfXdpUdp, BindListener, Config, KernelUdp};
+//! use chunnel::{select, ConnectionExt, Listen, Listener as _};
+//! use chunnel_xdp::{AfXdpUdp, Config};
 //! # async fn demo() -> Result<(), chunnel::Error> {
-//! let addr = "10.77.0.2:7000".parse().unwrap();
+//! let addr: std::net::SocketAddrV4 = "10.77.0.2:7000".parse().unwrap();
 //! // AF_XDP when this host can run it, kernel UDP otherwise.
-//! let mut listener = select(AfXdpUdp::new(Config::new("veth0", addr)), KernelUdp::new(addr.into()))
-//!     .bind()
+//! let kernel = chunnel_net::udp::Bind::new(addr.into());
+//! let mut listener = select(AfXdpUdp::new(Config::new("veth0", addr)), kernel)
+//!     .listen()
 //!     .await?;
 //! let conn = listener.accept().await?;
 //! let m = conn.recv_one().await?;
@@ -36,10 +37,11 @@
 //! XDP program was not built (no clang at build time) and no object file is configured, when
 //! the process lacks `CAP_NET_ADMIN` / `CAP_NET_RAW` / `CAP_BPF` (or `CAP_SYS_ADMIN`), when the
 //! interface does not exist, or when the kernel refuses AF_XDP sockets. Loading or attaching
-//! the program can still fail at [`AfXdpUdp::listen`] (another XDP program on the interface,
-//! a verifier rejection): that is `NotAvailable` too, and [`BindListener`] on a
-//! [`chunnel::Select`] then binds the fallback branch, so
-//! `select(AfXdpUdp, KernelUdp).bind()` always yields a working listener.
+//! the program can still fail when it listens (another XDP program on the interface, a
+//! verifier rejection): that is `NotAvailable` too, and a [`chunnel::Select`]'s
+//! [`Listen`](chunnel::Listen) then binds the fallback branch, so
+//! `select(AfXdpUdp, chunnel_net::udp::Bind).listen()` yields a working listener whenever
+//! kernel UDP can bind the address.
 //!
 //! ## Datapath
 //!
@@ -78,11 +80,10 @@ pub mod raw;
 pub mod shard;
 mod xsk;
 
-use std::future::Future;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddrV4;
 use std::path::PathBuf;
 
-use chunnel::{ChunnelConnection, Either, Error, Negotiate, Offers, Select, Side};
+use chunnel::{Error, Negotiate};
 
 pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
 use crate::listener::not_available;
@@ -147,8 +148,8 @@ impl Config {
     }
 }
 
-/// The AF_XDP UDP datapath (server side): a [`Negotiate`] leaf whose [`AfXdpUdp::listen`]
-/// yields a [`Listener`].
+/// The AF_XDP UDP datapath (server side): a [`Negotiate`] leaf and a bind config whose
+/// [`Listen::listen`](chunnel::Listen::listen) yields a [`Listener`].
 #[derive(Clone, Debug)]
 pub struct AfXdpUdp {
     cfg: Config,
@@ -164,10 +165,16 @@ impl AfXdpUdp {
     pub fn config(&self) -> &Config {
         &self.cfg
     }
+}
+
+impl chunnel::Listen for AfXdpUdp {
+    type Listener = Listener;
 
     /// Creates the socket, loads and attaches the XDP program and starts receiving. Must be
-    /// called inside a tokio runtime (with timers and I/O enabled).
-    pub async fn listen(&self) -> Result<Listener, Error> {
+    /// called inside a tokio runtime (with timers and I/O enabled). Fails with
+    /// [`Error::NotAvailable`] where [`Negotiate::check_available`] does, and where the
+    /// program cannot be loaded or attached.
+    async fn listen(&self) -> Result<Listener, Error> {
         self.check_available()?;
         let obj = bpf::object(self.cfg.bpf_object.as_deref()).map_err(not_available)?;
         let ifindex = ifindex(&self.cfg.interface)?;
@@ -241,143 +248,5 @@ impl Negotiate for AfXdpUdp {
         xsk::probe()
             .map_err(|e| not_available(format!("the kernel refuses AF_XDP sockets: {e}")))?;
         Ok(())
-    }
-}
-
-/// Kernel UDP as a [`BindListener`] (the fallback branch of a server-side select).
-#[derive(Clone, Debug)]
-pub struct KernelUdp {
-    addr: SocketAddr,
-    cfg: chunnel_net::udp::Config,
-}
-
-impl KernelUdp {
-    /// Binds `addr` with the default UDP configuration.
-    pub fn new(addr: SocketAddr) -> Self {
-        KernelUdp {
-            addr,
-            cfg: chunnel_net::udp::Config::default(),
-        }
-    }
-
-    /// Uses `cfg`.
-    pub fn with_config(mut self, cfg: chunnel_net::udp::Config) -> Self {
-        self.cfg = cfg;
-        self
-    }
-}
-
-impl Negotiate for KernelUdp {
-    fn id(&self) -> &'static str {
-        "chunnel/udp/1"
-    }
-}
-
-/// A datapath whose server side is a [`chunnel::Listener`]: the listener-side counterpart of
-/// `Chunnel<()>`, so that `select(a, b).bind()` falls back like `select(a, b).connect_wrap(())`.
-pub trait BindListener: Offers {
-    /// The listener.
-    type Listener: chunnel::Listener;
-
-    /// Binds the listener.
-    fn bind(&self) -> impl Future<Output = Result<Self::Listener, Error>> + Send;
-}
-
-impl BindListener for AfXdpUdp {
-    type Listener = Listener;
-
-    fn bind(&self) -> impl Future<Output = Result<Listener, Error>> + Send {
-        self.listen()
-    }
-}
-
-impl BindListener for KernelUdp {
-    type Listener = chunnel_net::udp::Listener;
-
-    async fn bind(&self) -> Result<Self::Listener, Error> {
-        chunnel_net::udp::Listener::bind_with(self.addr, self.cfg.clone()).await
-    }
-}
-
-impl<A, B> BindListener for Select<A, B>
-where
-    A: BindListener + Sync,
-    B: BindListener + Sync,
-    <B::Listener as chunnel::Listener>::Connection: ChunnelConnection<
-        Data = <<A::Listener as chunnel::Listener>::Connection as ChunnelConnection>::Data,
-    >,
-{
-    type Listener = EitherListener<A::Listener, B::Listener>;
-
-    /// Binds the branch [`Select::resolve`] names. If the preferred branch passed its
-    /// availability check but fails to bind with `NotAvailable` (say, the XDP program cannot
-    /// be attached) and no branch was fixed, binds the fallback branch instead.
-    async fn bind(&self) -> Result<Self::Listener, Error> {
-        match self.resolve()? {
-            Side::Left => match self.left.bind().await {
-                Ok(l) => Ok(EitherListener::Left(l)),
-                Err(e @ Error::NotAvailable { .. }) if self.choice().is_none() => {
-                    match self.right.available() {
-                        Ok(()) => Ok(EitherListener::Right(self.right.bind().await?)),
-                        Err(right) => Err(Error::NoBranch {
-                            left: Box::new(e),
-                            right: Box::new(right),
-                        }),
-                    }
-                }
-                Err(e) => Err(e),
-            },
-            Side::Right => Ok(EitherListener::Right(self.right.bind().await?)),
-        }
-    }
-}
-
-/// The listener of a server-side select: one of two listeners whose connections carry the
-/// same `Data`; accepted connections are [`chunnel::Either`]s.
-#[derive(Debug)]
-pub enum EitherListener<L, R> {
-    /// The preferred branch.
-    Left(L),
-    /// The fallback branch.
-    Right(R),
-}
-
-impl<L, R> EitherListener<L, R> {
-    /// Which branch was bound.
-    pub fn side(&self) -> Side {
-        match self {
-            EitherListener::Left(_) => Side::Left,
-            EitherListener::Right(_) => Side::Right,
-        }
-    }
-}
-
-impl<L, R> chunnel::Listener for EitherListener<L, R>
-where
-    L: chunnel::Listener,
-    R: chunnel::Listener,
-    R::Connection: ChunnelConnection<Data = <L::Connection as ChunnelConnection>::Data>,
-{
-    type Connection = Either<L::Connection, R::Connection>;
-
-    async fn accept(&mut self) -> Result<Self::Connection, Error> {
-        match self {
-            EitherListener::Left(l) => l.accept().await.map(Either::Left),
-            EitherListener::Right(r) => r.accept().await.map(Either::Right),
-        }
-    }
-
-    fn accepting_in_loop(&mut self) {
-        match self {
-            EitherListener::Left(l) => l.accepting_in_loop(),
-            EitherListener::Right(r) => r.accepting_in_loop(),
-        }
-    }
-
-    fn recognise_sessions(&mut self, session_of: fn(&[u8]) -> Option<u64>) {
-        match self {
-            EitherListener::Left(l) => l.recognise_sessions(session_of),
-            EitherListener::Right(r) => r.recognise_sessions(session_of),
-        }
     }
 }

@@ -78,8 +78,9 @@ pub(crate) struct Shared {
 /// The server side of the AF_XDP datapath: a [`chunnel::Listener`] handing out one
 /// [`ServerConnection`] per peer (IPv4 address + UDP port).
 ///
-/// Built by [`crate::AfXdpUdp::listen`]. Dropping it stops reception; the XDP program stays
-/// attached (and the socket open) until the last connection is dropped too.
+/// Built by [`AfXdpUdp`](crate::AfXdpUdp)'s [`chunnel::Listen::listen`]. Dropping it stops
+/// reception; the XDP program stays attached (and the socket open) until the last connection
+/// is dropped too.
 pub struct Listener {
     shared: Arc<Shared>,
     accept: mpsc::Receiver<ServerConnection>,

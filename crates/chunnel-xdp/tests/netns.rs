@@ -13,9 +13,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
-use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Error, Negotiate, Offers, Side, select};
+use chunnel::{
+    Chunnel, ChunnelConnection, ConnectionExt, Error, Listen, Negotiate, Offers, Side, select,
+};
+use chunnel_net::udp;
 use chunnel_test::netns::VethPair;
-use chunnel_xdp::{AfXdpUdp, BindListener, Config, KernelUdp};
+use chunnel_xdp::{AfXdpUdp, Config};
 
 /// Two namespaces joined by `xa` (10.79.0.1, in `a`) – `xb` (10.79.0.2, in `b`).
 fn netns() -> Result<VethPair> {
@@ -228,8 +231,8 @@ fn select_falls_back_to_kernel_udp_without_the_program() -> Result<()> {
             matches!(&why, Error::NotAvailable { reason, .. } if reason.contains("does not exist")),
             "unexpected: {why}"
         );
-        let stack = select(xdp, KernelUdp::new(local.into()));
-        let listener = stack.bind().await?;
+        let stack = select(xdp, udp::Bind::new(local.into()));
+        let listener = stack.listen().await?;
         ready_tx.send(listener.side())?;
         echo(listener, stop_rx).await;
         Ok(())
@@ -251,7 +254,7 @@ fn select_falls_back_to_kernel_udp_without_the_program() -> Result<()> {
 }
 
 /// The program passes the availability check but cannot be attached (the queue and the
-/// interface are taken by another AF_XDP listener): `bind` falls back at bind time.
+/// interface are taken by another AF_XDP listener): `listen` falls back at bind time.
 #[test]
 fn select_falls_back_when_attach_fails() -> Result<()> {
     if !privileged() || !chunnel_xdp::embedded_program_available() {
@@ -272,9 +275,9 @@ fn select_falls_back_when_attach_fails() -> Result<()> {
             }
             other => bail!("expected NotAvailable, got {other:?}"),
         }
-        let stack = select(xdp, KernelUdp::new(local.into()));
+        let stack = select(xdp, udp::Bind::new(local.into()));
         stack.available()?;
-        let second = stack.bind().await?;
+        let second = stack.listen().await?;
         drop(first);
         Ok(second.side())
     })
