@@ -23,11 +23,11 @@
 //! ```
 //!
 //! [`Connect`] is the client's base Chunnel (`Chunnel<()>`) and [`Listener`] a
-//! `chunnel::Listener`. They take the same [`ClientConfig`] and [`ServerConfig`] as
-//! [`crate::tls`] (certificates, trust roots, server name, ALPN, mutual TLS, handshake timeout,
-//! largest framed message, handshake concurrency); [`ClientConfig::to_quinn`] and
-//! [`ServerConfig::to_quinn`] turn them into quinn configurations for code that drives quinn
-//! itself. Handshake failures are the same typed [`Error`]s as over TCP (QUIC carries the TLS
+//! `chunnel::Listener` (bound by [`Bind`], a `chunnel::Listen`). They take the same
+//! [`ClientConfig`] and [`ServerConfig`] as [`crate::tls`] (certificates, trust roots, server
+//! name, ALPN, mutual TLS, handshake timeout, largest framed message, handshake concurrency);
+//! [`ClientConfig::to_quinn`] and [`ServerConfig::to_quinn`] turn them into quinn
+//! configurations for code that drives quinn itself. Handshake failures are the same typed [`Error`]s as over TCP (QUIC carries the TLS
 //! alert in its close code), plus [`Error::Quic`] for the rest.
 //!
 //! On the wire this is plain QUIC v1: a quinn client that opens one bidirectional stream and
@@ -793,6 +793,41 @@ fn check_datagrams(conn: &quinn::Connection, peer: &str) -> Result<(), Error> {
         peer: peer.to_string(),
         by: DetectedBy::Peer,
     })
+}
+
+/// The bind config of a QUIC server: [`Listen::listen`](chunnel::Listen::listen) binds a UDP
+/// socket on `addr` and serves QUIC in `mode` ([`Listener::bind`]; needs a tokio runtime).
+/// Offers what the [`Listener`] does (the mode's id and capabilities).
+#[derive(Clone, Debug)]
+pub struct Bind {
+    addr: SocketAddr,
+    cfg: ServerConfig,
+    mode: Mode,
+}
+
+impl Bind {
+    /// Binds `addr` (port 0: the kernel picks one) and serves QUIC in `mode` with `cfg`.
+    pub fn new(addr: SocketAddr, cfg: ServerConfig, mode: Mode) -> Self {
+        Bind { addr, cfg, mode }
+    }
+}
+
+impl Negotiate for Bind {
+    fn id(&self) -> &'static str {
+        self.mode.id()
+    }
+
+    fn capabilities(&self) -> Vec<Capability> {
+        self.mode.capabilities()
+    }
+}
+
+impl chunnel::Listen for Bind {
+    type Listener = Listener;
+
+    async fn listen(&self) -> Result<Listener, chunnel::Error> {
+        Listener::bind(self.addr, self.cfg.clone(), self.mode)
+    }
 }
 
 /// A QUIC server endpoint handing out one [`Connection`] per client whose handshake

@@ -7,7 +7,7 @@
 //! plus message.
 //!
 //! * [`Connect`] is the client's base Chunnel (`Chunnel<()>`, like `tcp::Connect`).
-//! * [`Listener`] is a `chunnel::Listener`: it runs up to `max_handshakes` handshakes at once
+//! * [`Listener`] is a `chunnel::Listener` (bound by [`Bind`], a `chunnel::Listen`): it runs up to `max_handshakes` handshakes at once
 //!   in their own tasks, each bounded by the handshake timeout, so a stalled or hostile
 //!   client never holds up the others. `accept` skips clients whose handshake failed (they
 //!   are counted and the last ones kept, see [`Listener::take_failures`]);
@@ -332,6 +332,40 @@ impl Chunnel<()> for Connect {
             }
         };
         Ok(Connection::new(io, &self.cfg.framing, peer))
+    }
+}
+
+/// The bind config of a TLS server: [`Listen::listen`](chunnel::Listen::listen) binds `addr`
+/// and serves TLS with the server configuration ([`Listener::bind`]). Offers what the
+/// [`Listener`] does (id [`ID`], exact capability `secure` {tls13}).
+#[derive(Clone, Debug)]
+pub struct Bind {
+    addr: SocketAddr,
+    cfg: ServerConfig,
+}
+
+impl Bind {
+    /// Binds `addr` (port 0: the kernel picks one) and serves TLS with `cfg`.
+    pub fn new(addr: SocketAddr, cfg: ServerConfig) -> Self {
+        Bind { addr, cfg }
+    }
+}
+
+impl Negotiate for Bind {
+    fn id(&self) -> &'static str {
+        ID
+    }
+
+    fn capabilities(&self) -> Vec<Capability> {
+        vec![capability()]
+    }
+}
+
+impl chunnel::Listen for Bind {
+    type Listener = Listener;
+
+    fn listen(&self) -> impl Future<Output = Result<Listener, chunnel::Error>> + Send {
+        Listener::bind(self.addr, self.cfg.clone())
     }
 }
 

@@ -710,3 +710,60 @@ async fn a_client_stalled_mid_handshake_times_out_at_the_listener() {
     assert_eq!(l.failed_handshakes(), 1);
     good.await.unwrap();
 }
+
+/// The bind configs as `chunnel::Listen`: a select of QUIC and TLS listens on QUIC (the
+/// preferred branch) or, fixed to it, on TLS; a real client of the bound datapath is echoed.
+#[tokio::test]
+async fn a_select_of_quic_and_tls_binds_listens_on_one() {
+    use chunnel::{Either, Listen, Side, select};
+    use chunnel_secure::tls;
+    let pki = Pki::new();
+    let any: SocketAddr = LOOPBACK.parse().unwrap();
+    let scfg = server_cfg(&pki.server).build().unwrap();
+    for side in [None, Some(Side::Right)] {
+        let mut s = select(
+            quic::Bind::new(any, scfg.clone(), Mode::Stream),
+            tls::Bind::new(any, scfg.clone()),
+        );
+        assert_eq!(s.left.id(), "chunnel/quic-stream/1");
+        assert_eq!(s.right.id(), tls::ID);
+        if let Some(side) = side {
+            s = s.prefer(side);
+        }
+        let mut l = s.listen().await.unwrap();
+        let bound = l.side();
+        assert_eq!(bound, side.unwrap_or(Side::Left));
+        let addr = match &l {
+            Either::Left(q) => q.local_addr().unwrap(),
+            Either::Right(t) => t.local_addr().unwrap(),
+        };
+        // The handshake needs the server to accept meanwhile.
+        let (client, server) = tokio::time::timeout(BOUND, async {
+            let client = async {
+                match bound {
+                    Side::Left => quic::Connect::new(addr, client_cfg(&pki), Mode::Stream)
+                        .connect_wrap(())
+                        .await
+                        .map(Either::Left),
+                    Side::Right => tls::Connect::new(addr, client_cfg(&pki))
+                        .connect_wrap(())
+                        .await
+                        .map(Either::Right),
+                }
+            };
+            tokio::join!(client, l.accept())
+        })
+        .await
+        .expect("handshake in time");
+        let (client, server) = (client.unwrap(), server.unwrap());
+        assert_eq!(server.side(), bound);
+        tokio::time::timeout(BOUND, async {
+            client.send_one("ping".into()).await.unwrap();
+            assert_eq!(server.recv_one().await.unwrap(), "ping");
+            server.send_one("pong".into()).await.unwrap();
+            assert_eq!(client.recv_one().await.unwrap(), "pong");
+        })
+        .await
+        .expect("echo in time");
+    }
+}
