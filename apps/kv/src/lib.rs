@@ -300,24 +300,21 @@ impl Store {
     }
 }
 
-/// UDP for shard sockets (server) and shard connections (client push).
+/// UDP for shard connections (client push); the shard sockets are [`udp::Bind`]s, advertised
+/// by [`shard_addr`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Udp;
+
+/// The address clients dial for a bound shard socket: its `ip:port` (what
+/// [`ShardServer::spawn`] advertises).
+pub fn shard_addr(l: &udp::Listener) -> Result<String, chunnel::Error> {
+    Ok(l.local_addr()?.to_string())
+}
 
 fn parse_addr(addr: &str) -> Result<SocketAddr, chunnel::Error> {
     addr.parse().map_err(|_| chunnel::Error::Malformed {
         what: "shard address is not ip:port",
     })
-}
-
-impl shard::Bind for Udp {
-    type Listener = udp::Listener;
-
-    async fn bind(&self, addr: &str) -> Result<(udp::Listener, String), chunnel::Error> {
-        let l = udp::Listener::bind(parse_addr(addr)?).await?;
-        let a = l.local_addr()?.to_string();
-        Ok((l, a))
-    }
 }
 
 impl shard::Dial for Udp {
@@ -435,10 +432,10 @@ impl KvServer {
     /// Binds the canonical address `addr` and one shard socket per shard on the same IP
     /// (ports picked by the system); serves until dropped. Must run in a tokio runtime.
     pub async fn start(addr: SocketAddr, cfg: ServerConfig) -> Result<Self, KvError> {
-        let shard_addrs = vec![SocketAddr::new(addr.ip(), 0).to_string(); cfg.shards];
+        let shard_binds = vec![udp::Bind::new(SocketAddr::new(addr.ip(), 0)); cfg.shards];
         let shards = ShardServer::spawn(
-            Udp,
-            &shard_addrs,
+            shard_binds,
+            shard_addr,
             Ser::default(),
             |_| {
                 let mut store = Store::new();

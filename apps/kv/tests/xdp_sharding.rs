@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use chunnel::select;
 use chunnel_kv::ycsb::{self, KeyDist, OpGen, Workload};
-use chunnel_kv::{ClientConfig, KvClient, Msg, Offer, Ser, Sharding, Store, Udp};
+use chunnel_kv::{ClientConfig, KvClient, Msg, Offer, Ser, Sharding, Store};
 use chunnel_net::udp;
 use chunnel_std::shard::{self, ShardServer};
 use chunnel_test::netns::VethPair;
@@ -96,8 +96,8 @@ async fn server(
 ) -> R<ServerReport> {
     let e = |e: chunnel::Error| e.to_string();
     let shards: ShardServer<Msg> = ShardServer::spawn(
-        Udp,
-        &vec!["10.82.0.2:0".to_owned(); SHARDS],
+        vec![udp::Bind::new("10.82.0.2:0".parse().map_err(|_| "shard address")?); SHARDS],
+        chunnel_kv::shard_addr,
         Ser::default(),
         |_| {
             let mut store = Store::new();

@@ -72,7 +72,7 @@
 //! use chunnel::{stack, Chunnel, ChunnelExt, ConnectionExt, Listener as _};
 //! use chunnel_net::udp;
 //! use chunnel_std::serialize::Serialize;
-//! use chunnel_std::shard::{Bind, ClientShard, Config, Dial, Keyed, ShardServer};
+//! use chunnel_std::shard::{ClientShard, Config, Dial, Keyed, ShardServer};
 //!
 //! #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 //! struct Msg { key: String, n: u32 }
@@ -82,14 +82,6 @@
 //!
 //! #[derive(Clone, Debug)]
 //! struct Udp;
-//! impl Bind for Udp {
-//!     type Listener = udp::Listener;
-//!     async fn bind(&self, addr: &str) -> Result<(udp::Listener, String), chunnel::Error> {
-//!         let l = udp::Listener::bind(addr.parse().unwrap()).await?;
-//!         let a = l.local_addr()?.to_string();
-//!         Ok((l, a))
-//!     }
-//! }
 //! impl Dial for Udp {
 //!     type Conn = udp::Connection;
 //!     async fn dial(&self, addr: &str) -> Result<udp::Connection, chunnel::Error> {
@@ -102,8 +94,14 @@
 //! # async fn main() -> Result<(), chunnel::Error> {
 //! // Two shards; each answers with the message plus its index * 100.
 //! let mut ser = Serialize::<Msg, _>::bincode();
-//! let shards = ShardServer::spawn(Udp, &["127.0.0.1:0".into(), "127.0.0.1:0".into()], ser,
-//!     |i| move |mut m: Msg| { m.n += 100 * i as u32; Some(m) }, Config::default())?;
+//! let any = "127.0.0.1:0".parse().unwrap();
+//! let shards = ShardServer::spawn(
+//!     vec![udp::Bind::new(any), udp::Bind::new(any)],
+//!     |l: &udp::Listener| Ok(l.local_addr()?.to_string()), // what clients dial
+//!     ser,
+//!     |i| move |mut m: Msg| { m.n += 100 * i as u32; Some(m) },
+//!     Config::default(),
+//! )?;
 //!
 //! // Server-side sharding: the canonical listener forwards to the shards.
 //! let listener = udp::Listener::bind("127.0.0.1:0".parse().unwrap()).await?;
@@ -141,7 +139,7 @@ mod tests;
 
 use std::future::Future;
 
-use chunnel::{ChunnelConnection, Listener};
+use chunnel::ChunnelConnection;
 
 pub use balance::{Balance, BalanceConn};
 pub use canonical::{Canonical, CanonicalConn, ViaCanonical};
@@ -189,20 +187,6 @@ pub fn shard_of(key: &[u8], shards: usize) -> usize {
         return 0;
     }
     (fnv1a64(key) % shards as u64) as usize
-}
-
-/// Opens a shard's server socket: implemented per datapath by the application (this crate
-/// does not depend on one). Called on the shard's own thread, inside its runtime.
-pub trait Bind: Clone + Send + 'static {
-    /// The listener of one shard.
-    type Listener: Listener + Send + 'static;
-
-    /// Binds `addr`; returns the listener and the address clients should use (the bound
-    /// address, e.g. with the port the system picked for port 0).
-    fn bind(
-        &self,
-        addr: &str,
-    ) -> impl Future<Output = Result<(Self::Listener, String), chunnel::Error>> + Send;
 }
 
 /// Opens a client's connection to one shard address (as advertised).

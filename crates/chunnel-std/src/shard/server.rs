@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use chunnel::{Chunnel, ChunnelConnection, Listener};
+use chunnel::{Chunnel, ChunnelConnection, Listen, Listener};
 use tokio::sync::{Notify, Semaphore, mpsc};
 
 use crate::Error;
@@ -64,30 +64,35 @@ impl<T> Drop for ShardServer<T> {
 }
 
 impl<T: Keyed + Send + 'static> ShardServer<T> {
-    /// Starts one shard per entry of `addrs` (bound with `bind`; port 0 is fine).
+    /// Starts one shard per bind config of `shards` (the datapath's [`Listen`]; port 0 is
+    /// fine), each bound on its shard's thread, inside the shard's runtime. `advertised`
+    /// names a bound listener's address as clients dial it ([`Dial`]): the shard's entry in
+    /// [`ShardServer::addrs`] and in the advertisement (say, the bound `ip:port`).
     ///
     /// Each shard runs `per_shard` (e.g. the serialization Chunnel) over every peer its
     /// socket accepts, and `make_handler(i)`'s closure on every request that reaches shard
     /// `i`, from its socket or from a canonical connection; the handler's `Some(reply)` goes
     /// back the way the request came. Returns once every shard is bound.
-    pub fn spawn<B, S, H, M>(
-        bind: B,
-        addrs: &[String],
+    pub fn spawn<B, A, S, H, M>(
+        shards: Vec<B>,
+        advertised: A,
         per_shard: S,
         mut make_handler: M,
         cfg: Config,
     ) -> Result<Self, chunnel::Error>
     where
-        B: Bind,
+        B: Listen + Send + 'static,
+        B::Listener: 'static,
+        A: Fn(&B::Listener) -> Result<String, chunnel::Error> + Clone + Send + 'static,
         <B::Listener as Listener>::Connection: 'static,
         S: Chunnel<<B::Listener as Listener>::Connection> + Clone + Send + Sync + 'static,
         S::Connection: ChunnelConnection<Data = T> + 'static,
         H: FnMut(T) -> Option<T> + Send + 'static,
         M: FnMut(usize) -> H,
     {
-        if addrs.is_empty() || addrs.len() > MAX_SHARDS {
+        if shards.is_empty() || shards.len() > MAX_SHARDS {
             return Err(Error::BadShardSet {
-                what: format!("{} shards (1..={MAX_SHARDS} allowed)", addrs.len()),
+                what: format!("{} shards (1..={MAX_SHARDS} allowed)", shards.len()),
             }
             .into());
         }
@@ -100,15 +105,15 @@ impl<T: Keyed + Send + 'static> ShardServer<T> {
             stop: Vec::new(),
             threads: Vec::new(),
         };
-        let mut jobs = Vec::with_capacity(addrs.len());
-        let mut bound = Vec::with_capacity(addrs.len());
-        for (i, addr) in addrs.iter().enumerate() {
+        let mut jobs = Vec::with_capacity(shards.len());
+        let mut bound = Vec::with_capacity(shards.len());
+        for (i, bind) in shards.into_iter().enumerate() {
             let (job_tx, job_rx) = mpsc::channel(cfg.shard_queue.max(1));
             let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
             let stop = Arc::new(Notify::new());
             let shard = Shard {
-                bind: bind.clone(),
-                addr: addr.clone(),
+                bind,
+                advertised: advertised.clone(),
                 per_shard: per_shard.clone(),
                 handler: make_handler(i),
                 jobs_tx: job_tx.clone(),
@@ -176,9 +181,9 @@ impl<T> ShardServer<T> {
 }
 
 /// One shard's thread state.
-pub(super) struct Shard<B, S, H, T> {
+pub(super) struct Shard<B, A, S, H, T> {
     bind: B,
-    addr: String,
+    advertised: A,
     per_shard: S,
     handler: H,
     jobs_tx: mpsc::Sender<Job<T>>,
@@ -189,10 +194,12 @@ pub(super) struct Shard<B, S, H, T> {
 
 pub(super) type Ready = std::sync::mpsc::SyncSender<Result<String, chunnel::Error>>;
 
-impl<B, S, H, T> Shard<B, S, H, T>
+impl<B, A, S, H, T> Shard<B, A, S, H, T>
 where
     T: Keyed + Send + 'static,
-    B: Bind,
+    B: Listen,
+    B::Listener: 'static,
+    A: Fn(&B::Listener) -> Result<String, chunnel::Error>,
     <B::Listener as Listener>::Connection: 'static,
     S: Chunnel<<B::Listener as Listener>::Connection> + Clone + Send + Sync + 'static,
     S::Connection: ChunnelConnection<Data = T> + 'static,
@@ -214,7 +221,7 @@ where
         };
         let Shard {
             bind,
-            addr,
+            advertised,
             per_shard,
             handler,
             jobs_tx,
@@ -226,7 +233,11 @@ where
         // (all on this thread: the lock is never contended).
         let handler = Arc::new(std::sync::Mutex::new(handler));
         rt.block_on(async move {
-            let mut listener = match bind.bind(&addr).await {
+            let bound = bind
+                .listen()
+                .await
+                .and_then(|l| advertised(&l).map(|a| (l, a)));
+            let mut listener = match bound {
                 Ok((l, a)) => {
                     let _ = ready.send(Ok(a));
                     l

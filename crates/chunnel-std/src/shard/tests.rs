@@ -24,16 +24,9 @@ impl Keyed for KeyedMsg {
 #[derive(Clone, Debug)]
 struct TestUdp;
 
-impl Bind for TestUdp {
-    type Listener = chunnel_net::udp::Listener;
-    async fn bind(
-        &self,
-        addr: &str,
-    ) -> Result<(chunnel_net::udp::Listener, String), chunnel::Error> {
-        let l = chunnel_net::udp::Listener::bind(addr.parse().unwrap()).await?;
-        let a = l.local_addr()?.to_string();
-        Ok((l, a))
-    }
+/// What clients dial for a bound shard socket: its `ip:port`.
+fn dialled(l: &chunnel_net::udp::Listener) -> Result<String, chunnel::Error> {
+    Ok(l.local_addr()?.to_string())
 }
 
 impl Dial for TestUdp {
@@ -63,9 +56,10 @@ type TestPush = ClientShardConn<
 /// canonical address is a socket nobody answers on (returned: keep it alive).
 async fn push_client(n: usize) -> (ShardServer<KeyedMsg>, std::net::UdpSocket, Arc<TestPush>) {
     let ser = crate::serialize::Serialize::<KeyedMsg, _>::bincode();
+    let any = "127.0.0.1:0".parse().unwrap();
     let shards = ShardServer::spawn(
-        TestUdp,
-        &vec!["127.0.0.1:0".to_owned(); n],
+        vec![chunnel_net::udp::Bind::new(any); n],
+        dialled,
         ser,
         |i| {
             move |mut m: KeyedMsg| {
