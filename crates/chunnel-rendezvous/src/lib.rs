@@ -164,5 +164,6 @@ pub use crate::redis::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use crate::sqlite::SqliteStore;
 pub use crate::store::{
-    Ballot, Committed, JoinReply, Member, Outcome, Snapshot, Store, Transition,
+    Ballot, Changes, Committed, JoinReply, Member, Notifier, Outcome, Snapshot, Store, Transition,
+    Watch,
 };
