@@ -261,6 +261,7 @@ impl Participant {
             machine,
             view: view_tx,
             pending: None,
+            notified: false,
         };
         let task = tokio::spawn(driver.run(cmd_rx));
         Ok(Participant {
@@ -316,6 +317,16 @@ impl Participant {
     }
 }
 
+/// What one read of the record led a participant to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wrote {
+    Nothing,
+    /// A ballot (and no decision).
+    Vote,
+    /// A commit or an abort.
+    Decision,
+}
+
 /// The next notification of `watch`; never, without one.
 async fn changed(watch: &mut Option<Watch>) -> Changes {
     match watch {
@@ -336,6 +347,9 @@ struct Driver<St: Store> {
     view: watch::Sender<View>,
     /// Our own proposal in flight: its id and who to tell.
     pending: Option<Proposal>,
+    /// Whether the store's notifications covered every write when the current event began
+    /// ([`Watch::is_complete`]).
+    notified: bool,
 }
 
 impl<St: Store> Driver<St> {
@@ -375,6 +389,7 @@ impl<St: Store> Driver<St> {
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         renew.tick().await;
         loop {
+            self.notified = watch.as_ref().is_some_and(Watch::is_complete);
             tokio::select! {
                 c = cmd.recv() => match c {
                     Some(Command::Propose { option, reply }) => self.propose(option, reply).await,
@@ -407,6 +422,7 @@ impl<St: Store> Driver<St> {
                     }
                 }
                 changes = changed(&mut watch) => {
+                    self.notified = watch.as_ref().is_some_and(Watch::is_complete);
                     let now = tokio::time::Instant::now();
                     if self.wants(changes) {
                         next_poll = now + self.poll_every(watch.as_ref());
@@ -498,20 +514,23 @@ impl<St: Store> Driver<St> {
     }
 
     /// Reads the group record and acts on it; reads again at once (at most twice more) after
-    /// writing a vote or a decision, so a proposer does not wait a poll for its own writes.
-    /// `Err` ends the participant.
+    /// writing a decision, and after writing a vote unless notifications are complete (the
+    /// vote's own notification then brings the read to the member it concerns, the
+    /// proposer), so a proposer does not wait a poll for its own writes, and knows the epoch
+    /// its commit installed before it handles its next command. `Err` ends the participant.
     async fn step(&mut self) -> Result<(), ()> {
         for _ in 0..3 {
-            if !self.step_once().await? {
-                break;
+            match self.step_once().await? {
+                Wrote::Nothing => break,
+                Wrote::Vote if self.notified => break,
+                Wrote::Vote | Wrote::Decision => {}
             }
         }
         Ok(())
     }
 
-    /// One read of the group record and the actions it implies; `Ok(true)` if it wrote a vote
-    /// or a decision.
-    async fn step_once(&mut self) -> Result<bool, ()> {
+    /// One read of the group record and the actions it implies; what it wrote.
+    async fn step_once(&mut self) -> Result<Wrote, ()> {
         let mut snap = match bounded(
             self.backend(),
             self.config.op_timeout,
@@ -523,13 +542,17 @@ impl<St: Store> Driver<St> {
             Err(e) => {
                 tracing::debug!(group = %self.group, error = %e, "snapshot failed");
                 self.set_reachable(false);
-                return Ok(false);
+                return Ok(Wrote::Nothing);
             }
         };
         self.set_reachable(true);
-        let mut wrote = false;
+        let mut wrote = Wrote::Nothing;
         for action in self.machine.on_snapshot(&snap, now_ms()) {
-            wrote |= matches!(action, Action::Vote { .. } | Action::Finish { .. });
+            match action {
+                Action::Finish { .. } => wrote = Wrote::Decision,
+                Action::Vote { .. } if wrote == Wrote::Nothing => wrote = Wrote::Vote,
+                _ => {}
+            }
             match action {
                 Action::Rejoin => {
                     // The group as the join left it replaces this (older) read below.
