@@ -53,8 +53,10 @@
 //! channel `chunnel:{g}:changed`, inside the script, so the message is sent exactly when the
 //! change is applied. The message names what changed, one letter per kind: `m` (members: a
 //! join, a leave, or members whose lease ran out, removed by any script), `t` (a transition
-//! proposed or finished, the committed stack), `b` (a ballot). A renewal that removes nobody
-//! and a snapshot publish nothing. [`Store::watch`] subscribes to the channel on a connection
+//! proposed or finished, the committed stack), `b` (a ballot that may decide the transition:
+//! a no, or the one that brings the ballots up to the number of live members; a yes before
+//! that publishes nothing, since only the proposer acts on ballots and it could not decide
+//! yet). A renewal that removes nobody and a snapshot publish nothing. [`Store::watch`] subscribes to the channel on a connection
 //! of its own and wakes the participant on every message.
 //!
 //! Why a `PUBLISH` from the scripts and not keyspace notifications: keyspace notifications
@@ -219,15 +221,19 @@ publish('t')
 return 1
 ";
 
-/// ARGV: transition id, member id, encoded ballot. Returns 1 if recorded (and publishes `b`),
-/// 0 if `id` is not pending.
+/// ARGV: transition id, member id, encoded ballot. Returns 1 if recorded, 0 if `id` is not
+/// pending. Publishes `b` only for a ballot that may decide the transition: a no, or one that
+/// brings the ballots up to the number of live members (only the proposer acts on ballots,
+/// and it needs a read only then).
 const VOTE: &str = r"
 if redis.call('HGET', transition, 'id') ~= ARGV[1] then
   return 0
 end
 redis.call('HSET', ballots, ARGV[2], ARGV[3])
 touch()
-publish('b')
+if ARGV[3] ~= 'y' or redis.call('HLEN', ballots) >= redis.call('ZCARD', members) then
+  publish('b')
+end
 return 1
 ";
 

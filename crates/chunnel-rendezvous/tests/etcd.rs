@@ -795,8 +795,7 @@ async fn until_watchers(endpoint: &str, n: usize, limit: Duration) {
 
 /// etcd crashes (SIGKILL) and comes back: every member's watch breaks, the members poll at the
 /// fast interval meanwhile (100 ms; 30 s while watched), the group switches once etcd is back,
-/// and every member watches again on its own (bounded backoff), so a switch is again carried
-/// by notifications alone.
+/// and every member watches again on its own (bounded backoff; counted by etcd itself).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_watches_come_back_after_a_crash() {
     const N: usize = 4;
