@@ -8,11 +8,13 @@ log() { printf '\n==> %s\n' "$*"; }
 
 # --- system packages --------------------------------------------------------------------
 # valgrind: callgrind instruction counts in chunnel-bench. redis-server and etcd: the
-# rendezvous backends' tests start their own servers (free loopback ports, stopped by PID).
+# rendezvous backends' tests start their own servers (free loopback ports, stopped by PID);
+# redis-cli (redis-tools) breaks a server's subscriptions in the notification tests.
 # protobuf-compiler: etcd's Rust client generates its gRPC code at build time.
 need_pkgs=()
 command -v valgrind >/dev/null 2>&1 || need_pkgs+=(valgrind)
 command -v redis-server >/dev/null 2>&1 || need_pkgs+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need_pkgs+=(redis-tools)
 command -v etcd >/dev/null 2>&1 || need_pkgs+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need_pkgs+=(protobuf-compiler)
 # clang builds the XDP program of chunnel-xdp; iproute2 gives the network-namespace tests `ip`.

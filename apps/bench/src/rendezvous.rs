@@ -11,9 +11,13 @@
 //!   read all N yes votes and committed), `--reps` times, alternating between two stacks.
 //!
 //! Every participant has its own store client (its own SQLite connection, Redis connection or
-//! etcd client), as separate processes would, and reads the group record every `--poll-ms`:
-//! the poll interval bounds how fast members notice a proposal, so commit latency is a few
-//! poll intervals plus the store's own latency under the load of N pollers.
+//! etcd client), as separate processes would. It reads the group record when the store
+//! notifies a change (`Store::watch`: an etcd watch, a Redis subscription, SQLite's wake-up of
+//! the same process), and otherwise every `--poll-ms` (while the store has no working
+//! notifications; always for SQLite, whose notifications cover one process only) or every
+//! `--poll-notified-ms` (while notified). With notifications, commit latency is a few store
+//! round trips (the proposal, N votes, the proposer's reads, the commit) under the load of N
+//! members reading on every change; without, a few poll intervals.
 //!
 //! The servers are started here, on free loopback ports, and stopped after their backend's
 //! measurements: redis-server (append-only file fsynced on every write) and etcd (one member,
@@ -45,9 +49,13 @@ pub(crate) struct Args {
     /// Joins and commits measured per backend and size.
     #[arg(long, default_value_t = 20)]
     reps: usize,
-    /// How often every participant reads the group record, in ms.
+    /// How often every participant reads the group record without notifications, in ms.
     #[arg(long, default_value_t = 10)]
     poll_ms: u64,
+    /// How often every participant reads the group record while the store notifies every
+    /// change, in ms (the fallback for a lost notification).
+    #[arg(long, default_value_t = 500)]
+    poll_notified_ms: u64,
 }
 
 fn option(label: &'static str, branch: u8) -> StackOption {
@@ -64,9 +72,10 @@ fn offers() -> Vec<StackOption> {
     vec![option("receiver", 0), option("service", 1)]
 }
 
-fn config(poll_ms: u64) -> Config {
+fn config(a: &Args) -> Config {
     Config {
-        poll: Duration::from_millis(poll_ms),
+        poll: Duration::from_millis(a.poll_ms),
+        poll_notified: Duration::from_millis(a.poll_notified_ms),
         lease: Duration::from_secs(10),
         renew_every: Duration::from_secs(3),
         transition_timeout: Duration::from_secs(10),
@@ -88,13 +97,13 @@ async fn member<St: Store>(
     store: Arc<St>,
     group: &str,
     id: String,
-    poll_ms: u64,
+    a: &Args,
 ) -> Result<Participant> {
     let me = Member {
         addr: format!("127.0.0.1:{}", 1 + id.len()),
         id,
     };
-    Ok(Participant::join(store, group, me, offers(), None, config(poll_ms)).await?)
+    Ok(Participant::join(store, group, me, offers(), None, config(a)).await?)
 }
 
 /// One backend: every size, join and commit latencies.
@@ -109,18 +118,18 @@ where
         let group = format!("bench-{n}-{}", std::process::id());
         let mut residents = Vec::new();
         for i in 0..n.saturating_sub(1) {
-            residents.push(member(connect().await?, &group, format!("r{i:03}"), a.poll_ms).await?);
+            residents.push(member(connect().await?, &group, format!("r{i:03}"), a).await?);
         }
         let mut joins = Vec::new();
         for rep in 0..a.reps {
             let store = connect().await?;
             let t = Instant::now();
-            let p = member(store, &group, format!("newcomer{rep}"), a.poll_ms).await?;
+            let p = member(store, &group, format!("newcomer{rep}"), a).await?;
             joins.push(t.elapsed().as_secs_f64() * 1e3);
             p.leave().await?;
         }
         // The proposer is the N-th member.
-        let proposer = member(connect().await?, &group, "proposer".into(), a.poll_ms).await?;
+        let proposer = member(connect().await?, &group, "proposer".into(), a).await?;
         let mut w = proposer.watch();
         tokio::time::timeout(Duration::from_secs(30), async {
             while w.borrow_and_update().members.len() != n {
@@ -227,6 +236,7 @@ async fn run_async(a: Args) -> Result<()> {
     let out = json!({
         "bench": "rendezvous",
         "poll_ms": a.poll_ms,
+        "poll_notified_ms": a.poll_notified_ms,
         "reps": a.reps,
         "sizes": a.sizes,
         "backends": backends,

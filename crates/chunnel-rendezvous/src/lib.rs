@@ -12,9 +12,12 @@
 //! * [`machine::Machine`] is the protocol as a sans-IO state machine (snapshots and time in,
 //!   store operations and switches out); [`Participant`] drives it: join by compare-and-swap
 //!   (our first option, or our first option compatible with the committed stack, or
-//!   [`Error::Incompatible`]), renew the lease, read the group every [`Config::poll`], vote on
-//!   transitions (compatibility and a [`Policy`]), commit or abort the ones it proposed, and
-//!   publish a [`View`] (members, epoch, store reachability) on every change.
+//!   [`Error::Incompatible`]), renew the lease, read the group when the store notifies a change
+//!   ([`Store::watch`]: an etcd watch, a Redis subscription, SQLite's wake-up within the
+//!   process) and by polling as the fallback ([`Config::poll`] without complete notifications,
+//!   [`Config::poll_notified`] with them), vote on transitions (compatibility and a
+//!   [`Policy`]), commit or abort the ones it proposed, and publish a [`View`] (members,
+//!   epoch, store reachability) on every change.
 //! * [`Group`] adds a data plane: a UDP fan-out to every live member, each epoch's stack built
 //!   on its own [`EpochBase`], so messages sent around a switch are decoded by the stack that
 //!   encoded them. Members keep talking while the store is down.
@@ -119,7 +122,7 @@
 //!     let b = Group::join(store, "orders", "b", any_port,
 //!                         select(Xor(2), Xor(1)), None, Config::default()).await?;
 //!     assert_eq!(b.participant().view().option, 1);
-//!     // Wait until `a` has read that `b` joined (it reads the group every `Config::poll`).
+//!     // Wait until `a` has read that `b` joined (at once: the store wakes it).
 //!     let mut view = a.participant().watch();
 //!     while view.borrow_and_update().members.len() < 2 {
 //!         view.changed().await.map_err(|_| chunnel_rendezvous::Error::Closed)?;
@@ -164,5 +167,6 @@ pub use crate::redis::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use crate::sqlite::SqliteStore;
 pub use crate::store::{
-    Ballot, Committed, JoinReply, Member, Outcome, Snapshot, Store, Transition,
+    Ballot, Changes, Committed, JoinReply, Member, Notifier, Outcome, Snapshot, Store, Transition,
+    Watch,
 };

@@ -1,6 +1,7 @@
 //! The async driver of [`crate::machine::Machine`]: joins a group through a [`Store`], keeps
-//! the lease alive, reads the group record every [`Config::poll`], votes, finishes
-//! transitions, and publishes what it sees as a [`View`].
+//! the lease alive, reads the group record when the store notifies a change ([`Store::watch`])
+//! and at least every [`Config::poll`] (every [`Config::poll_notified`] while notifications
+//! work), votes, finishes transitions, and publishes what it sees as a [`View`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +11,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::Error;
 use crate::machine::{Action, Machine, Policy, join_choice};
-use crate::store::{JoinReply, Member, Snapshot, Store, now_ms};
+use crate::store::{Changes, JoinReply, Member, Snapshot, Store, Watch, now_ms};
 
 /// Timing of a participant.
 #[derive(Clone, Debug)]
@@ -20,9 +21,16 @@ pub struct Config {
     pub lease: Duration,
     /// How often the lease is renewed (default a third of the lease).
     pub renew_every: Duration,
-    /// How often the group record is read (membership changes, transitions): the delay with
-    /// which a participant notices them.
+    /// How often the group record is read (membership changes, transitions) while the store
+    /// does not notify changes (it has no notifications, its notification stream is down, or
+    /// they cover only some writers, as SQLite's do): the delay with which a participant
+    /// notices a change then.
     pub poll: Duration,
+    /// How often the group record is read while the store notifies every change
+    /// ([`Watch::is_complete`]): a participant reads at once on a notification, and this
+    /// slower poll is the fallback that covers a lost notification and what no write
+    /// announces (a transition's deadline passing).
+    pub poll_notified: Duration,
     /// How long a proposer waits for every vote before it aborts.
     pub transition_timeout: Duration,
     /// Attempts at the join compare-and-swap before [`Error::Contended`].
@@ -37,6 +45,7 @@ impl Default for Config {
             lease: Duration::from_secs(3),
             renew_every: Duration::from_secs(1),
             poll: Duration::from_millis(20),
+            poll_notified: Duration::from_millis(500),
             transition_timeout: Duration::from_secs(3),
             join_attempts: 64,
             op_timeout: Duration::from_secs(3),
@@ -252,6 +261,7 @@ impl Participant {
             machine,
             view: view_tx,
             pending: None,
+            notified: false,
         };
         let task = tokio::spawn(driver.run(cmd_rx));
         Ok(Participant {
@@ -307,6 +317,24 @@ impl Participant {
     }
 }
 
+/// What one read of the record led a participant to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wrote {
+    Nothing,
+    /// A ballot (and no decision).
+    Vote,
+    /// A commit or an abort.
+    Decision,
+}
+
+/// The next notification of `watch`; never, without one.
+async fn changed(watch: &mut Option<Watch>) -> Changes {
+    match watch {
+        Some(w) => w.changed().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Our proposal in flight: its id, who to tell, and why we aborted it (if we did).
 type Proposal = (u64, oneshot::Sender<Result<(), Error>>, Option<String>);
 
@@ -319,6 +347,9 @@ struct Driver<St: Store> {
     view: watch::Sender<View>,
     /// Our own proposal in flight: its id and who to tell.
     pending: Option<Proposal>,
+    /// Whether the store's notifications covered every write when the current event began
+    /// ([`Watch::is_complete`]).
+    notified: bool,
 }
 
 impl<St: Store> Driver<St> {
@@ -334,13 +365,31 @@ impl<St: Store> Driver<St> {
         });
     }
 
+    /// The poll interval now: the slow one while `watch` notifies every change.
+    fn poll_every(&self, watch: Option<&Watch>) -> Duration {
+        match watch {
+            Some(w) if w.is_complete() => self.config.poll_notified.max(self.config.poll),
+            _ => self.config.poll,
+        }
+    }
+
+    /// Whether notified `changes` call for reading the record now: anything but ballots, which
+    /// only a proposer waiting for them acts on.
+    fn wants(&self, changes: Changes) -> bool {
+        changes.intersects(Changes::MEMBERS | Changes::TRANSITION)
+            || (changes.intersects(Changes::BALLOTS) && self.pending.is_some())
+    }
+
     async fn run(mut self, mut cmd: mpsc::Receiver<Command>) {
-        let mut poll = tokio::time::interval(self.config.poll);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut watch = self.store.watch(&self.group);
+        // The first read is at once; then every `poll_every`, counted from when a read
+        // started (a late read moves the next one later, it does not bunch them up).
+        let mut next_poll = tokio::time::Instant::now();
         let mut renew = tokio::time::interval(self.config.renew_every);
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         renew.tick().await;
         loop {
+            self.notified = watch.as_ref().is_some_and(Watch::is_complete);
             tokio::select! {
                 c = cmd.recv() => match c {
                     Some(Command::Propose { option, reply }) => self.propose(option, reply).await,
@@ -366,9 +415,24 @@ impl<St: Store> Driver<St> {
                         }
                     }
                 }
-                _ = poll.tick() => {
+                () = tokio::time::sleep_until(next_poll) => {
+                    next_poll = tokio::time::Instant::now() + self.poll_every(watch.as_ref());
                     if self.step().await.is_err() {
                         return;
+                    }
+                }
+                changes = changed(&mut watch) => {
+                    self.notified = watch.as_ref().is_some_and(Watch::is_complete);
+                    let now = tokio::time::Instant::now();
+                    if self.wants(changes) {
+                        next_poll = now + self.poll_every(watch.as_ref());
+                        if self.step().await.is_err() {
+                            return;
+                        }
+                    } else {
+                        // The watch's state changed: a stream that went down brings the next
+                        // read forward to the fast poll.
+                        next_poll = next_poll.min(now + self.poll_every(watch.as_ref()));
                     }
                 }
             }
@@ -450,20 +514,23 @@ impl<St: Store> Driver<St> {
     }
 
     /// Reads the group record and acts on it; reads again at once (at most twice more) after
-    /// writing a vote or a decision, so a proposer does not wait a poll for its own writes.
-    /// `Err` ends the participant.
+    /// writing a decision, and after writing a vote unless notifications are complete (the
+    /// vote's own notification then brings the read to the member it concerns, the
+    /// proposer), so a proposer does not wait a poll for its own writes, and knows the epoch
+    /// its commit installed before it handles its next command. `Err` ends the participant.
     async fn step(&mut self) -> Result<(), ()> {
         for _ in 0..3 {
-            if !self.step_once().await? {
-                break;
+            match self.step_once().await? {
+                Wrote::Nothing => break,
+                Wrote::Vote if self.notified => break,
+                Wrote::Vote | Wrote::Decision => {}
             }
         }
         Ok(())
     }
 
-    /// One read of the group record and the actions it implies; `Ok(true)` if it wrote a vote
-    /// or a decision.
-    async fn step_once(&mut self) -> Result<bool, ()> {
+    /// One read of the group record and the actions it implies; what it wrote.
+    async fn step_once(&mut self) -> Result<Wrote, ()> {
         let mut snap = match bounded(
             self.backend(),
             self.config.op_timeout,
@@ -475,13 +542,17 @@ impl<St: Store> Driver<St> {
             Err(e) => {
                 tracing::debug!(group = %self.group, error = %e, "snapshot failed");
                 self.set_reachable(false);
-                return Ok(false);
+                return Ok(Wrote::Nothing);
             }
         };
         self.set_reachable(true);
-        let mut wrote = false;
+        let mut wrote = Wrote::Nothing;
         for action in self.machine.on_snapshot(&snap, now_ms()) {
-            wrote |= matches!(action, Action::Vote { .. } | Action::Finish { .. });
+            match action {
+                Action::Finish { .. } => wrote = Wrote::Decision,
+                Action::Vote { .. } if wrote == Wrote::Nothing => wrote = Wrote::Vote,
+                _ => {}
+            }
             match action {
                 Action::Rejoin => {
                     // The group as the join left it replaces this (older) read below.

@@ -19,6 +19,8 @@
 //! | `chunnel:{g}:transition` | hash       | `id`, `from_epoch`, `next_epoch`, `proposer`, `stack` (binary), `deadline_ms` |
 //! | `chunnel:{g}:ballots`    | hash       | member id → [`Ballot::encode`]                        |
 //!
+//! and the pub/sub channel `chunnel:{g}:changed` (below).
+//!
 //! Every u64 (ids, epochs, deadlines) is stored as a decimal string and only ever compared as a
 //! string inside the scripts, never converted to a Lua number (a double, exact only up to
 //! 2^53); the one increment (`epoch + 1` when a transition commits) is computed here when the
@@ -45,6 +47,38 @@
 //! group's `members` and `addrs` until the next script on that group (every renewal of a
 //! live member is one) or until the whole group expires; no snapshot ever shows it.
 //!
+//! # Notifications
+//!
+//! Every script that changes what a snapshot shows ends with a `PUBLISH` on the group's
+//! channel `chunnel:{g}:changed`, inside the script, so the message is sent exactly when the
+//! change is applied. The message names what changed, one letter per kind: `m` (members: a
+//! join, a leave, or members whose lease ran out, removed by any script), `t` (a transition
+//! proposed or finished, the committed stack), `b` (a ballot that may decide the transition:
+//! a no, or the one that brings the ballots up to the number of live members; a yes before
+//! that publishes nothing, since only the proposer acts on ballots and it could not decide
+//! yet). A renewal that removes nobody and a snapshot publish nothing. [`Store::watch`] subscribes to the channel on a connection
+//! of its own and wakes the participant on every message.
+//!
+//! Why a `PUBLISH` from the scripts and not keyspace notifications: keyspace notifications
+//! need `CONFIG SET notify-keyspace-events`, which managed Redis services often refuse, and
+//! they would fire on every renewal (each one rewrites the lease scores and the keys'
+//! expiry), waking every member about once a second for nothing; a `PUBLISH` works on any
+//! Redis that runs the scripts, and says what kind of change it was, so members ignore
+//! ballots they do not collect.
+//!
+//! Redis pub/sub is fire-and-forget: a message published while the subscriber is
+//! disconnected is lost. So the subscription reconnects after a failure with a bounded
+//! backoff ([`RedisStore::WATCH_BACKOFF`], from 50 ms doubling up to it), and a watch counts
+//! as complete ([`crate::Watch::is_complete`]) only while subscribed: meanwhile participants
+//! poll at their fast interval, and when the subscription is back they read the record once
+//! (what they missed). The subscriber pings the server every
+//! [`RedisStore::WATCH_PING`] and counts a ping unanswered within [`RedisStore::TIMEOUT`]
+//! as a broken connection, so a silently dead one is noticed. Messages are not queued by the
+//! watch: each one only sets a bit per kind, merged until the participant takes them (the
+//! `redis` crate's subscriber queues what the socket delivered until this task, which does
+//! nothing else, reads it; Redis itself disconnects a subscriber that falls behind by its
+//! `client-output-buffer-limit pubsub`, which is then a broken connection as above).
+//!
 //! # Connections
 //!
 //! A [`RedisStore`] holds one multiplexed connection, shared by its clones. Connecting and
@@ -58,26 +92,34 @@
 //! feature `connection-manager` and the dependencies that brings.)
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ::redis::aio::MultiplexedConnection;
-use ::redis::{AsyncConnectionConfig, Client, RedisError, Script, Value};
+use ::redis::{AsyncConnectionConfig, Client, Msg, RedisError, Script, Value};
 use bytes::Bytes;
 
 use crate::Error;
 use crate::store::{
-    Ballot, Committed, JoinReply, Member, Outcome, Snapshot, Store, Transition, check_name,
+    Ballot, Changes, Committed, JoinReply, Member, Notifier, Outcome, Snapshot, Store, Transition,
+    Watch, check_name,
 };
 
 const BACKEND: &str = "redis";
 
-/// Runs first in every script: binds the keys, reads the server clock into `now` (Unix ms)
-/// and removes the members whose lease ran out (with their addresses), and defines `read()`,
-/// which returns the whole record as
+/// Runs first in every script: binds the keys, defines `publish(kinds)` (a message on the
+/// group's channel `chunnel:{g}:changed`, named after `meta` without its last component),
+/// reads the server clock into `now` (Unix ms) and removes the members whose lease ran out
+/// (with their addresses; publishing `m` if there were any), and defines `read()`, which
+/// returns the whole record as
 /// `{HGETALL meta, ZRANGE members, HGETALL addrs, HGETALL transition, HGETALL ballots}`.
 const PRELUDE: &str = r"
 local meta, members, addrs, transition, ballots = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local channel = string.sub(meta, 1, #meta - 4) .. 'changed'
+local function publish(kinds)
+  redis.call('PUBLISH', channel, kinds)
+end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local dead = redis.call('ZRANGEBYSCORE', members, '-inf', now)
@@ -86,6 +128,7 @@ if #dead > 0 then
   for _, id in ipairs(dead) do
     redis.call('HDEL', addrs, id)
   end
+  publish('m')
 end
 local grace = tonumber(ARGV[#ARGV])
 -- After a write: every key of the group expires `grace` after the last member's lease (or
@@ -114,7 +157,7 @@ end
 
 /// ARGV: member id, address, lease ms, `1` if proposing, proposed stack, `1` if an epoch is
 /// expected, expected epoch, epoch of a created group. Returns
-/// `{'created' | 'joined' | 'current', read()}`.
+/// `{'created' | 'joined' | 'current', read()}`; publishes `mt` (created) or `m` (joined).
 const JOIN: &str = r"
 local id, addr, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local epoch = redis.call('HGET', meta, 'epoch')
@@ -130,6 +173,11 @@ end
 redis.call('ZADD', members, now + lease, id)
 redis.call('HSET', addrs, id, addr)
 touch()
+if reply == 'created' then
+  publish('mt')
+else
+  publish('m')
+end
 return {reply, read()}
 ";
 
@@ -143,12 +191,13 @@ touch()
 return 1
 ";
 
-/// ARGV: member id. Removes the member, its address and its ballot.
+/// ARGV: member id. Removes the member, its address and its ballot; publishes `m`.
 const LEAVE: &str = r"
 redis.call('ZREM', members, ARGV[1])
 redis.call('HDEL', addrs, ARGV[1])
 redis.call('HDEL', ballots, ARGV[1])
 touch()
+publish('m')
 return 1
 ";
 
@@ -157,8 +206,8 @@ const SNAPSHOT: &str = r"
 return read()
 ";
 
-/// ARGV: id, from epoch, next epoch, proposer, stack, deadline ms. Returns 1 if recorded, 0 if
-/// the group is not at `from_epoch` or a transition is pending.
+/// ARGV: id, from epoch, next epoch, proposer, stack, deadline ms. Returns 1 if recorded (and
+/// publishes `t`), 0 if the group is not at `from_epoch` or a transition is pending.
 const PROPOSE: &str = r"
 local epoch = redis.call('HGET', meta, 'epoch')
 if not epoch or epoch ~= ARGV[2] or redis.call('EXISTS', transition) == 1 then
@@ -168,22 +217,28 @@ redis.call('DEL', ballots)
 redis.call('HSET', transition, 'id', ARGV[1], 'from_epoch', ARGV[2], 'next_epoch', ARGV[3],
   'proposer', ARGV[4], 'stack', ARGV[5], 'deadline_ms', ARGV[6])
 touch()
+publish('t')
 return 1
 ";
 
 /// ARGV: transition id, member id, encoded ballot. Returns 1 if recorded, 0 if `id` is not
-/// pending.
+/// pending. Publishes `b` only for a ballot that may decide the transition: a no, or one that
+/// brings the ballots up to the number of live members (only the proposer acts on ballots,
+/// and it needs a read only then).
 const VOTE: &str = r"
 if redis.call('HGET', transition, 'id') ~= ARGV[1] then
   return 0
 end
 redis.call('HSET', ballots, ARGV[2], ARGV[3])
 touch()
+if ARGV[3] ~= 'y' or redis.call('HLEN', ballots) >= redis.call('ZCARD', members) then
+  publish('b')
+end
 return 1
 ";
 
-/// ARGV: transition id, `1` to commit (else `0`). Returns 1 if finished, 0 if `id` is not
-/// pending or (commit) a live member has no yes ballot, -1 (nothing written) if the pending
+/// ARGV: transition id, `1` to commit (else `0`). Returns 1 if finished (and publishes `t`), 0
+/// if `id` is not pending or (commit) a live member has no yes ballot, -1 (nothing written) if the pending
 /// transition lacks its next epoch or stack.
 const FINISH: &str = r"
 local t = redis.call('HMGET', transition, 'id', 'from_epoch', 'next_epoch', 'stack')
@@ -206,6 +261,7 @@ end
 redis.call('HSET', meta, 'outcome_id', ARGV[1], 'outcome_committed', ARGV[2])
 redis.call('DEL', transition, ballots)
 touch()
+publish('t')
 return 1
 ";
 
@@ -308,6 +364,13 @@ impl RedisStore {
     /// How long a group's keys outlive its last member by default (see
     /// [`RedisStore::with_grace`]).
     pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
+
+    /// The longest pause between two attempts to subscribe to a group's channel again
+    /// (the pauses start at 50 ms and double up to this).
+    pub const WATCH_BACKOFF: Duration = Duration::from_secs(2);
+
+    /// How often a watch's subscriber pings the server to find a dead connection.
+    pub const WATCH_PING: Duration = Duration::from_secs(5);
 
     /// Keeps a group's keys for `grace` after its last member's lease ran out (or after it
     /// left), instead of [`Self::DEFAULT_GRACE`] (at most [`Self::MAX_LEASE`]): see "Growth"
@@ -413,6 +476,83 @@ impl RedisStore {
 /// Whether the connection that gave `e` must be replaced.
 fn broken(e: &RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
+}
+
+/// The channel group `group`'s scripts publish on (what `PRELUDE` derives from `meta`).
+fn channel(group: &str) -> String {
+    format!("chunnel:{{{}}}:changed", tag(group))
+}
+
+/// What a message on a group's channel says changed: a letter per kind; anything else (an
+/// empty or unknown message) counts as everything.
+fn changes(payload: &[u8]) -> Changes {
+    let mut out = Changes::NONE;
+    for b in payload {
+        out |= match b {
+            b'm' => Changes::MEMBERS,
+            b't' => Changes::TRANSITION,
+            b'b' => Changes::BALLOTS,
+            _ => return Changes::ALL,
+        };
+    }
+    if out.is_empty() { Changes::ALL } else { out }
+}
+
+/// The next message of a subscription; `None` once its connection is gone.
+async fn next_message(stream: &mut ::redis::aio::PubSubStream) -> Option<Msg> {
+    std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut *stream), cx)).await
+}
+
+/// Feeds a watch from the group's channel: subscribes (on a connection of its own), notifies
+/// every message, pings the server every [`RedisStore::WATCH_PING`]; after a failure it
+/// subscribes again with a bounded backoff. Complete only while subscribed. Ends when the
+/// watch is dropped (which also aborts it).
+async fn feed_watch(client: Client, channel: String, notifier: Notifier) {
+    const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+    let mut backoff = FIRST_BACKOFF;
+    while !notifier.is_closed() {
+        let subscribed = tokio::time::timeout(RedisStore::TIMEOUT, async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, RedisError>(pubsub)
+        })
+        .await;
+        match subscribed {
+            Ok(Ok(pubsub)) => {
+                backoff = FIRST_BACKOFF;
+                let (mut sink, mut stream) = pubsub.split();
+                notifier.set_complete(true);
+                let mut ping = tokio::time::interval(RedisStore::WATCH_PING);
+                ping.tick().await;
+                let why = loop {
+                    tokio::select! {
+                        msg = next_message(&mut stream) => match msg {
+                            Some(m) => notifier.notify(changes(m.get_payload_bytes())),
+                            None => break "the connection closed".to_owned(),
+                        },
+                        _ = ping.tick() => {
+                            let pong = tokio::time::timeout(RedisStore::TIMEOUT, sink.ping::<Value>());
+                            match pong.await {
+                                Ok(Ok(_)) => {}
+                                Ok(Err(e)) => break format!("ping failed: {e}"),
+                                Err(_) => break "no answer to a ping".to_owned(),
+                            }
+                        }
+                    }
+                };
+                notifier.set_complete(false);
+                tracing::debug!(%channel, %why, "redis notifications down; subscribing again");
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(%channel, error = %e, "subscribing to redis notifications failed");
+            }
+            Err(_) => {
+                tracing::debug!(%channel, "subscribing to redis notifications timed out");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(RedisStore::WATCH_BACKOFF);
+    }
 }
 
 /// Escapes the group name for the hash tag: no braces in it, injective.
@@ -724,11 +864,38 @@ impl Store for RedisStore {
             _ => Err(Error::Corrupt("unexpected reply from a redis script")),
         }
     }
+
+    /// Subscribes to the group's channel (see "Notifications" in the module docs).
+    fn watch(&self, group: &str) -> Option<Watch> {
+        let (watch, notifier) = Watch::new();
+        let task = tokio::spawn(feed_watch(
+            self.inner.client.clone(),
+            channel(group),
+            notifier,
+        ));
+        Some(watch.with_task(task))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn channel_messages_name_kinds_and_unknown_ones_mean_all() {
+        assert_eq!(channel("a}b"), "chunnel:{a%7Db}:changed");
+        // What PRELUDE derives from the meta key.
+        let meta = &keys("a}b")[0];
+        assert_eq!(
+            format!("{}changed", &meta[..meta.len() - 4]),
+            channel("a}b")
+        );
+        assert_eq!(changes(b"m"), Changes::MEMBERS);
+        assert_eq!(changes(b"mt"), Changes::MEMBERS | Changes::TRANSITION);
+        assert_eq!(changes(b"b"), Changes::BALLOTS);
+        assert_eq!(changes(b""), Changes::ALL);
+        assert_eq!(changes(b"m\xff"), Changes::ALL);
+    }
 
     #[test]
     fn keys_share_one_escaped_tag() {

@@ -2,7 +2,10 @@
 //!
 //! No server: every process on the host that opens the same file shares the groups in it.
 //! SQLite serializes writers (each operation is one `BEGIN IMMEDIATE` transaction, the file is
-//! in WAL mode, and a writer waits up to [`SqliteStore::BUSY_TIMEOUT`] for the lock). Leases use
+//! in WAL mode, and a writer waits up to [`SqliteStore::BUSY_TIMEOUT`] for the lock). The
+//! writers of one process (every handle on the file) first queue on a lock of their own per
+//! file, so they wait for each other in turn rather than in SQLite's busy handler, which
+//! sleeps between attempts (up to 100 ms at a time) when many write at once. Leases use
 //! this host's clock, which every process on it shares.
 //!
 //! # Growth
@@ -26,9 +29,22 @@
 //! `chunnel_ballots` row per voter for each pending transition; nothing else. (With no
 //! process using the file, nothing is collected, and nothing is added either.) Deleted rows'
 //! pages are reused by SQLite; the file itself does not shrink without a `VACUUM`.
+//!
+//! # Notifications
+//!
+//! [`Store::watch`] wakes a participant when a store handle *of the same process* on the same
+//! file (any path to it: the file is known by device and inode) wrote to its group: a join,
+//! leave, proposal, vote or finish notifies every watch of that group in the process, through
+//! a process-wide registry, right after the transaction committed. Writes by other processes
+//! on the host are not notified (SQLite has no cross-process signal, and a waiter per process
+//! would need a side channel next to the file), so an SQLite watch never counts as complete
+//! ([`crate::Watch::is_complete`]): participants keep reading the record every
+//! [`crate::Config::poll`], and notice another process's change within that interval, and
+//! their own process's at once.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -36,7 +52,8 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use crate::Error;
 use crate::store::{
-    Ballot, Committed, JoinReply, Member, Outcome, Snapshot, Store, Transition, check_name, now_ms,
+    Ballot, Changes, Committed, JoinReply, Member, Notifier, Outcome, Snapshot, Store, Transition,
+    Watch, check_name, now_ms,
 };
 
 const BACKEND: &str = "sqlite";
@@ -63,6 +80,10 @@ const MAX_GRACE_MS: u64 = 1_000_000_000_000_000;
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
+    /// The file's (device, inode): what names it in the registry of watches.
+    file: (u64, u64),
+    /// Taken around every writing transaction by every handle of this process on the file.
+    writers: Arc<Mutex<()>>,
     /// How long a group outlives its last member, in ms.
     grace_ms: u64,
     sweeper: Arc<Sweeper>,
@@ -157,9 +178,18 @@ impl SqliteStore {
             "CREATE INDEX IF NOT EXISTS chunnel_groups_gc ON chunnel_groups (gc_after_ms);",
         )
         .map_err(db)?;
+        let file = {
+            use std::os::unix::fs::MetadataExt;
+            let m = std::fs::metadata(&path).map_err(|e| {
+                Error::unavailable(BACKEND, format!("cannot stat {}: {e}", path.display()))
+            })?;
+            (m.dev(), m.ino())
+        };
         Ok(SqliteStore {
             conn: Arc::new(Mutex::new(conn)),
             path,
+            file,
+            writers: writers(file),
             grace_ms: Self::DEFAULT_GRACE.as_millis() as u64,
             sweeper: Arc::new(Sweeper {
                 every: Self::DEFAULT_SWEEP_EVERY,
@@ -268,8 +298,13 @@ impl SqliteStore {
         F: FnOnce(&rusqlite::Transaction<'_>) -> Result<T, Error> + Send + 'static,
     {
         let conn = self.conn.clone();
+        let writers = self.writers.clone();
         tokio::task::spawn_blocking(move || {
             let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+            // Writers of this process queue here rather than in SQLite's busy handler, which
+            // sleeps (1 ms, 2 ms, 5 ms, ... up to 100 ms) between attempts at the lock.
+            let _writing = (!matches!(behavior, TransactionBehavior::Deferred))
+                .then(|| writers.lock().unwrap_or_else(|p| p.into_inner()));
             let tx = conn.transaction_with_behavior(behavior).map_err(db)?;
             let out = f(&tx)?;
             tx.commit().map_err(db)?;
@@ -277,6 +312,56 @@ impl SqliteStore {
         })
         .await
         .map_err(|e| Error::unavailable(BACKEND, format!("store thread failed: {e}")))?
+    }
+}
+
+/// The lock every handle of this process on the file `file` takes to write (one per file,
+/// shared; entries of files no handle uses any more are dropped when another is added).
+fn writers(file: (u64, u64)) -> Arc<Mutex<()>> {
+    type Writers = HashMap<(u64, u64), std::sync::Weak<Mutex<()>>>;
+    static WRITERS: OnceLock<Mutex<Writers>> = OnceLock::new();
+    let mut all = WRITERS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(lock) = all.get(&file).and_then(std::sync::Weak::upgrade) {
+        return lock;
+    }
+    all.retain(|_, w| w.strong_count() > 0);
+    let lock = Arc::new(Mutex::new(()));
+    all.insert(file, Arc::downgrade(&lock));
+    lock
+}
+
+/// The watches of this process: per file (device, inode), per group, the notifiers of the live
+/// watches. Closed ones are dropped whenever their group is notified or watched.
+type Registry = HashMap<(u64, u64), HashMap<String, Vec<Notifier>>>;
+
+fn registry() -> &'static Mutex<Registry> {
+    static WATCHES: OnceLock<Mutex<Registry>> = OnceLock::new();
+    WATCHES.get_or_init(Mutex::default)
+}
+
+impl SqliteStore {
+    /// Tells this process's watches of `group` that it changed.
+    fn wake(&self, group: &str, changes: Changes) {
+        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+        let Some(groups) = reg.get_mut(&self.file) else {
+            return;
+        };
+        let Some(watchers) = groups.get_mut(group) else {
+            return;
+        };
+        watchers.retain(|n| !n.is_closed());
+        for n in watchers.iter() {
+            n.notify(changes);
+        }
+        if watchers.is_empty() {
+            groups.remove(group);
+            if groups.is_empty() {
+                reg.remove(&self.file);
+            }
+        }
     }
 }
 
@@ -498,31 +583,41 @@ impl Store for SqliteStore {
     ) -> Result<JoinReply, Error> {
         check_name("group name", group)?;
         check_name("member id", &member.id)?;
+        let group_name = group;
         let (group, member, propose) = (group.to_owned(), member.clone(), propose.cloned());
         let grace = self.grace_ms;
-        self.txn(move |tx| {
-            collect(tx, &group)?;
-            let snap = read(tx, &group)?;
-            match (&snap.committed, propose) {
-                (None, Some(stack)) => {
-                    tx.execute(
-                        "INSERT INTO chunnel_groups (grp, epoch, stack) VALUES (?1, ?2, ?3)",
-                        params![group, to_sql(create_epoch.max(1)), &stack[..]],
-                    )
-                    .map_err(db)?;
-                    upsert_member(tx, &group, &member, lease)?;
-                    touch(tx, &group, grace)?;
-                    Ok(JoinReply::Created(read(tx, &group)?))
+        let reply = self
+            .txn(move |tx| {
+                collect(tx, &group)?;
+                let snap = read(tx, &group)?;
+                match (&snap.committed, propose) {
+                    (None, Some(stack)) => {
+                        tx.execute(
+                            "INSERT INTO chunnel_groups (grp, epoch, stack) VALUES (?1, ?2, ?3)",
+                            params![group, to_sql(create_epoch.max(1)), &stack[..]],
+                        )
+                        .map_err(db)?;
+                        upsert_member(tx, &group, &member, lease)?;
+                        touch(tx, &group, grace)?;
+                        Ok(JoinReply::Created(read(tx, &group)?))
+                    }
+                    (Some(c), _) if Some(c.epoch) == expect_epoch => {
+                        upsert_member(tx, &group, &member, lease)?;
+                        touch(tx, &group, grace)?;
+                        Ok(JoinReply::Joined(read(tx, &group)?))
+                    }
+                    _ => Ok(JoinReply::Current(snap)),
                 }
-                (Some(c), _) if Some(c.epoch) == expect_epoch => {
-                    upsert_member(tx, &group, &member, lease)?;
-                    touch(tx, &group, grace)?;
-                    Ok(JoinReply::Joined(read(tx, &group)?))
-                }
-                _ => Ok(JoinReply::Current(snap)),
+            })
+            .await;
+        match &reply {
+            Ok(JoinReply::Created(_)) => {
+                self.wake(group_name, Changes::MEMBERS | Changes::TRANSITION);
             }
-        })
-        .await
+            Ok(JoinReply::Joined(_)) => self.wake(group_name, Changes::MEMBERS),
+            _ => {}
+        }
+        reply
     }
 
     async fn renew(&self, group: &str, member_id: &str, lease: Duration) -> Result<bool, Error> {
@@ -546,6 +641,7 @@ impl Store for SqliteStore {
     }
 
     async fn leave(&self, group: &str, member_id: &str) -> Result<(), Error> {
+        let group_name = group;
         let (group, id) = (group.to_owned(), member_id.to_owned());
         let grace = self.grace_ms;
         self.txn(move |tx| {
@@ -563,7 +659,9 @@ impl Store for SqliteStore {
             touch(tx, &group, grace)?;
             Ok(())
         })
-        .await
+        .await?;
+        self.wake(group_name, Changes::MEMBERS);
+        Ok(())
     }
 
     async fn snapshot(&self, group: &str) -> Result<Snapshot, Error> {
@@ -573,15 +671,17 @@ impl Store for SqliteStore {
     }
 
     async fn propose(&self, group: &str, t: &Transition) -> Result<bool, Error> {
+        let group_name = group;
         let (group, t) = (group.to_owned(), t.clone());
         let grace = self.grace_ms;
-        self.txn(move |tx| {
-            collect(tx, &group)?;
-            let snap = read(tx, &group)?;
-            if snap.transition.is_some() || snap.epoch() != t.from_epoch || t.from_epoch == 0 {
-                return Ok(false);
-            }
-            tx.execute(
+        let done = self
+            .txn(move |tx| {
+                collect(tx, &group)?;
+                let snap = read(tx, &group)?;
+                if snap.transition.is_some() || snap.epoch() != t.from_epoch || t.from_epoch == 0 {
+                    return Ok(false);
+                }
+                tx.execute(
                 "INSERT INTO chunnel_transitions (grp, id, from_epoch, proposer, stack, deadline_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 params![
@@ -594,12 +694,16 @@ impl Store for SqliteStore {
                 ],
             )
             .map_err(db)?;
-            tx.execute("DELETE FROM chunnel_ballots WHERE grp = ?1", params![group])
-                .map_err(db)?;
-            touch(tx, &group, grace)?;
-            Ok(true)
-        })
-        .await
+                tx.execute("DELETE FROM chunnel_ballots WHERE grp = ?1", params![group])
+                    .map_err(db)?;
+                touch(tx, &group, grace)?;
+                Ok(true)
+            })
+            .await?;
+        if done {
+            self.wake(group_name, Changes::TRANSITION);
+        }
+        Ok(done)
     }
 
     async fn vote(
@@ -609,9 +713,10 @@ impl Store for SqliteStore {
         member_id: &str,
         ballot: &Ballot,
     ) -> Result<bool, Error> {
+        let group_name = group;
         let (group, member, ballot) = (group.to_owned(), member_id.to_owned(), ballot.encode());
         let grace = self.grace_ms;
-        self.txn(move |tx| {
+        let done = self.txn(move |tx| {
             collect(tx, &group)?;
             let pending: Option<i64> = tx
                 .query_row(
@@ -633,43 +738,67 @@ impl Store for SqliteStore {
             touch(tx, &group, grace)?;
             Ok(true)
         })
-        .await
+        .await?;
+        if done {
+            self.wake(group_name, Changes::BALLOTS);
+        }
+        Ok(done)
     }
 
     async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
+        let group_name = group;
         let group = group.to_owned();
         let grace = self.grace_ms;
-        self.txn(move |tx| {
-            collect(tx, &group)?;
-            let snap = read(tx, &group)?;
-            if commit && !snap.all_live_yes() {
-                return Ok(false);
-            }
-            let Some(t) = snap.transition.filter(|t| t.id == id) else {
-                return Ok(false);
-            };
-            if commit && snap.committed.as_ref().map(|c| c.epoch) == Some(t.from_epoch) {
+        let done = self
+            .txn(move |tx| {
+                collect(tx, &group)?;
+                let snap = read(tx, &group)?;
+                if commit && !snap.all_live_yes() {
+                    return Ok(false);
+                }
+                let Some(t) = snap.transition.filter(|t| t.id == id) else {
+                    return Ok(false);
+                };
+                if commit && snap.committed.as_ref().map(|c| c.epoch) == Some(t.from_epoch) {
+                    tx.execute(
+                        "UPDATE chunnel_groups SET epoch = ?2, stack = ?3 WHERE grp = ?1",
+                        params![group, to_sql(t.from_epoch + 1), &t.stack[..]],
+                    )
+                    .map_err(db)?;
+                }
                 tx.execute(
-                    "UPDATE chunnel_groups SET epoch = ?2, stack = ?3 WHERE grp = ?1",
-                    params![group, to_sql(t.from_epoch + 1), &t.stack[..]],
-                )
-                .map_err(db)?;
-            }
-            tx.execute(
                 "UPDATE chunnel_groups SET outcome_id = ?2, outcome_committed = ?3 WHERE grp = ?1",
                 params![group, to_sql(id), commit as i64],
             )
             .map_err(db)?;
-            tx.execute(
-                "DELETE FROM chunnel_transitions WHERE grp = ?1",
-                params![group],
-            )
-            .map_err(db)?;
-            tx.execute("DELETE FROM chunnel_ballots WHERE grp = ?1", params![group])
+                tx.execute(
+                    "DELETE FROM chunnel_transitions WHERE grp = ?1",
+                    params![group],
+                )
                 .map_err(db)?;
-            touch(tx, &group, grace)?;
-            Ok(true)
-        })
-        .await
+                tx.execute("DELETE FROM chunnel_ballots WHERE grp = ?1", params![group])
+                    .map_err(db)?;
+                touch(tx, &group, grace)?;
+                Ok(true)
+            })
+            .await?;
+        if done {
+            self.wake(group_name, Changes::TRANSITION);
+        }
+        Ok(done)
+    }
+
+    /// In-process notifications (see "Notifications" in the module docs): never complete.
+    fn watch(&self, group: &str) -> Option<Watch> {
+        let (watch, notifier) = Watch::new();
+        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+        let watchers = reg
+            .entry(self.file)
+            .or_default()
+            .entry(group.to_owned())
+            .or_default();
+        watchers.retain(|n| !n.is_closed());
+        watchers.push(notifier);
+        Some(watch)
     }
 }

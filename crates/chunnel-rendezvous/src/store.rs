@@ -13,8 +13,13 @@
 //! Every operation is one serializable transaction in the store (an SQLite `IMMEDIATE`
 //! transaction, one Redis Lua script, one etcd `Txn`), so racing participants can never both
 //! install a stack or both finish a transition.
+//!
+//! A store may also tell its participants when a group's record changed ([`Store::watch`]):
+//! a [`Watch`] wakes them so they read the record at once instead of at their next poll.
 
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -232,6 +237,165 @@ pub trait Store: Send + Sync + 'static {
         id: u64,
         commit: bool,
     ) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// Change notifications for `group`, if the backend has them: the [`Watch`] wakes when
+    /// the group's record changes. `None` (the default) means none: participants find changes
+    /// by reading the record every [`crate::Config::poll`]. Called inside a tokio runtime (a
+    /// backend may spawn the task that feeds the watch).
+    fn watch(&self, group: &str) -> Option<Watch> {
+        let _ = group;
+        None
+    }
+}
+
+/// What changed in a group's record, as a store's notifications tell it: a set of kinds,
+/// merged when several notifications arrive before they are taken.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Changes(u8);
+
+impl Changes {
+    /// Nothing (a [`Watch`] woke because its state changed, not the record).
+    pub const NONE: Changes = Changes(0);
+    /// A member joined or left (or its lease ran out).
+    pub const MEMBERS: Changes = Changes(1);
+    /// A transition was proposed or finished, or the committed stack changed.
+    pub const TRANSITION: Changes = Changes(2);
+    /// A ballot was cast (only a transition's proposer acts on ballots).
+    pub const BALLOTS: Changes = Changes(4);
+    /// Anything may have changed (e.g. notifications were missed while a stream was down).
+    pub const ALL: Changes = Changes(7);
+
+    /// Whether every kind in `other` is in `self`.
+    pub fn contains(self, other: Changes) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether `self` and `other` share a kind.
+    pub fn intersects(self, other: Changes) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// Whether no kind is set.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl std::ops::BitOr for Changes {
+    type Output = Changes;
+    fn bitor(self, rhs: Changes) -> Changes {
+        Changes(self.0 | rhs.0)
+    }
+}
+
+impl std::ops::BitOrAssign for Changes {
+    fn bitor_assign(&mut self, rhs: Changes) {
+        self.0 |= rhs.0;
+    }
+}
+
+/// State shared by a [`Watch`] and its [`Notifier`].
+#[derive(Debug, Default)]
+struct WatchShared {
+    /// The kinds notified and not yet taken (coalesced: a bit per kind, never a queue).
+    pending: AtomicU8,
+    /// Whether every write to the group is being notified now.
+    complete: AtomicBool,
+    /// Woken by every notification and state change (holds at most one permit).
+    wake: tokio::sync::Notify,
+}
+
+/// Change notifications for one group, from [`Store::watch`].
+///
+/// Notifications are coalesced: whatever arrives before [`Watch::changed`] is called again is
+/// merged into one [`Changes`], so a burst of writes costs the watcher one wake-up and no
+/// memory grows with it. A notification may still be lost (a stream that breaks between a
+/// write and its delivery), so a watcher keeps reading the record at a slower interval too.
+/// Dropping the `Watch` stops the backend's notification task, if it has one.
+#[derive(Debug)]
+pub struct Watch {
+    shared: Arc<WatchShared>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(t) = &self.task {
+            t.abort();
+        }
+    }
+}
+
+/// The sending side of a [`Watch`], held by a backend.
+#[derive(Clone, Debug)]
+pub struct Notifier {
+    shared: Arc<WatchShared>,
+}
+
+impl Watch {
+    /// A watch and the notifier that feeds it. The watch starts incomplete (see
+    /// [`Watch::is_complete`]) until the backend says otherwise.
+    pub fn new() -> (Watch, Notifier) {
+        let shared = Arc::new(WatchShared::default());
+        (
+            Watch {
+                shared: shared.clone(),
+                task: None,
+            },
+            Notifier { shared },
+        )
+    }
+
+    /// Ties the backend task that feeds this watch to it: dropping the watch aborts the task.
+    pub fn with_task(mut self, task: tokio::task::JoinHandle<()>) -> Watch {
+        self.task = Some(task);
+        self
+    }
+
+    /// Waits for a notification (or a change of [`Watch::is_complete`]) and returns every kind
+    /// notified since the last call; [`Changes::NONE`] when only the state changed.
+    pub async fn changed(&mut self) -> Changes {
+        let taken = self.shared.pending.swap(0, Ordering::AcqRel);
+        if taken != 0 {
+            return Changes(taken);
+        }
+        self.shared.wake.notified().await;
+        Changes(self.shared.pending.swap(0, Ordering::AcqRel))
+    }
+
+    /// Whether every write to the group is being notified now (the stream is up and covers
+    /// every writer). While it is not, a watcher must poll at its normal rate.
+    pub fn is_complete(&self) -> bool {
+        self.shared.complete.load(Ordering::Acquire)
+    }
+}
+
+impl Notifier {
+    /// Records `changes` and wakes the watcher.
+    pub fn notify(&self, changes: Changes) {
+        self.shared.pending.fetch_or(changes.0, Ordering::AcqRel);
+        self.shared.wake.notify_one();
+    }
+
+    /// Says whether every write is notified from now on, and wakes the watcher if that
+    /// changed. Becoming complete also notifies [`Changes::ALL`]: writes made while the
+    /// stream was down were not notified, so the watcher must read the record once.
+    pub fn set_complete(&self, complete: bool) {
+        let was = self.shared.complete.swap(complete, Ordering::AcqRel);
+        if was != complete {
+            if complete {
+                self.shared
+                    .pending
+                    .fetch_or(Changes::ALL.0, Ordering::AcqRel);
+            }
+            self.shared.wake.notify_one();
+        }
+    }
+
+    /// Whether the [`Watch`] is gone (the backend can stop feeding it).
+    pub fn is_closed(&self) -> bool {
+        Arc::strong_count(&self.shared) == 1
+    }
 }
 
 /// Checks a group name or member id: 1 to 128 bytes, no control characters and no `/` (etcd

@@ -744,3 +744,88 @@ async fn etcd_store_refuses_another_cluster() {
         other => panic!("the store believed another cluster: {other:?}"),
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Notifications: a watch on the group's key prefix per member.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_switches_by_notification() {
+    let (_scratch, _server, endpoints) = single_etcd("etcd-notified");
+    ready_store(&endpoints).await;
+    support::scenarios::switches_by_notification(|| group_store(&endpoints), 16).await;
+}
+
+/// How many watchers the etcd member at `endpoint` serves (its gauge
+/// `etcd_debugging_mvcc_watcher_total`, from `/metrics` on the client port).
+async fn watchers(endpoint: &str) -> usize {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = endpoint.trim_start_matches("http://");
+    let fetch = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).await?;
+        std::io::Result::Ok(body)
+    };
+    let body = tokio::time::timeout(Duration::from_secs(5), fetch)
+        .await
+        .expect("etcd's /metrics did not answer within 5 s")
+        .expect("read etcd's /metrics");
+    body.lines()
+        .find_map(|l| l.strip_prefix("etcd_debugging_mvcc_watcher_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no watcher gauge in etcd's /metrics: {body:.300}")) as usize
+}
+
+async fn until_watchers(endpoint: &str, n: usize, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = watchers(endpoint).await;
+        if now == n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{now} watchers on {endpoint} after {limit:?}, not {n}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// etcd crashes (SIGKILL) and comes back: every member's watch breaks, the members poll at the
+/// fast interval meanwhile (100 ms; 30 s while watched), the group switches once etcd is back,
+/// and every member watches again on its own (bounded backoff; counted by etcd itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_watches_come_back_after_a_crash() {
+    const N: usize = 4;
+    let (_scratch, mut server, endpoints) = single_etcd("etcd-rewatch");
+    ready_store(&endpoints).await;
+    let group = support::scenarios::unique("rewatch");
+    let config = support::scenarios::polling(Duration::from_millis(100), Duration::from_secs(30));
+    let groups = support::scenarios::members(
+        || group_store(&endpoints),
+        &group,
+        N,
+        &config,
+        Duration::from_secs(3),
+    )
+    .await;
+    until_watchers(&endpoints[0], N, Duration::from_secs(5)).await;
+    support::scenarios::switch_within(&groups, Duration::from_secs(2)).await;
+
+    server.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.restart(Duration::from_secs(30));
+    ready_store(&endpoints).await;
+    let took = support::scenarios::switch_within(&groups, Duration::from_secs(10)).await;
+    eprintln!("committed {took:?} after etcd came back");
+    until_watchers(&endpoints[0], N, Duration::from_secs(10)).await;
+    for round in 0..2 {
+        let took = support::scenarios::switch_within(&groups, Duration::from_secs(2)).await;
+        eprintln!("round {round}: committed by notification in {took:?}");
+    }
+    for g in groups {
+        g.leave().await.unwrap();
+    }
+}

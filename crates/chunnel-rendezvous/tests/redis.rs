@@ -317,3 +317,108 @@ async fn redis_child_member() {
     let (url, group) = spec.split_once('\n').unwrap();
     support::scenarios::child(group_store(url).await, group).await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Notifications: a PUBLISH from every script that changes a group, a subscription per member.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_switches_by_notification() {
+    let scratch = support::Scratch::new("redis-notified");
+    let (_server, url) = support::redis(&scratch);
+    support::scenarios::switches_by_notification(|| group_store(&url), 16).await;
+}
+
+/// Runs `redis-cli -p <port> args…` against the test's server; its reply.
+fn cli(url: &str, args: &[&str]) -> String {
+    let port = url
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .expect("a port in the url");
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", port])
+        .args(args)
+        .output()
+        .expect("run redis-cli (installed with redis-server: scripts/test-all.sh)");
+    assert!(out.status.success(), "redis-cli {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// How many connections are subscribed to `group`'s channel.
+fn subscribers(url: &str, group: &str) -> usize {
+    let reply = cli(
+        url,
+        &["PUBSUB", "NUMSUB", &format!("chunnel:{{{group}}}:changed")],
+    );
+    reply
+        .lines()
+        .nth(1)
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("PUBSUB NUMSUB answered {reply:?}"))
+}
+
+/// Waits (bounded) until `group`'s channel has `n` subscribers.
+async fn until_subscribers(url: &str, group: &str, n: usize, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = subscribers(url, group);
+        if now == n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{now} subscribers to {group}'s channel after {limit:?}, not {n}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// With notifications broken (every subscriber killed and subscribing refused by an ACL), the
+/// members notice at once, poll at the fast interval (100 ms; 30 s while notified) and the
+/// group still switches, well before the slow poll; once subscribing is allowed again, every
+/// member subscribes again on its own (bounded backoff).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_switches_by_polling_while_notifications_are_broken() {
+    const N: usize = 4;
+    let scratch = support::Scratch::new("redis-unnotified");
+    let (_server, url) = support::redis(&scratch);
+    let group = support::scenarios::unique("unnotified");
+    let config = support::scenarios::polling(Duration::from_millis(100), Duration::from_secs(30));
+    let groups = support::scenarios::members(
+        || group_store(&url),
+        &group,
+        N,
+        &config,
+        Duration::from_secs(3),
+    )
+    .await;
+    until_subscribers(&url, &group, N, Duration::from_secs(5)).await;
+    // Notified: fast although polls are 30 s apart while subscribed.
+    support::scenarios::switch_within(&groups, Duration::from_secs(2)).await;
+
+    assert_eq!(
+        cli(&url, &["ACL", "SETUSER", "default", "-subscribe"]),
+        "OK"
+    );
+    let killed: usize = cli(&url, &["CLIENT", "KILL", "TYPE", "pubsub"])
+        .parse()
+        .expect("CLIENT KILL answers a count");
+    assert_eq!(killed, N, "one subscriber per member");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(subscribers(&url, &group), 0, "a member subscribed again");
+    for round in 0..2 {
+        let took = support::scenarios::switch_within(&groups, Duration::from_secs(3)).await;
+        eprintln!("round {round}: committed by polling in {took:?}");
+    }
+    assert_eq!(subscribers(&url, &group), 0);
+
+    assert_eq!(
+        cli(&url, &["ACL", "SETUSER", "default", "+subscribe"]),
+        "OK"
+    );
+    until_subscribers(&url, &group, N, Duration::from_secs(5)).await;
+    support::scenarios::switch_within(&groups, Duration::from_secs(2)).await;
+    for g in groups {
+        g.leave().await.unwrap();
+    }
+}

@@ -595,6 +595,8 @@ fn params(seed: u64) -> Params {
         lease: Duration::from_millis(r.range(1_500, 4_000)),
         renew_every: Duration::from_millis(500),
         poll: Duration::from_millis([20, 50, 100, 200][r.below(4) as usize]),
+        // The simulated store has no notifications: only `poll` is used.
+        poll_notified: Duration::from_millis(500),
         transition_timeout: Duration::from_millis([300, 1_000, 3_000][r.below(3) as usize]),
         join_attempts: 64,
         op_timeout: Duration::from_millis(500),

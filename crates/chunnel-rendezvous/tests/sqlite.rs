@@ -64,3 +64,11 @@ async fn child_member() {
     let (path, group) = spec.split_once('\n').unwrap();
     scenarios::child(Arc::new(SqliteStore::open(path).unwrap()), group).await;
 }
+
+/// Members of one process, each with its own connection to the file, see joins and switches
+/// through the store's in-process wake-up, not its 30 s polls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_switches_by_notification_in_process() {
+    let s = Scratch::new("sqlite-notified");
+    scenarios::switches_by_notification(|| async { open(&s) }, 8).await;
+}

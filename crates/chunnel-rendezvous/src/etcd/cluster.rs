@@ -123,7 +123,7 @@ impl EtcdStore {
 
     /// Checks the cluster id of an answer from endpoint `i` against the one known (learning it
     /// from the first answer).
-    fn check_cluster(&self, i: usize, found: Option<u64>) -> Result<(), Error> {
+    pub(super) fn check_cluster(&self, i: usize, found: Option<u64>) -> Result<(), Error> {
         let Some(found) = found.filter(|&id| id != 0) else {
             return Ok(());
         };

@@ -78,6 +78,27 @@
 //! written with them), and `renew` re-checks that the key is still attached to the lease it
 //! kept alive.
 //!
+//! # Notifications
+//!
+//! [`Store::watch`] opens an etcd watch on the group's prefix `chunnel/<g>/` (every key of the
+//! record), on the store's pinned member, and wakes the participant with the kinds of keys
+//! each response's events touched: `members/*` (a join, a leave, a lease that ran out: etcd
+//! deletes the key itself, so expiries are notified too), `ballots/*`, and `meta` or
+//! `transition` (a transition proposed or finished). Lease keep-alives write no key, so
+//! renewals wake nobody. The watch starts at the current revision, not at the revision of
+//! the participant's last read: once etcd confirms it was created, the watch notifies
+//! everything once, and the participant reads the record again, which covers every write
+//! before the watch's start; the watch covers every write after it.
+//!
+//! A watch breaks when its member fails (an error, the stream closed, a cancellation, e.g.
+//! when the member lost its leader, since requests ask for one), when its member does not
+//! answer a progress request within [`EtcdStore::WATCH_PROGRESS`] (a member that hangs
+//! without closing the connection), or when an answer comes from another cluster. It is then
+//! opened again on the next member, after a backoff of 50 ms doubling up to
+//! [`EtcdStore::WATCH_BACKOFF`]; meanwhile it is not complete ([`crate::Watch::is_complete`])
+//! and participants poll at their fast interval. Responses are not queued by the watch: each
+//! only merges bits into what the participant takes next.
+//!
 //! # Failures
 //!
 //! The store keeps one connection per endpoint and sends every request to one member, the
@@ -101,11 +122,13 @@
 //! [`Store::renew`]: crate::store::Store::renew
 //! [`Store::leave`]: crate::store::Store::leave
 //! [`Store::snapshot`]: crate::store::Store::snapshot
+//! [`Store::watch`]: crate::store::Store::watch
 
 mod cluster;
 mod lease;
 mod ops;
 mod record;
+mod watch;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};

@@ -412,6 +412,12 @@ impl Store for EtcdStore {
         }
         Err(contended(&k))
     }
+
+    /// A watch on the group's key prefix (see "Notifications" in the module docs).
+    fn watch(&self, group: &str) -> Option<crate::store::Watch> {
+        crate::store::check_name("group name", group).ok()?;
+        Some(self.watch_group(group))
+    }
 }
 
 /// The range answers `resp.op_responses()[skip..skip + n]`.

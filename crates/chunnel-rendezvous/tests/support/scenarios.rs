@@ -591,3 +591,109 @@ where
     exchange(&a, &[&b], "after the loss").await;
     exchange(&b, &[&a], "and back").await;
 }
+
+/// A configuration that reads the record only every `poll` without notifications and every
+/// `poll_notified` with them (long intervals show whether notifications carry a change).
+pub fn polling(poll: Duration, poll_notified: Duration) -> Config {
+    Config {
+        lease: Duration::from_secs(3),
+        renew_every: Duration::from_secs(1),
+        poll,
+        poll_notified,
+        transition_timeout: Duration::from_secs(10),
+        ..Config::default()
+    }
+}
+
+/// `n` members of a new group, each with its own store from `connect`, joined one after the
+/// other; returns once every member sees all `n` (within `limit`).
+pub async fn members<St, F, Fut>(
+    connect: F,
+    group: &str,
+    n: usize,
+    config: &Config,
+    limit: Duration,
+) -> Vec<Group<Stack>>
+where
+    St: Store,
+    F: Fn() -> Fut,
+    Fut: Future<Output = Arc<St>>,
+{
+    let mut groups = Vec::new();
+    for i in 0..n {
+        let stack = select(Xor(1), Xor(2));
+        let g = Group::join(
+            connect().await,
+            group,
+            &format!("m{i:02}"),
+            any_port(),
+            stack,
+            None,
+            config.clone(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("member {i} could not join: {e}"));
+        groups.push(g);
+    }
+    for g in &groups {
+        until(g, &format!("{n} members seen"), limit, |v| {
+            v.members.len() == n
+        })
+        .await;
+    }
+    groups
+}
+
+/// The first member proposes a switch to its other option; every member must be at the new
+/// epoch within `limit` of the proposal. Returns how long the proposal took to commit.
+pub async fn switch_within(groups: &[Group<Stack>], limit: Duration) -> Duration {
+    let proposer = &groups[0];
+    let view = proposer.participant().view();
+    let to = 1 - view.option;
+    let target = view.epoch + 1;
+    let started = Instant::now();
+    tokio::time::timeout(limit, proposer.propose(to))
+        .await
+        .unwrap_or_else(|_| panic!("the proposal did not commit within {limit:?}"))
+        .unwrap_or_else(|e| panic!("the proposal failed: {e}"));
+    let committed = started.elapsed();
+    for g in groups {
+        let left = limit.saturating_sub(started.elapsed());
+        until(g, &format!("epoch {target}"), left, |v| v.epoch == target).await;
+    }
+    committed
+}
+
+/// With both poll intervals far longer than the test (30 s), members notice joins and switch
+/// through three transitions, each seen by every member within 2 s: only notifications can
+/// carry that (without them, a member reads the record once when it starts and then after
+/// 30 s). `connect` gives each member its own store (a process of its own would).
+pub async fn switches_by_notification<St, F, Fut>(connect: F, n: usize)
+where
+    St: Store,
+    F: Fn() -> Fut,
+    Fut: Future<Output = Arc<St>>,
+{
+    let slow = Duration::from_secs(30);
+    let config = polling(slow, slow);
+    let started = Instant::now();
+    let groups = members(
+        connect,
+        &unique("notified"),
+        n,
+        &config,
+        Duration::from_secs(3),
+    )
+    .await;
+    for round in 0..3 {
+        let took = switch_within(&groups, Duration::from_secs(2)).await;
+        eprintln!("round {round}: {n} members committed in {took:?}");
+    }
+    assert!(
+        started.elapsed() < slow,
+        "the test ran past the poll interval, so polling may have carried it"
+    );
+    for g in groups {
+        g.leave().await.unwrap();
+    }
+}

@@ -1,0 +1,135 @@
+//! Change notifications: an etcd watch on a group's key prefix (see "Notifications" in the
+//! module docs).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use etcd_client::{WatchOptions, WatchResponse};
+
+use crate::store::{Changes, Notifier, Watch};
+
+use super::EtcdStore;
+
+impl EtcdStore {
+    /// The longest pause between two attempts to watch a group again after its watch broke
+    /// (the pauses start at 50 ms and double up to this).
+    pub const WATCH_BACKOFF: Duration = Duration::from_secs(2);
+
+    /// How often a watch asks its member for a progress report; a watch that heard nothing
+    /// since the previous request counts as broken.
+    pub const WATCH_PROGRESS: Duration = Duration::from_secs(5);
+
+    /// A watch on `group`'s record, fed by a task of its own.
+    pub(super) fn watch_group(&self, group: &str) -> Watch {
+        let (watch, notifier) = Watch::new();
+        let task = tokio::spawn(feed(self.clone(), format!("chunnel/{group}/"), notifier));
+        watch.with_task(task)
+    }
+}
+
+/// What the key `key` under the group's `prefix` is part of.
+pub(super) fn kind(prefix: &[u8], key: &[u8]) -> Changes {
+    match key.strip_prefix(prefix) {
+        Some(rest) if rest.starts_with(b"members/") => Changes::MEMBERS,
+        Some(rest) if rest.starts_with(b"ballots/") => Changes::BALLOTS,
+        Some(b"meta" | b"transition") => Changes::TRANSITION,
+        _ => Changes::ALL,
+    }
+}
+
+/// The kinds the events of `resp` touched.
+fn changes(prefix: &[u8], resp: &WatchResponse) -> Changes {
+    let mut out = Changes::NONE;
+    for ev in resp.events() {
+        out |= ev.kv().map_or(Changes::ALL, |kv| kind(prefix, kv.key()));
+    }
+    out
+}
+
+/// Watches the prefix on one member at a time (the store's pinned one first, the next after
+/// a failure), notifying the kinds each response's events touched. The watch is complete
+/// from etcd's confirmation that it was created until it breaks (an error, the stream closed
+/// or cancelled, no answer to a progress request, an answer from another cluster); then the
+/// task watches again after a backoff of 50 ms doubling up to [`EtcdStore::WATCH_BACKOFF`].
+/// Ends when the watch is dropped (which also aborts it).
+async fn feed(store: EtcdStore, prefix: String, notifier: Notifier) {
+    const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+    let mut backoff = FIRST_BACKOFF;
+    let n = store.clients.len();
+    let mut at = store.pinned.load(Ordering::Relaxed);
+    while !notifier.is_closed() {
+        let i = at % n;
+        let mut client = store.clients[i].clone();
+        let options = WatchOptions::new().with_prefix();
+        let opened = tokio::time::timeout(
+            EtcdStore::CONNECT_TIMEOUT + EtcdStore::REQUEST_TIMEOUT,
+            client.watch(prefix.as_bytes(), Some(options)),
+        )
+        .await;
+        let why = match opened {
+            Ok(Ok(mut stream)) => {
+                let mut progress = tokio::time::interval(EtcdStore::WATCH_PROGRESS);
+                progress.tick().await;
+                let mut heard = true;
+                loop {
+                    tokio::select! {
+                        msg = stream.message() => match msg {
+                            Ok(Some(resp)) => {
+                                heard = true;
+                                let cluster = resp.header().map(|h| h.cluster_id());
+                                if let Err(e) = store.check_cluster(i, cluster) {
+                                    break e.to_string();
+                                }
+                                if resp.canceled() {
+                                    break format!("cancelled: {}", resp.cancel_reason());
+                                }
+                                if resp.created() {
+                                    backoff = FIRST_BACKOFF;
+                                    notifier.set_complete(true);
+                                }
+                                let ch = changes(prefix.as_bytes(), &resp);
+                                if !ch.is_empty() {
+                                    notifier.notify(ch);
+                                }
+                            }
+                            Ok(None) => break "the stream closed".to_owned(),
+                            Err(e) => break e.to_string(),
+                        },
+                        _ = progress.tick() => {
+                            if !heard {
+                                break format!("no answer within {:?}", EtcdStore::WATCH_PROGRESS);
+                            }
+                            heard = false;
+                            if let Err(e) = stream.request_progress().await {
+                                break e.to_string();
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no answer to the watch request".to_owned(),
+        };
+        notifier.set_complete(false);
+        tracing::debug!(endpoint = %store.endpoints[i], %prefix, %why, "etcd watch broke; watching again");
+        at = i + 1;
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(EtcdStore::WATCH_BACKOFF);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_map_to_kinds_and_strangers_to_all() {
+        let p = b"chunnel/g/";
+        assert_eq!(kind(p, b"chunnel/g/members/a"), Changes::MEMBERS);
+        assert_eq!(kind(p, b"chunnel/g/ballots/a"), Changes::BALLOTS);
+        assert_eq!(kind(p, b"chunnel/g/meta"), Changes::TRANSITION);
+        assert_eq!(kind(p, b"chunnel/g/transition"), Changes::TRANSITION);
+        assert_eq!(kind(p, b"chunnel/g/other"), Changes::ALL);
+        assert_eq!(kind(p, b"chunnel/h/meta"), Changes::ALL);
+    }
+}
