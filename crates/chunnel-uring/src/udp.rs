@@ -11,7 +11,6 @@
 //! (ICMP).
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -251,7 +250,7 @@ impl chunnel::Handover for Connection {
 // Server.
 
 /// The io_uring side of a [`Listener`]: one socket and its ring, as a
-/// [`DatagramIo`](chunnel_net::datagram::DatagramIo). The peer table, queues, backlog, idle
+/// [`DatagramIo`]. The peer table, queues, backlog, idle
 /// sweep and which task reads are `chunnel_net::datagram`'s.
 #[derive(Debug)]
 pub struct RingIo {
@@ -380,23 +379,13 @@ impl DatagramIo for RingIo {
         }
         self.driver.send(Some(dest), dest, header, burst).await
     }
-
-    /// Never at once: a send goes through the ring ([`DatagramIo::send_burst`]).
-    fn try_send_one(
-        &self,
-        _: &DatagramConfig,
-        _: &SocketAddr,
-        _: &[u8],
-        _: &Bytes,
-    ) -> Option<Result<(), Error>> {
-        None
-    }
 }
 
-/// An io_uring UDP server socket: `chunnel_net::datagram`'s listener on a [`RingIo`] (see
-/// there for how peers are demultiplexed); its counters and peer count through `Deref`.
-#[derive(Debug)]
-pub struct Listener(datagram::Listener<RingIo>);
+chunnel_net::datagram_listener! {
+    /// An io_uring UDP server socket: `chunnel_net::datagram`'s listener on a [`RingIo`] (see
+    /// there for how peers are demultiplexed); its counters and peer count through `Deref`.
+    pub struct Listener(RingIo);
+}
 
 /// A server-side connection to one peer of a [`Listener`].
 pub type ServerConnection = datagram::ServerConnection<RingIo>;
@@ -422,29 +411,6 @@ impl Listener {
     /// The bound address.
     pub fn local_addr(&self) -> Result<SocketAddr, Error> {
         self.0.get_ref().local_addr()
-    }
-}
-
-impl std::ops::Deref for Listener {
-    type Target = datagram::Listener<RingIo>;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl chunnel::Listener for Listener {
-    type Connection = ServerConnection;
-
-    fn accept(&mut self) -> impl Future<Output = Result<ServerConnection, Error>> + Send {
-        chunnel::Listener::accept(&mut self.0)
-    }
-
-    fn accepting_in_loop(&mut self) {
-        chunnel::Listener::accepting_in_loop(&mut self.0);
-    }
-
-    fn recognise_sessions(&mut self, session_of: fn(&[u8]) -> Option<u64>) {
-        chunnel::Listener::recognise_sessions(&mut self.0, session_of);
     }
 }
 

@@ -79,14 +79,66 @@ pub trait DatagramIo: Debug + Send + Sync + 'static {
         B::IntoIter: Send;
 
     /// Sends one datagram (`header` then `msg`) to `dest` if that needs no wait; `None` if it
-    /// would (the caller then uses [`DatagramIo::send_burst`]).
+    /// would (the caller then uses [`DatagramIo::send_burst`]). By default always `None`.
     fn try_send_one(
         &self,
         cfg: &Config,
         dest: &Self::Addr,
         header: &[u8],
         msg: &Bytes,
-    ) -> Option<Result<(), Error>>;
+    ) -> Option<Result<(), Error>> {
+        let _ = (cfg, dest, header, msg);
+        None
+    }
+}
+
+/// Declares a datapath's listener type: a newtype around
+/// [`datagram::Listener<$io>`](crate::datagram::Listener) that derefs to it (its peer count and
+/// counters) and is a [`chunnel::Listener`] handing out
+/// [`datagram::ServerConnection<$io>`](crate::datagram::ServerConnection), so the datapath's
+/// crate can give it constructors and methods of its own. Built with
+/// `Name(chunnel_net::datagram::Listener::new(io, cfg))` in the declaring module.
+///
+/// ```ignore
+/// chunnel_net::datagram_listener! {
+///     /// An io_uring UDP server socket.
+///     pub struct Listener(RingIo);
+/// }
+/// ```
+#[macro_export]
+macro_rules! datagram_listener {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident($io:ty);) => {
+        $(#[$meta])*
+        #[derive(Debug)]
+        $vis struct $name($crate::datagram::Listener<$io>);
+
+        impl ::std::ops::Deref for $name {
+            type Target = $crate::datagram::Listener<$io>;
+            fn deref(&self) -> &Self::Target {
+                &self.0
+            }
+        }
+
+        impl ::chunnel::Listener for $name {
+            type Connection = $crate::datagram::ServerConnection<$io>;
+
+            fn accept(
+                &mut self,
+            ) -> impl ::std::future::Future<
+                Output = ::std::result::Result<Self::Connection, ::chunnel::Error>,
+            > + Send {
+                ::chunnel::Listener::accept(&mut self.0)
+            }
+
+            fn accepting_in_loop(&mut self) {
+                ::chunnel::Listener::accepting_in_loop(&mut self.0);
+            }
+
+            fn recognise_sessions(&mut self, session_of: fn(&[u8]) -> Option<u64>) {
+                ::chunnel::Listener::recognise_sessions(&mut self.0, session_of);
+            }
+        }
+    };
 }
 
 /// Kernel sockets: `recvmmsg` into the listener's scratch, `sendmmsg` from the caller's

@@ -16,7 +16,7 @@ use super::listener::Shared;
 use super::lock;
 
 /// A kernel socket's receive state (a client connection's, or a listener's
-/// [`DatagramIo::RxState`](super::DatagramIo::RxState)): datagrams land in the thread's [`KernelScratch`], then each
+/// [`DatagramIo::RxState`](super::DatagramIo::RxState)): datagrams land in a per-thread kernel scratch, then each
 /// is copied once into `out`, a compact buffer that hands out `Bytes` slices. `out` is
 /// reclaimed in place (no allocation) once the application has dropped the messages it
 /// handed out.
