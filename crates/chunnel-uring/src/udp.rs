@@ -10,7 +10,6 @@
 //! and session recognition as kernel UDP. A client gets `PeerClosed` when its server is gone
 //! (ICMP).
 
-use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +17,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, Error, Negotiate, SendHeader};
-use chunnel_net::datagram::{self, Config as DatagramConfig, DatagramIo};
+use chunnel_net::datagram::{self, Config as DatagramConfig, DatagramIo, RxBatch};
 
 use crate::driver::{ClientRx, Driver, Rx, Stats, conn_err};
 
@@ -257,14 +256,12 @@ pub struct RingIo {
     driver: Driver<RingRx>,
 }
 
-/// Datagrams a reap found, waiting for the listener's next [`DatagramIo::recv_batch`]
-/// (`chunnel_net::datagram::DatagramIo`). Bounded by the ring: at most one entry per
-/// completion a reap takes, and every reap is followed by a `recv_batch` that empties it.
+/// Datagrams a reap found, waiting for the listener's next
+/// [`DatagramIo::recv_batch`]. Bounded by the ring: at most one entry per completion a reap
+/// takes, and every reap is followed by a `recv_batch` that empties it.
 #[derive(Debug, Default)]
 pub struct RingRx {
-    got: VecDeque<(Option<SocketAddr>, Bytes)>,
-    /// Datagrams over `max_payload`: sender, first bytes, length.
-    oversized: VecDeque<(Option<SocketAddr>, Bytes, usize)>,
+    batch: RxBatch<SocketAddr>,
     error: Option<io::Error>,
 }
 
@@ -272,24 +269,17 @@ impl Rx for RingRx {
     const NAME_LEN: u32 = 28;
 
     fn deliver(&mut self, from: Option<SocketAddr>, msg: Bytes, _: &Stats) {
-        self.got.push_back((from, msg));
+        self.batch.push(from, msg);
     }
 
     /// Kept for the listener, which counts it and hands its first bytes to the peer's
     /// connection ([`chunnel::PeerHandoff::take_oversized`]).
     fn oversize(&mut self, from: Option<SocketAddr>, prefix: &[u8], len: usize, _: &Stats) {
-        self.oversized
-            .push_back((from, Bytes::copy_from_slice(prefix), len));
+        self.batch.push_oversized(from, prefix, len);
     }
 
     fn error(&mut self, e: io::Error) {
         self.error = Some(e);
-    }
-}
-
-impl RingRx {
-    fn is_empty(&self) -> bool {
-        self.got.is_empty() && self.oversized.is_empty()
     }
 }
 
@@ -322,7 +312,7 @@ impl DatagramIo for RingIo {
             }
         }
         // Datagrams a `send` reaped meanwhile are ready whatever the ring says.
-        if !self.driver.lock().rx.is_empty() {
+        if !self.driver.lock().rx.batch.is_empty() {
             return Poll::Ready(Ok(()));
         }
         self.driver.poll_ready(cx)
@@ -332,33 +322,25 @@ impl DatagramIo for RingIo {
         &self,
         st: &mut RingRx,
         _: &DatagramConfig,
-        mut deliver: impl FnMut(Option<SocketAddr>, Bytes),
-        mut oversize: impl FnMut(Option<SocketAddr>, &[u8], usize),
+        deliver: impl FnMut(Option<SocketAddr>, Bytes),
+        oversize: impl FnMut(Option<SocketAddr>, &[u8], usize),
     ) -> io::Result<usize> {
         {
             let mut g = self.driver.lock();
-            if g.rx.is_empty() {
+            if g.rx.batch.is_empty() {
                 self.driver.pump(&mut g)?;
             }
             if let Some(e) = g.rx.error.take() {
                 return Err(e);
             }
-            if g.rx.is_empty() {
+            if g.rx.batch.is_empty() {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
-            // Sorted outside the driver lock (sends take it), from `st`, whose queues are
-            // empty and keep their capacity.
-            std::mem::swap(&mut st.got, &mut g.rx.got);
-            std::mem::swap(&mut st.oversized, &mut g.rx.oversized);
+            // Sorted outside the driver lock (sends take it), from `st`, whose batch is
+            // empty and keeps its capacity.
+            st.batch.swap(&mut g.rx.batch);
         }
-        let n = st.got.len() + st.oversized.len();
-        for (from, prefix, len) in st.oversized.drain(..) {
-            oversize(from, &prefix, len);
-        }
-        for (from, m) in st.got.drain(..) {
-            deliver(from, m);
-        }
-        Ok(n)
+        Ok(st.batch.hand_out(deliver, oversize))
     }
 
     async fn send_burst<'a, B>(

@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use chunnel::Error;
 use chunnel::util::lock;
-use chunnel_net::datagram::{self, Config as DatagramConfig, DatagramIo};
+use chunnel_net::datagram::{self, Config as DatagramConfig, DatagramIo, RxBatch};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
@@ -123,9 +123,7 @@ impl std::fmt::Debug for XdpIo {
 #[derive(Debug, Default)]
 pub struct XdpRx {
     buf: BytesMut,
-    got: Vec<(XdpPeer, Bytes)>,
-    /// Datagrams over `max_payload`: sender, first bytes, length.
-    oversized: Vec<(XdpPeer, Bytes, usize)>,
+    got: RxBatch<XdpPeer>,
 }
 
 pub(crate) fn not_available(reason: impl Into<String>) -> Error {
@@ -211,8 +209,8 @@ impl DatagramIo for XdpIo {
         &self,
         st: &mut XdpRx,
         cfg: &DatagramConfig,
-        mut deliver: impl FnMut(Option<XdpPeer>, Bytes),
-        mut oversize: impl FnMut(Option<XdpPeer>, &[u8], usize),
+        deliver: impl FnMut(Option<XdpPeer>, Bytes),
+        oversize: impl FnMut(Option<XdpPeer>, &[u8], usize),
     ) -> std::io::Result<usize> {
         let batch = cfg.batch.max(1);
         let n = self.afd.try_io(Interest::READABLE, |_| {
@@ -221,12 +219,7 @@ impl DatagramIo for XdpIo {
                 st.buf = BytesMut::with_capacity(batch * x.frame_size());
             }
             let mut malformed = 0;
-            let XdpRx {
-                buf,
-                got,
-                oversized,
-                ..
-            } = st;
+            let XdpRx { buf, got } = st;
             let n = x.recv_batch(batch, |f| match frame::parse(f) {
                 Ok((ep, range)) => {
                     // Replies go back the way the datagram came: the ends swapped.
@@ -240,11 +233,10 @@ impl DatagramIo for XdpIo {
                     };
                     let payload = &f[range];
                     if payload.len() > cfg.max_payload {
-                        let prefix = &payload[..payload.len().min(chunnel::Oversized::PREFIX)];
-                        oversized.push((peer, Bytes::copy_from_slice(prefix), payload.len()));
+                        got.push_oversized(Some(peer), payload, payload.len());
                     } else {
                         buf.extend_from_slice(payload);
-                        got.push((peer, buf.split().freeze()));
+                        got.push(Some(peer), buf.split().freeze());
                     }
                 }
                 Err(_) => malformed += 1,
@@ -261,12 +253,7 @@ impl DatagramIo for XdpIo {
             Ok(n)
         })?;
         self.rx_batches.fetch_add(1, Ordering::Relaxed);
-        for (peer, prefix, len) in st.oversized.drain(..) {
-            oversize(Some(peer), &prefix, len);
-        }
-        for (peer, m) in st.got.drain(..) {
-            deliver(Some(peer), m);
-        }
+        st.got.hand_out(deliver, oversize);
         Ok(n)
     }
 

@@ -92,19 +92,74 @@ pub trait DatagramIo: Debug + Send + Sync + 'static {
     }
 }
 
+/// Datagrams a datapath took from its endpoint and keeps until the listener sorts them: a
+/// ready-made [`DatagramIo::RxState`] part for datapaths that fill a batch under their own lock
+/// and hand it out after releasing it ([`RxBatch::hand_out`]). Its vectors keep their capacity.
+#[derive(Debug)]
+pub struct RxBatch<A> {
+    got: Vec<(Option<A>, Bytes)>,
+    /// Datagrams over `max_payload`: sender, first bytes, length.
+    oversized: Vec<(Option<A>, Bytes, usize)>,
+}
+
+impl<A> Default for RxBatch<A> {
+    fn default() -> Self {
+        RxBatch {
+            got: Vec::new(),
+            oversized: Vec::new(),
+        }
+    }
+}
+
+impl<A> RxBatch<A> {
+    /// Adds a datagram from `from`.
+    pub fn push(&mut self, from: Option<A>, payload: Bytes) {
+        self.got.push((from, payload));
+    }
+
+    /// Adds a datagram over `max_payload` from `from`: its first bytes (at most
+    /// [`chunnel::Oversized::PREFIX`] are kept) and its length.
+    pub fn push_oversized(&mut self, from: Option<A>, prefix: &[u8], len: usize) {
+        let prefix = &prefix[..prefix.len().min(chunnel::Oversized::PREFIX)];
+        self.oversized
+            .push((from, Bytes::copy_from_slice(prefix), len));
+    }
+
+    /// Whether no datagram is kept.
+    pub fn is_empty(&self) -> bool {
+        self.got.is_empty() && self.oversized.is_empty()
+    }
+
+    /// Exchanges the contents with `other` (an empty batch, to fill the other outside a lock).
+    pub fn swap(&mut self, other: &mut Self) {
+        std::mem::swap(self, other);
+    }
+
+    /// Hands every datagram kept to the listener's `recv_batch` callbacks, oversized ones first;
+    /// returns how many there were.
+    pub fn hand_out(
+        &mut self,
+        mut deliver: impl FnMut(Option<A>, Bytes),
+        mut oversize: impl FnMut(Option<A>, &[u8], usize),
+    ) -> usize {
+        let n = self.got.len() + self.oversized.len();
+        for (from, prefix, len) in self.oversized.drain(..) {
+            oversize(from, &prefix, len);
+        }
+        for (from, m) in self.got.drain(..) {
+            deliver(from, m);
+        }
+        n
+    }
+}
+
 /// Declares a datapath's listener type: a newtype around
 /// [`datagram::Listener<$io>`](crate::datagram::Listener) that derefs to it (its peer count and
 /// counters) and is a [`chunnel::Listener`] handing out
 /// [`datagram::ServerConnection<$io>`](crate::datagram::ServerConnection), so the datapath's
-/// crate can give it constructors and methods of its own. Built with
-/// `Name(chunnel_net::datagram::Listener::new(io, cfg))` in the declaring module.
-///
-/// ```ignore
-/// chunnel_net::datagram_listener! {
-///     /// An io_uring UDP server socket.
-///     pub struct Listener(RingIo);
-/// }
-/// ```
+/// crate can give it constructors and methods of its own. Written
+/// `chunnel_net::datagram_listener! { /// docs  pub struct Listener(RingIo); }`, and built with
+/// `Listener(chunnel_net::datagram::Listener::new(io, cfg))` in the declaring module.
 #[macro_export]
 macro_rules! datagram_listener {
     ($(#[$meta:meta])* $vis:vis struct $name:ident($io:ty);) => {

@@ -54,7 +54,7 @@ use crate::sys;
 
 pub use client::Connection;
 pub use config::{Config, SILENT_GRACE};
-pub use datapath::DatagramIo;
+pub use datapath::{DatagramIo, RxBatch};
 pub use listener::{Listener, PeerCounter};
 pub use receive::RxScratch;
 pub use send::SpillPool;

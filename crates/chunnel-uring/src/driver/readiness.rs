@@ -336,8 +336,8 @@ impl<R: Rx> Driver<R> {
         loop {
             let delivered = {
                 let mut g = self.lock();
-                if !submitted && g.free.len() < n {
-                    self.pump(&mut g).map_err(err)?;
+                if !submitted && g.free.len() < n && self.pump(&mut g).map_err(err)?.delivered > 0 {
+                    self.wake_receiver();
                 }
                 if !submitted && g.free.len() >= n {
                     for (i, m) in msgs.iter_mut().enumerate() {
@@ -383,7 +383,9 @@ impl<R: Rx> Driver<R> {
                 if ready {
                     continue;
                 }
-                self.pump(&mut g).map_err(err)?;
+                if self.pump(&mut g).map_err(err)?.delivered > 0 {
+                    self.wake_receiver();
+                }
             }
             self.wait_ready(done).await.map_err(io_err("send"))?;
         }
