@@ -258,5 +258,5 @@ macro_rules! kernel_io {
 
 kernel_io!(
     tokio::net::UdpSocket => std::net::SocketAddr,
-    tokio::net::UnixDatagram => crate::uds::UnixAddr
+    tokio::net::UnixDatagram => crate::sys::UnixAddr
 );
