@@ -1,6 +1,7 @@
-//! Settings of the io_uring UDP datapath ([`Config`]).
+//! Settings of the io_uring UDP datapath ([`Config`]): the datagram settings every datapath
+//! shares ([`chunnel_net::datagram::Config`]) and the ring's own knobs.
 
-use std::time::Duration;
+use std::ops::Deref;
 
 use chunnel::Error;
 
@@ -8,36 +9,21 @@ use chunnel::Error;
 pub(crate) const MAX_BATCH: usize = 64;
 
 /// Largest UDP payload over IPv4 (65,535 − 8 UDP − 20 IP header bytes).
-pub const MAX_PAYLOAD: usize = 65_507;
+pub use chunnel_net::udp::MAX_PAYLOAD;
 
-/// Settings of the io_uring UDP datapath. The fields shared with `chunnel_net::udp::Config`
-/// mean the same.
+/// Settings of the io_uring UDP datapath: [`Config::datagram`], the settings every datagram
+/// datapath shares (read through `Deref`: `cfg.max_payload`), and the ring's own knobs.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Config {
-    /// Largest message carried, in bytes. Larger sends fail with
-    /// [`Error::MessageTooLarge`]; larger incoming datagrams are dropped and counted.
-    pub max_payload: usize,
-    /// Most messages submitted with one `io_uring_enter` (at most 64).
-    pub batch: usize,
+    /// Message size, batch, queues, backlog, peer cap, idle timeout: as for kernel UDP
+    /// (`chunnel_net::udp::Config`, whose defaults these are). `batch` is also the most
+    /// messages submitted with one `io_uring_enter`.
+    pub datagram: chunnel_net::datagram::Config,
     /// Receive buffers lent to the kernel (rounded up to a power of two, at most 32768).
     /// Each holds one datagram of `max_payload` bytes (+ 44 bytes of header); memory is
     /// reserved for all of them but only touched where datagrams land.
     pub recv_buffers: usize,
-    /// Datagrams buffered per connection (server side: per peer) before new ones are
-    /// dropped.
-    pub peer_queue: usize,
-    /// New peers waiting for `accept` before datagrams from further new peers are dropped.
-    pub backlog: usize,
-    /// Most peers a listener keeps state for (accepted connections and new peers waiting
-    /// for `accept`); default 16,384. At the cap, a datagram from a new address evicts the
-    /// oldest peer still waiting for `accept`, or is dropped and counted
-    /// ([`Listener::peer_cap_stats`](crate::udp::Listener::peer_cap_stats)); accepted connections are never evicted by new peers
-    /// (the idle timeout ends those whose peer went away).
-    pub max_peers: usize,
-    /// A server-side connection that receives nothing for this long ends with
-    /// [`Error::PeerClosed`]. `None` keeps it until dropped.
-    pub idle_timeout: Option<Duration>,
     /// Report the datapath unavailable whatever the host supports (tests the fallback of a
     /// `Select`).
     pub forced_unavailable: bool,
@@ -55,59 +41,37 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            max_payload: MAX_PAYLOAD,
-            batch: 32,
+            datagram: chunnel_net::udp::Config::default(),
             recv_buffers: 64,
-            peer_queue: 1024,
-            backlog: 128,
-            max_peers: 16_384,
-            idle_timeout: Some(Duration::from_secs(60)),
             forced_unavailable: false,
             single_thread: None,
         }
     }
 }
 
-impl Config {
-    /// Sets [`Config::max_payload`] (at least 1, at most [`MAX_PAYLOAD`]).
-    pub fn with_max_payload_bytes(mut self, n: usize) -> Self {
-        self.max_payload = n.clamp(1, MAX_PAYLOAD);
-        self
+impl Deref for Config {
+    type Target = chunnel_net::datagram::Config;
+    fn deref(&self) -> &Self::Target {
+        &self.datagram
     }
+}
 
-    /// Sets [`Config::batch`] (clamped to 1..=64).
-    pub fn with_batch(mut self, n: usize) -> Self {
-        self.batch = n.clamp(1, MAX_BATCH);
+impl Config {
+    /// Changes [`Config::datagram`] with `f`, e.g.
+    /// `Config::default().with_datagram(|d| d.with_max_peers(4))`. `max_payload` stays at most
+    /// [`MAX_PAYLOAD`].
+    pub fn with_datagram(
+        mut self,
+        f: impl FnOnce(chunnel_net::datagram::Config) -> chunnel_net::datagram::Config,
+    ) -> Self {
+        self.datagram = f(self.datagram);
+        self.datagram.max_payload = self.datagram.max_payload.min(MAX_PAYLOAD);
         self
     }
 
     /// Sets [`Config::recv_buffers`] (clamped to 1..=32768).
     pub fn with_recv_buffers(mut self, n: usize) -> Self {
         self.recv_buffers = n.clamp(1, 32768);
-        self
-    }
-
-    /// Sets [`Config::max_peers`] (at least 1).
-    pub fn with_max_peers(mut self, n: usize) -> Self {
-        self.max_peers = n.max(1);
-        self
-    }
-
-    /// Sets [`Config::peer_queue`].
-    pub fn with_peer_queue(mut self, n: usize) -> Self {
-        self.peer_queue = n.max(1);
-        self
-    }
-
-    /// Sets [`Config::backlog`].
-    pub fn with_backlog(mut self, n: usize) -> Self {
-        self.backlog = n.max(1);
-        self
-    }
-
-    /// Sets [`Config::idle_timeout`].
-    pub fn with_idle_timeout(mut self, t: Option<Duration>) -> Self {
-        self.idle_timeout = t;
         self
     }
 

@@ -65,10 +65,13 @@
 //!   receive, linked send chains.
 //! * **One ring per socket, driven inline**: no extra thread. Whichever task needs data (a
 //!   `recv`, `accept`, or a `send` waiting for its completion) reaps the completion queue
-//!   under the socket's lock and sorts what it finds into bounded queues (per peer on a
-//!   listener, as in `chunnel_net::datagram`). The ring's descriptor is registered with
-//!   tokio's reactor (`AsyncFd`) and turns readable when completions are posted; only one task
-//!   waits on it at a time (the one holding the reader role). A dedicated ring thread handing
+//!   under the socket's lock. A client keeps what it reaps in one bounded queue; a listener
+//!   is `chunnel_net::datagram`'s listener on a [`udp::RingIo`], which hands it the reaped
+//!   datagrams as a batch and sorts them into its per-peer queues (peer table, backlog, peer
+//!   cap, idle sweep and which task reads are chunnel-net's, as for kernel UDP). The ring's
+//!   descriptor is registered with tokio's reactor (`AsyncFd`) and turns readable when
+//!   completions are posted; only one task waits on it at a time (the one holding the reader
+//!   role). A dedicated ring thread handing
 //!   completions to tasks through channels would add a cross-thread wake-up (two context
 //!   switches) to every message.
 //! * **Receive**: one multishot `RecvMsg` and a registered buffer ring of
@@ -79,7 +82,7 @@
 //!   same single copy the kernel datapath makes; steady-state receiving allocates nothing.
 //! * **Send**: no copy. Each message's `iovec` points at the caller's `Bytes`, which the
 //!   ring keeps in a preallocated slot until the completion is reaped (so a cancelled `send`
-//!   never leaves the kernel reading freed memory). A burst of up to [`udp::Config::batch`]
+//!   never leaves the kernel reading freed memory). A burst of up to `batch` ([`udp::Config::datagram`])
 //!   messages is one `io_uring_enter`; the entries are linked so they leave in order even when
 //!   the socket buffer is full, and (like `sendmmsg`) the first failure stops the rest.
 //! * **Threads**: io_uring completes socket I/O in the context of the thread that submitted

@@ -20,9 +20,8 @@ pub(crate) fn run() -> Result<(), String> {
     sock.connect(local).map_err(|e| e.to_string())?;
     sock.set_nonblocking(true).map_err(|e| e.to_string())?;
     let cfg = Config::default()
-        .with_max_payload_bytes(64)
-        .with_recv_buffers(1)
-        .with_batch(1);
+        .with_datagram(|d| d.with_max_payload_bytes(64).with_batch(1))
+        .with_recv_buffers(1);
     let mut inner = Inner::new(sock.as_raw_fd(), &cfg, ClientRx::new(4), false).map_err(explain)?;
     sock.send(b"chunnel-uring-probe")
         .map_err(|e| e.to_string())?;

@@ -5,20 +5,19 @@
 //! * Server: [`Listener::bind`] gives a [`chunnel::Listener`] handing out one
 //!   [`ServerConnection`] per peer address; all of them share the listener's socket and ring.
 //!
-//! Semantics follow `chunnel_net::udp` (see `chunnel_net::datagram`): bounded per-peer queues
-//! (overflow is dropped and counted), a bounded accept backlog, an idle timeout for server
-//! connections whose peer went away, `PeerClosed` on a client whose server is gone (ICMP).
+//! The listener is `chunnel_net::datagram`'s, on a [`RingIo`]: the same bounded per-peer
+//! queues (overflow is dropped and counted), accept backlog, peer cap, listener-wide idle sweep
+//! and session recognition as kernel UDP. A client gets `PeerClosed` when its server is gone
+//! (ICMP).
 
-use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, Error, Negotiate, SendHeader};
-use tokio::sync::Notify;
-use tokio::time::Instant;
+use chunnel_net::datagram::{self, Config as DatagramConfig, DatagramIo, RxBatch};
 
 use crate::driver::{ClientRx, Driver, Rx, Stats, conn_err};
 
@@ -251,94 +250,129 @@ impl chunnel::Handover for Connection {
 // ------------------------------------------------------------------------------------------
 // Server.
 
-/// Per-peer state on a listener.
+/// The io_uring side of a [`Listener`]: one socket and its ring, as a
+/// [`DatagramIo`]. The peer table, queues, backlog, idle
+/// sweep and which task reads are `chunnel_net::datagram`'s.
 #[derive(Debug)]
-struct Peer {
-    queue: Mutex<VecDeque<Bytes>>,
-    notify: Notify,
-    closed: AtomicBool,
+pub struct RingIo {
+    driver: Driver<RingRx>,
 }
 
-impl Peer {
-    fn new(first: Option<Bytes>) -> Arc<Self> {
-        Arc::new(Peer {
-            queue: Mutex::new(first.into_iter().collect()),
-            notify: Notify::new(),
-            closed: AtomicBool::new(false),
-        })
-    }
-}
-
-/// The listener's receive side: demultiplexing by source address (under the driver lock).
-#[derive(Debug)]
-pub(crate) struct Demux {
-    peers: HashMap<SocketAddr, Arc<Peer>>,
-    backlog: VecDeque<(SocketAddr, Arc<Peer>)>,
-    listener_open: bool,
+/// Datagrams a reap found, waiting for the listener's next
+/// [`DatagramIo::recv_batch`]. Bounded by the ring: at most one entry per completion a reap
+/// takes, and every reap is followed by a `recv_batch` that empties it.
+#[derive(Debug, Default)]
+pub struct RingRx {
+    batch: RxBatch<SocketAddr>,
     error: Option<io::Error>,
-    accept_notify: Arc<Notify>,
-    peer_queue: usize,
-    max_backlog: usize,
-    max_peers: usize,
 }
 
-impl Rx for Demux {
+impl Rx for RingRx {
     const NAME_LEN: u32 = 28;
 
-    fn deliver(&mut self, from: Option<SocketAddr>, msg: Bytes, stats: &Stats) {
-        let Some(addr) = from else {
-            return; // no way to answer it
-        };
-        // The queue is filled under the driver lock, so a connection that finds its queue
-        // empty under that lock and leaves the map can never miss a message.
-        let peer = match self.peers.get(&addr) {
-            Some(p) => p,
-            None => {
-                if !self.listener_open || self.backlog.len() >= self.max_backlog {
-                    stats.dropped_backlog_full.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                if self.peers.len() >= self.max_peers {
-                    // Room is made only from peers nobody accepted yet, oldest first.
-                    let Some((old, p)) = self.backlog.pop_front() else {
-                        stats.dropped_peer_cap.fetch_add(1, Ordering::Relaxed);
-                        return;
-                    };
-                    p.closed.store(true, Ordering::Release);
-                    self.peers.remove(&old);
-                    stats.evicted.fetch_add(1, Ordering::Relaxed);
-                }
-                let p = Peer::new(None);
-                self.backlog.push_back((addr, p.clone()));
-                self.accept_notify.notify_one();
-                self.peers.entry(addr).or_insert(p)
-            }
-        };
-        let mut q = lock(&peer.queue);
-        if q.len() >= self.peer_queue {
-            stats.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
-        } else {
-            q.push_back(msg);
-            drop(q);
-            peer.notify.notify_one();
-        }
+    fn deliver(&mut self, from: Option<SocketAddr>, msg: Bytes, _: &Stats) {
+        self.batch.push(from, msg);
+    }
+
+    /// Kept for the listener, which counts it and hands its first bytes to the peer's
+    /// connection ([`chunnel::PeerHandoff::take_oversized`]).
+    fn oversize(&mut self, from: Option<SocketAddr>, prefix: &[u8], len: usize, _: &Stats) {
+        self.batch.push_oversized(from, prefix, len);
     }
 
     fn error(&mut self, e: io::Error) {
-        // An error for one peer (a refused earlier send) must not stop the listener.
-        if e.kind() != io::ErrorKind::ConnectionRefused {
-            self.error = Some(e);
-        }
+        self.error = Some(e);
     }
 }
 
-/// An io_uring UDP server socket; see the [module docs](self) for how peers are
-/// demultiplexed.
-#[derive(Debug)]
-pub struct Listener {
-    driver: Arc<Driver<Demux>>,
-    accept_notify: Arc<Notify>,
+impl RingIo {
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr, Error> {
+        self.driver
+            .socket()
+            .local_addr()
+            .map_err(io_err("local_addr"))
+    }
 }
+
+impl DatagramIo for RingIo {
+    type Addr = SocketAddr;
+    /// The other half of a swap with [`RingRx`]: the datagrams being sorted.
+    type RxState = RingRx;
+    type TxState = ();
+
+    fn rx_state(&self, _: &DatagramConfig) -> RingRx {
+        RingRx::default()
+    }
+
+    fn poll_recv_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        {
+            let mut w = lock(&self.driver.rx_waker);
+            match w.as_ref() {
+                Some(old) if old.will_wake(cx.waker()) => {}
+                _ => *w = Some(cx.waker().clone()),
+            }
+        }
+        // Datagrams a `send` reaped meanwhile are ready whatever the ring says.
+        if !self.driver.lock().rx.batch.is_empty() {
+            return Poll::Ready(Ok(()));
+        }
+        self.driver.poll_ready(cx)
+    }
+
+    fn recv_batch(
+        &self,
+        st: &mut RingRx,
+        _: &DatagramConfig,
+        deliver: impl FnMut(Option<SocketAddr>, Bytes),
+        oversize: impl FnMut(Option<SocketAddr>, &[u8], usize),
+    ) -> io::Result<usize> {
+        {
+            let mut g = self.driver.lock();
+            if g.rx.batch.is_empty() {
+                self.driver.pump(&mut g)?;
+            }
+            if let Some(e) = g.rx.error.take() {
+                return Err(e);
+            }
+            if g.rx.batch.is_empty() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            // Sorted outside the driver lock (sends take it), from `st`, whose batch is
+            // empty and keeps its capacity.
+            st.batch.swap(&mut g.rx.batch);
+        }
+        Ok(st.batch.hand_out(deliver, oversize))
+    }
+
+    async fn send_burst<'a, B>(
+        &'a self,
+        _: &'a (),
+        _: &'a DatagramConfig,
+        dest: &'a SocketAddr,
+        header: &'a [u8],
+        burst: B,
+        closed: &'a AtomicBool,
+    ) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = Bytes> + Send,
+        B::IntoIter: Send,
+    {
+        if closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        self.driver.send(Some(dest), dest, header, burst).await
+    }
+}
+
+chunnel_net::datagram_listener! {
+    /// An io_uring UDP server socket: `chunnel_net::datagram`'s listener on a [`RingIo`] (see
+    /// there for how peers are demultiplexed); its counters and peer count through `Deref`.
+    pub struct Listener(RingIo);
+}
+
+/// A server-side connection to one peer of a [`Listener`].
+pub type ServerConnection = datagram::ServerConnection<RingIo>;
 
 impl Listener {
     /// Binds `addr` with the default [`Config`].
@@ -351,275 +385,17 @@ impl Listener {
     pub async fn bind_with(addr: SocketAddr, cfg: Config) -> Result<Self, Error> {
         cfg.check()?;
         let sock = std::net::UdpSocket::bind(addr).map_err(|e| Error::from_io("bind", addr, e))?;
-        let accept_notify = Arc::new(Notify::new());
-        let rx = Demux {
-            peers: HashMap::new(),
-            backlog: VecDeque::new(),
-            listener_open: true,
-            error: None,
-            accept_notify: accept_notify.clone(),
-            peer_queue: cfg.peer_queue,
-            max_backlog: cfg.backlog,
-            max_peers: cfg.max_peers,
-        };
-        Ok(Listener {
-            driver: Arc::new(Driver::new(sock, cfg, rx)?),
-            accept_notify,
-        })
+        let driver = Driver::new(sock, cfg.clone(), RingRx::default())?;
+        Ok(Listener(datagram::Listener::new(
+            RingIo { driver },
+            cfg.datagram,
+        )))
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> Result<SocketAddr, Error> {
-        self.driver
-            .socket()
-            .local_addr()
-            .map_err(io_err("local_addr"))
+        self.0.get_ref().local_addr()
     }
-
-    /// Peers with live state on this listener (accepted or waiting to be accepted).
-    pub fn peer_count(&self) -> usize {
-        self.driver.lock().rx.peers.len()
-    }
-
-    /// Datagrams dropped so far: (over `max_payload`, peer queue full, backlog full).
-    pub fn dropped(&self) -> (u64, u64, u64) {
-        let s = &self.driver.stats;
-        (
-            s.dropped_oversize.load(Ordering::Relaxed),
-            s.dropped_queue_full.load(Ordering::Relaxed),
-            s.dropped_backlog_full.load(Ordering::Relaxed),
-        )
-    }
-}
-
-impl Listener {
-    /// What [`Config::max_peers`] did so far: (peers waiting for `accept` evicted to admit
-    /// new ones, datagrams from new peers dropped at the cap with no peer to evict).
-    pub fn peer_cap_stats(&self) -> (u64, u64) {
-        let s = &self.driver.stats;
-        (
-            s.evicted.load(Ordering::Relaxed),
-            s.dropped_peer_cap.load(Ordering::Relaxed),
-        )
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        // Connections already accepted keep working; new peers are no longer admitted, and
-        // peers nobody accepted are forgotten.
-        let mut g = self.driver.lock();
-        g.rx.listener_open = false;
-        let pending: Vec<_> = g.rx.backlog.drain(..).collect();
-        for (addr, _) in pending {
-            g.rx.peers.remove(&addr);
-        }
-    }
-}
-
-impl chunnel::Listener for Listener {
-    type Connection = ServerConnection;
-
-    async fn accept(&mut self) -> Result<ServerConnection, Error> {
-        let d = &self.driver;
-        loop {
-            let notified = self.accept_notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let mut g = d.lock();
-                if g.rx.backlog.is_empty() {
-                    d.pump(&mut g).map_err(io_err("accept"))?;
-                }
-                if let Some((addr, peer)) = g.rx.backlog.pop_front() {
-                    return Ok(ServerConnection {
-                        driver: d.clone(),
-                        addr,
-                        peer,
-                        last_rx: Mutex::new(Instant::now()),
-                    });
-                }
-                if let Some(e) = g.rx.error.take() {
-                    return Err(Error::Io {
-                        op: "accept",
-                        source: e,
-                    });
-                }
-            }
-            d.wait_ready(notified).await.map_err(io_err("accept"))?;
-        }
-    }
-}
-
-/// A server-side connection to one peer of a [`Listener`].
-#[derive(Debug)]
-pub struct ServerConnection {
-    driver: Arc<Driver<Demux>>,
-    addr: SocketAddr,
-    peer: Arc<Peer>,
-    last_rx: Mutex<Instant>,
-}
-
-impl ServerConnection {
-    /// The peer this connection talks to.
-    pub fn peer_addr(&self) -> &SocketAddr {
-        &self.addr
-    }
-
-    /// Closes the connection and frees its state on the listener; later calls fail with
-    /// [`Error::Closed`]. A datagram the same peer sends afterwards starts a new connection.
-    pub fn close(&self) {
-        let mut g = self.driver.lock();
-        self.leave(&mut g.rx);
-        drop(g);
-        self.peer.notify.notify_waiters();
-    }
-
-    /// Removes this peer from the listener (driver lock held).
-    fn leave(&self, d: &mut Demux) {
-        if !self.peer.closed.swap(true, Ordering::AcqRel)
-            && d.peers
-                .get(&self.addr)
-                .is_some_and(|p| Arc::ptr_eq(p, &self.peer))
-        {
-            d.peers.remove(&self.addr);
-        }
-    }
-
-    /// Ends the connection for idleness, unless a message slipped in meanwhile.
-    fn close_if_idle(&self) -> bool {
-        let mut g = self.driver.lock();
-        if !lock(&self.peer.queue).is_empty() {
-            return false;
-        }
-        self.leave(&mut g.rx);
-        true
-    }
-
-    fn drain(&self, slots: &mut [Option<Bytes>]) -> usize {
-        let mut q = lock(&self.peer.queue);
-        let n = q.len().min(slots.len());
-        for (s, m) in slots.iter_mut().zip(q.drain(..n)) {
-            *s = Some(m);
-        }
-        n
-    }
-}
-
-impl Drop for ServerConnection {
-    fn drop(&mut self) {
-        self.close();
-    }
-}
-
-impl chunnel::PeerHandoff for ServerConnection {
-    fn hand_off(&self, first: Bytes) -> bool {
-        let mut g = self.driver.lock();
-        let d = &mut g.rx;
-        self.leave(d);
-        let admitted =
-            d.listener_open && d.backlog.len() < d.max_backlog && !d.peers.contains_key(&self.addr);
-        if admitted {
-            let p = Peer::new(Some(first));
-            d.peers.insert(self.addr, p.clone());
-            d.backlog.push_back((self.addr, p));
-            d.accept_notify.notify_one();
-        }
-        drop(g);
-        self.peer.notify.notify_waiters();
-        admitted
-    }
-
-    /// As [`ServerConnection::close`]: the peer leaves the listener's table now.
-    fn release(&self) {
-        self.close();
-    }
-}
-
-impl SendHeader for ServerConnection {
-    async fn send_with_header<'a, B>(&'a self, header: &'a [u8], burst: B) -> Result<(), Error>
-    where
-        B: IntoIterator<Item = Bytes> + Send + 'a,
-        B::IntoIter: Send,
-    {
-        if self.peer.closed.load(Ordering::Acquire) {
-            return Err(Error::Closed);
-        }
-        self.driver
-            .send(Some(&self.addr), &self.addr, header, burst)
-            .await
-    }
-}
-
-impl ChunnelConnection for ServerConnection {
-    type Data = Bytes;
-
-    async fn send<B>(&self, burst: B) -> Result<(), Error>
-    where
-        B: IntoIterator<Item = Bytes> + Send,
-        B::IntoIter: Send,
-    {
-        self.send_with_header(&[], burst).await
-    }
-
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
-        if slots.is_empty() {
-            return Ok(0);
-        }
-        let d = &self.driver;
-        loop {
-            let notified = self.peer.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let n = self.drain(slots);
-            if n > 0 {
-                *lock(&self.last_rx) = Instant::now();
-                return Ok(n);
-            }
-            if self.peer.closed.load(Ordering::Acquire) {
-                return Err(Error::Closed);
-            }
-            let reaped = {
-                let mut g = d.lock();
-                d.pump(&mut g)
-                    .map_err(|e| conn_err("recv", &self.addr, e))?
-            };
-            if reaped.delivered > 0 {
-                continue;
-            }
-            let idle = async {
-                match d.cfg.idle_timeout {
-                    Some(t) => {
-                        let deadline = *lock(&self.last_rx) + t;
-                        tokio::time::sleep_until(deadline).await
-                    }
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::pin!(idle);
-            let woken = async {
-                tokio::select! {
-                    () = &mut notified => false,
-                    () = &mut idle => true,
-                }
-            };
-            let idle_fired = d
-                .wait_ready(woken)
-                .await
-                .map_err(|e| conn_err("recv", &self.addr, e))?;
-            if idle_fired == Some(true) && self.close_if_idle() {
-                return Err(Error::PeerClosed);
-            }
-        }
-    }
-}
-
-/// No state to hand over (see `chunnel_net::datagram`'s server connection): a server
-/// connection is never itself a select branch, and its queue outlives a switch below
-/// [`chunnel::Shared`].
-impl chunnel::Handover for ServerConnection {
-    fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
-    fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
 }
 
 #[cfg(test)]

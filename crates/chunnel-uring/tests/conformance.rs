@@ -22,7 +22,7 @@ impl Datapath for Uring {
         udp::MAX_PAYLOAD
     }
     async fn bind(&self) -> Result<(Self::Listener, Self::Connect), Error> {
-        let cfg = udp::Config::default().with_idle_timeout(IDLE);
+        let cfg = udp::Config::default().with_datagram(|d| d.with_idle_timeout(IDLE));
         let l = udp::Listener::bind_with("127.0.0.1:0".parse().unwrap(), cfg.clone()).await?;
         let addr = l.local_addr()?;
         Ok((l, udp::Connect::new(addr).with_config(cfg)))

@@ -153,7 +153,7 @@ async fn burst_larger_than_socket_buffer_keeps_order() {
 /// Datagrams over `max_payload` from a raw peer are dropped and counted; the next fits.
 #[tokio::test(flavor = "current_thread")]
 async fn oversize_incoming_is_dropped_and_counted() {
-    let cfg = udp::Config::default().with_max_payload_bytes(100);
+    let cfg = udp::Config::default().with_datagram(|d| d.with_max_payload_bytes(100));
     let mut l = udp::Listener::bind_with("127.0.0.1:0".parse().unwrap(), cfg)
         .await
         .unwrap();

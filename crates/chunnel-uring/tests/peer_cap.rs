@@ -10,7 +10,7 @@ use tokio::net::UdpSocket;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_sources_past_the_cap_evict_the_oldest_peers_nobody_accepted() {
     chunnel_uring::check_available().expect("io_uring is available on this machine");
-    let cfg = udp::Config::default().with_max_peers(4);
+    let cfg = udp::Config::default().with_datagram(|d| d.with_max_peers(4));
     let mut l = udp::Listener::bind_with("127.0.0.1:0".parse().unwrap(), cfg)
         .await
         .unwrap();

@@ -51,13 +51,19 @@
 //! * UMEM: [`Config::frames`] chunks of [`Config::frame_size`] bytes; half are receive buffers
 //!   (recycled to the fill ring as soon as a frame's payload is copied out), half the
 //!   transmit pool (recycled from the completion ring).
-//! * Batching: the receive task drains up to [`Config::batch`] descriptors per RX-ring access
-//!   and refills the fill ring with one producer update; `send` writes a whole burst into the
-//!   TX ring with one producer update and kicks the kernel (`sendto`) once per ring access.
-//! * Waiting: the receive task waits on the socket through tokio's `AsyncFd` (epoll), with a
-//!   5 ms timeout as a safety net; it wakes the kernel's fill path only when the ring asks.
-//! * Messages up to [`Config::max_payload`] bytes (default 1472: a 1500-byte MTU); larger
-//!   ones fail with `MessageTooLarge`. No IP fragmentation.
+//! * Peers: the [`Listener`] is `chunnel_net::datagram`'s, on an [`XdpIo`]: the same per-peer
+//!   queues, accept backlog, peer cap, idle sweep and session recognition as kernel UDP, and
+//!   no receive task — whichever task needs data (a connection's `recv` or `accept`) reads
+//!   the RX ring and sorts what it finds.
+//! * Batching: a read drains up to `batch` descriptors ([`Config::datagram`]) per RX-ring
+//!   access and refills the fill ring with one producer update; `send` writes a whole burst
+//!   into the TX ring with one producer update and kicks the kernel (`sendto`) once per ring
+//!   access.
+//! * Waiting: the reading task waits on the socket through tokio's `AsyncFd` (epoll); a read
+//!   wakes the kernel's fill path only when the ring asks.
+//! * Messages up to `max_payload` bytes (default 1472: a 1500-byte MTU); larger sends fail
+//!   with `MessageTooLarge`, larger received datagrams are dropped and counted. No IP
+//!   fragmentation.
 //! * Received UDP checksums are not verified (a kernel sender on veth leaves them to the
 //!   device, `CHECKSUM_PARTIAL`); the IPv4 header checksum is.
 //!
@@ -87,7 +93,7 @@ use chunnel::{Error, Negotiate};
 
 pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
 use crate::listener::not_available;
-pub use crate::listener::{Listener, ServerConnection, Stats};
+pub use crate::listener::{Listener, ServerConnection, Stats, XdpIo, XdpPeer, XdpRx};
 pub use crate::shard::{ShardCounters, ShardOffload, ShardOffloadConfig, XdpShard};
 
 /// The Chunnel's stable id.
@@ -114,18 +120,24 @@ pub struct Config {
     pub frames: u32,
     /// Bytes per UMEM chunk (2048 or 4096; default 2048).
     pub frame_size: u32,
-    /// Descriptors taken per RX-ring access (default 64).
-    pub batch: usize,
-    /// Datagrams queued per peer before new ones are dropped (default 1024).
-    pub peer_queue: usize,
-    /// New peers waiting for `accept` before their datagrams are dropped (default 128).
-    pub backlog: usize,
-    /// Most peers the listener keeps state for (default 16,384). At the cap, peers whose
-    /// connection was dropped are forgotten first; a datagram from a new source is dropped
-    /// and counted ([`crate::listener::Stats::dropped_peer_cap`]) if none was.
-    pub max_peers: usize,
-    /// Largest payload sent (default [`MAX_PAYLOAD`]; capped by the chunk size).
-    pub max_payload: usize,
+    /// Message size, batch, queues, backlog, peer cap, idle timeout: the settings every
+    /// datagram datapath shares (read and written through `Deref`: `cfg.max_peers`). Here
+    /// `batch` (default 64) is the descriptors taken per RX-ring access, and `max_payload`
+    /// (default [`MAX_PAYLOAD`]) is also capped by the chunk size for sends.
+    pub datagram: chunnel_net::datagram::Config,
+}
+
+impl std::ops::Deref for Config {
+    type Target = chunnel_net::datagram::Config;
+    fn deref(&self) -> &Self::Target {
+        &self.datagram
+    }
+}
+
+impl std::ops::DerefMut for Config {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.datagram
+    }
 }
 
 impl Config {
@@ -139,11 +151,9 @@ impl Config {
             bpf_object: None,
             frames: 4096,
             frame_size: 2048,
-            batch: 64,
-            peer_queue: 1024,
-            backlog: 128,
-            max_peers: 16_384,
-            max_payload: MAX_PAYLOAD,
+            datagram: chunnel_net::udp::Config::default()
+                .with_max_payload_bytes(MAX_PAYLOAD)
+                .with_batch(64),
         }
     }
 }

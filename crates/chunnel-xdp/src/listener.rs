@@ -1,24 +1,28 @@
-//! The AF_XDP UDP server: one socket on one queue, a receive task that demultiplexes frames by
-//! peer address into per-peer connections, and batched transmission.
+//! The AF_XDP UDP server: one socket on one queue as a [`DatagramIo`] ([`XdpIo`]: receive a
+//! batch of frames, send a burst), under `chunnel_net::datagram`'s listener, which
+//! demultiplexes by peer (IPv4 address + UDP port) into per-peer connections.
 
-use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::net::SocketAddrV4;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::PoisonError;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use chunnel::{ChunnelConnection, Error, PeerHandoff, SendHeader};
+use chunnel::Error;
+use chunnel::util::lock;
+use chunnel_net::datagram::{self, Config as DatagramConfig, DatagramIo, RxBatch};
+use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
-use tokio::sync::mpsc;
 
 use crate::bpf::{Counters, Program};
 use crate::frame::{self, Endpoints};
 use crate::xsk::{Xsk, XskSizes};
 use crate::{Config, ID};
 
+#[derive(Debug)]
 struct Fd(RawFd);
 
 impl AsRawFd for Fd {
@@ -27,16 +31,18 @@ impl AsRawFd for Fd {
     }
 }
 
-/// Datapath statistics kept in user space.
+/// Datapath statistics: the listener's (delivered, dropped) and the socket's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Datagrams handed to connections.
     pub delivered: u64,
     /// Frames from the socket that were not a valid IPv4/UDP datagram for us.
     pub malformed: u64,
-    /// Datagrams dropped because a peer's queue or the accept backlog was full.
+    /// Datagrams dropped because a peer's queue or the accept backlog was full, or because
+    /// they were over `max_payload`.
     pub dropped: u64,
-    /// Datagrams from new sources dropped at [`crate::Config::max_peers`].
+    /// Datagrams from new sources dropped at the peer cap
+    /// ([`chunnel_net::datagram::Config::max_peers`]).
     pub dropped_peer_cap: u64,
     /// Frames transmitted (queued on the TX ring).
     pub sent: u64,
@@ -53,47 +59,71 @@ pub struct Stats {
     pub kernel_fill_ring_empty: u64,
 }
 
-struct Peer {
-    tx: mpsc::Sender<Bytes>,
+/// A peer of the AF_XDP listener: its IPv4 address and UDP port (what it is told apart by)
+/// and the frame addressing a reply takes (the MAC addresses and local address its frames
+/// came with).
+#[derive(Clone, Copy)]
+pub struct XdpPeer {
+    /// Reply addressing: `src` is the local end, `dst` the peer.
+    ep: Endpoints,
 }
 
-/// Fields drop in order: the tokio registration first (while the socket is open), then the
-/// XDP program (detached), then the socket and its UMEM.
-pub(crate) struct Shared {
+impl XdpPeer {
+    /// The peer's address.
+    pub fn addr(&self) -> SocketAddrV4 {
+        self.ep.dst
+    }
+}
+
+impl PartialEq for XdpPeer {
+    fn eq(&self, other: &Self) -> bool {
+        self.ep.dst == other.ep.dst
+    }
+}
+
+impl Eq for XdpPeer {}
+
+impl Hash for XdpPeer {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.ep.dst.hash(h);
+    }
+}
+
+impl std::fmt::Debug for XdpPeer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.ep.dst.fmt(f)
+    }
+}
+
+/// The AF_XDP socket under a [`Listener`]: its UMEM and rings, the XDP program steering the
+/// port to it, and its own counters. Fields drop in order: the tokio registration first
+/// (while the socket is open), then the XDP program (detached), then the socket and its UMEM.
+pub struct XdpIo {
     afd: AsyncFd<Fd>,
     program: Mutex<Program>,
     xsk: Mutex<Xsk>,
-    peers: Mutex<HashMap<SocketAddrV4, Peer>>,
     ip_id: AtomicU16,
-    closed: AtomicBool,
     cfg: Config,
-    delivered: AtomicU64,
     malformed: AtomicU64,
-    dropped: AtomicU64,
-    dropped_peer_cap: AtomicU64,
     sent: AtomicU64,
     rx_batches: AtomicU64,
 }
 
-/// The server side of the AF_XDP datapath: a [`chunnel::Listener`] handing out one
-/// [`ServerConnection`] per peer (IPv4 address + UDP port).
-///
-/// Built by [`AfXdpUdp`](crate::AfXdpUdp)'s [`chunnel::Listen::listen`]. Dropping it stops
-/// reception; the XDP program stays attached (and the socket open) until the last connection
-/// is dropped too.
-pub struct Listener {
-    shared: Arc<Shared>,
-    accept: mpsc::Receiver<ServerConnection>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl std::fmt::Debug for Listener {
+impl std::fmt::Debug for XdpIo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Listener")
-            .field("interface", &self.shared.cfg.interface)
-            .field("local", &self.shared.cfg.local)
+        f.debug_struct("XdpIo")
+            .field("interface", &self.cfg.interface)
+            .field("local", &self.cfg.local)
             .finish_non_exhaustive()
     }
+}
+
+/// A listener's receive scratch: payloads are copied out of the UMEM into `buf` (handed
+/// out as `Bytes`), collected with their senders before the listener sorts them.
+#[derive(Debug, Default)]
+pub struct XdpRx {
+    buf: BytesMut,
+    got: RxBatch<XdpPeer>,
 }
 
 pub(crate) fn not_available(reason: impl Into<String>) -> Error {
@@ -145,146 +175,69 @@ pub(crate) fn open_socket(cfg: &Config, obj: &[u8], ifindex: u32) -> Result<(Xsk
     Ok((xsk, program))
 }
 
-impl Listener {
-    pub(crate) fn start(cfg: Config, obj: &[u8], ifindex: u32) -> Result<Listener, Error> {
-        let (xsk, program) = open_socket(&cfg, obj, ifindex)?;
-        // SAFETY: the descriptor is the socket's, owned by `Shared::xsk`, which drops after
-        // `Shared::afd` (field order), so it stays open and the same for the registration's
-        // lifetime.
-        let afd =
-            unsafe { AsyncFd::register_with_interest(Fd(xsk.fd()), tokio::io::Interest::READABLE) }
-                .map_err(|e| Error::Io {
-                    op: "registering the AF_XDP socket with tokio",
-                    source: e.into_parts().1,
-                })?;
-        let (accept_tx, accept) = mpsc::channel(cfg.backlog.max(1));
-        let shared = Arc::new(Shared {
-            xsk: Mutex::new(xsk),
-            afd,
-            program: Mutex::new(program),
-            peers: Mutex::new(HashMap::new()),
-            ip_id: AtomicU16::new(0),
-            closed: AtomicBool::new(false),
-            cfg,
-            delivered: AtomicU64::new(0),
-            malformed: AtomicU64::new(0),
-            dropped: AtomicU64::new(0),
-            dropped_peer_cap: AtomicU64::new(0),
-            sent: AtomicU64::new(0),
-            rx_batches: AtomicU64::new(0),
-        });
-        let task = tokio::spawn(rx_loop(shared.clone(), accept_tx));
-        Ok(Listener {
-            shared,
-            accept,
-            task,
+impl XdpIo {
+    fn counters(&self) -> Result<Counters, Error> {
+        lock(&self.program).counters().map_err(|e| Error::Layer {
+            layer: ID,
+            source: e.into(),
         })
     }
 
-    /// The XDP program's counters (read from its BPF map).
-    pub fn counters(&self) -> Result<Counters, Error> {
-        self.shared.counters()
-    }
-
-    /// User-space statistics.
-    pub fn stats(&self) -> Stats {
-        self.shared.stats()
-    }
-
-    /// The attach mode the program ended up in (`"driver"` or `"skb"`).
-    pub fn attach_mode(&self) -> &'static str {
-        match self
-            .shared
-            .program
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .mode
-        {
+    fn attach_mode(&self) -> &'static str {
+        match lock(&self.program).mode {
             aya::programs::XdpMode::Skb => "skb",
             _ => "driver",
         }
     }
-
-    /// The configuration in use.
-    pub fn config(&self) -> &Config {
-        &self.shared.cfg
-    }
 }
 
-impl Shared {
-    fn counters(&self) -> Result<Counters, Error> {
-        self.program
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .counters()
-            .map_err(|e| Error::Layer {
-                layer: ID,
-                source: e.into(),
-            })
+impl DatagramIo for XdpIo {
+    type Addr = XdpPeer;
+    type RxState = XdpRx;
+    type TxState = ();
+
+    fn rx_state(&self, _: &DatagramConfig) -> XdpRx {
+        XdpRx::default()
     }
 
-    fn stats(&self) -> Stats {
-        let (kd, kf, ke) = self
-            .xsk
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stats()
-            .unwrap_or_default();
-        Stats {
-            kernel_rx_dropped: kd,
-            kernel_rx_ring_full: kf,
-            kernel_fill_ring_empty: ke,
-            delivered: self.delivered.load(Ordering::Relaxed),
-            malformed: self.malformed.load(Ordering::Relaxed),
-            dropped: self.dropped.load(Ordering::Relaxed),
-            dropped_peer_cap: self.dropped_peer_cap.load(Ordering::Relaxed),
-            sent: self.sent.load(Ordering::Relaxed),
-            tx_kicks: self
-                .xsk
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .kicks,
-            rx_batches: self.rx_batches.load(Ordering::Relaxed),
-        }
+    fn poll_recv_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        // The readiness is cleared by `recv_batch` when it finds the RX ring empty.
+        self.afd.poll_read_ready(cx).map(|r| r.map(drop))
     }
-}
 
-impl Drop for Listener {
-    fn drop(&mut self) {
-        self.shared.closed.store(true, Ordering::Release);
-        self.task.abort();
-        // Connections see Closed once their queue is empty.
-        self.shared
-            .peers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
-    }
-}
-
-impl chunnel::Listener for Listener {
-    type Connection = ServerConnection;
-
-    async fn accept(&mut self) -> Result<ServerConnection, Error> {
-        self.accept.recv().await.ok_or(Error::Closed)
-    }
-}
-
-async fn rx_loop(shared: Arc<Shared>, accept: mpsc::Sender<ServerConnection>) {
-    let batch = shared.cfg.batch.max(1);
-    let mut got: Vec<(Endpoints, Bytes)> = Vec::with_capacity(batch);
-    let mut buf = BytesMut::new();
-    loop {
-        let n = {
-            let mut x = shared.xsk.lock().unwrap_or_else(PoisonError::into_inner);
-            if buf.capacity() < batch * x.frame_size() / 2 {
-                buf = BytesMut::with_capacity(batch * x.frame_size());
+    fn recv_batch(
+        &self,
+        st: &mut XdpRx,
+        cfg: &DatagramConfig,
+        deliver: impl FnMut(Option<XdpPeer>, Bytes),
+        oversize: impl FnMut(Option<XdpPeer>, &[u8], usize),
+    ) -> std::io::Result<usize> {
+        let batch = cfg.batch.max(1);
+        let n = self.afd.try_io(Interest::READABLE, |_| {
+            let mut x = lock(&self.xsk);
+            if st.buf.capacity() < batch * x.frame_size() / 2 {
+                st.buf = BytesMut::with_capacity(batch * x.frame_size());
             }
             let mut malformed = 0;
+            let XdpRx { buf, got } = st;
             let n = x.recv_batch(batch, |f| match frame::parse(f) {
                 Ok((ep, range)) => {
-                    buf.extend_from_slice(&f[range]);
-                    got.push((ep, buf.split().freeze()));
+                    // Replies go back the way the datagram came: the ends swapped.
+                    let peer = XdpPeer {
+                        ep: Endpoints {
+                            src_mac: ep.dst_mac,
+                            dst_mac: ep.src_mac,
+                            src: ep.dst,
+                            dst: ep.src,
+                        },
+                    };
+                    let payload = &f[range];
+                    if payload.len() > cfg.max_payload {
+                        got.push_oversized(Some(peer), payload, payload.len());
+                    } else {
+                        buf.extend_from_slice(payload);
+                        got.push(Some(peer), buf.split().freeze());
+                    }
                 }
                 Err(_) => malformed += 1,
             });
@@ -292,151 +245,42 @@ async fn rx_loop(shared: Arc<Shared>, accept: mpsc::Sender<ServerConnection>) {
                 x.kick_rx();
             }
             if malformed > 0 {
-                shared.malformed.fetch_add(malformed, Ordering::Relaxed);
+                self.malformed.fetch_add(malformed, Ordering::Relaxed);
             }
-            n
-        };
-        if n > 0 {
-            shared.rx_batches.fetch_add(1, Ordering::Relaxed);
-        }
-        for (ep, msg) in got.drain(..) {
-            dispatch(&shared, &accept, ep, msg);
-        }
-        if n == 0 {
-            // Wait for the socket to become readable; the timeout covers a missed wake-up.
-            if let Ok(Ok(mut guard)) =
-                tokio::time::timeout(Duration::from_millis(5), shared.afd.readable()).await
-            {
-                guard.clear_ready();
+            if n == 0 {
+                return Err(std::io::ErrorKind::WouldBlock.into());
             }
-            if shared.closed.load(Ordering::Acquire) {
-                return;
-            }
-        } else if n == batch {
-            // Let connection tasks run between full batches.
-            tokio::task::yield_now().await;
-        }
-    }
-}
-
-fn dispatch(
-    shared: &Arc<Shared>,
-    accept: &mpsc::Sender<ServerConnection>,
-    ep: Endpoints,
-    msg: Bytes,
-) {
-    let mut peers = shared.peers.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(p) = peers.get(&ep.src) {
-        match p.tx.try_send(msg) {
-            Ok(()) => {
-                shared.delivered.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                shared.dropped.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            // The connection was dropped: treat the datagram as a new peer's.
-            Err(mpsc::error::TrySendError::Closed(m)) => {
-                peers.remove(&ep.src);
-                return new_peer(shared, &mut peers, accept, ep, m);
-            }
-        }
-    }
-    new_peer(shared, &mut peers, accept, ep, msg)
-}
-
-fn new_peer(
-    shared: &Arc<Shared>,
-    peers: &mut HashMap<SocketAddrV4, Peer>,
-    accept: &mpsc::Sender<ServerConnection>,
-    ep: Endpoints,
-    first: Bytes,
-) {
-    if peers.len() >= shared.cfg.max_peers {
-        // Forget the peers whose connection is gone (their entries are otherwise removed
-        // lazily, when they send again); if none is, the newcomer is dropped.
-        peers.retain(|_, p| !p.tx.is_closed());
-        if peers.len() >= shared.cfg.max_peers {
-            shared.dropped_peer_cap.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-    }
-    let (tx, rx) = mpsc::channel(shared.cfg.peer_queue.max(1));
-    let _ = tx.try_send(first);
-    // Replies go back the way the datagram came: swap the ends.
-    let reply = Endpoints {
-        src_mac: ep.dst_mac,
-        dst_mac: ep.src_mac,
-        src: ep.dst,
-        dst: ep.src,
-    };
-    let conn = ServerConnection {
-        shared: shared.clone(),
-        ep: reply,
-        rx: tokio::sync::Mutex::new(rx),
-    };
-    match accept.try_send(conn) {
-        Ok(()) => {
-            shared.delivered.fetch_add(1, Ordering::Relaxed);
-            peers.insert(ep.src, Peer { tx });
-        }
-        // Backlog full (or the listener is gone): the datagram is dropped, and the peer's next
-        // one tries again.
-        Err(_) => {
-            shared.dropped.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-}
-
-/// One peer of a [`Listener`]: receives the datagrams from one (address, port), sends
-/// datagrams back to it (to the MAC address its frames came from).
-pub struct ServerConnection {
-    shared: Arc<Shared>,
-    ep: Endpoints,
-    rx: tokio::sync::Mutex<mpsc::Receiver<Bytes>>,
-}
-
-impl std::fmt::Debug for ServerConnection {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerConnection")
-            .field("peer", &self.ep.dst)
-            .field("local", &self.ep.src)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ServerConnection {
-    /// The peer's address.
-    pub fn peer_addr(&self) -> SocketAddrV4 {
-        self.ep.dst
+            Ok(n)
+        })?;
+        self.rx_batches.fetch_add(1, Ordering::Relaxed);
+        st.got.hand_out(deliver, oversize);
+        Ok(n)
     }
 
-    /// The XDP program's counters (shared by every connection of the listener).
-    pub fn counters(&self) -> Result<Counters, Error> {
-        self.shared.counters()
-    }
-
-    async fn send_parts<B>(&self, header: &[u8], burst: B) -> Result<(), Error>
+    async fn send_burst<'a, B>(
+        &'a self,
+        _: &'a (),
+        cfg: &'a DatagramConfig,
+        dest: &'a XdpPeer,
+        header: &'a [u8],
+        burst: B,
+        closed: &'a AtomicBool,
+    ) -> Result<(), Error>
     where
         B: IntoIterator<Item = Bytes> + Send,
         B::IntoIter: Send,
     {
-        let max = self.shared.cfg.max_payload;
+        if closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
         let mut it = burst.into_iter().peekable();
         let mut spins = 0u32;
         loop {
             let mut err = None;
             let queued = {
-                let mut x = self
-                    .shared
-                    .xsk
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
-                let room = x.frame_size() - frame::HEADERS;
-                let max = max.min(room);
-                let ep = &self.ep;
-                let ip_id = &self.shared.ip_id;
+                let mut x = lock(&self.xsk);
+                let max = cfg.max_payload.min(x.frame_size() - frame::HEADERS);
+                let ip_id = &self.ip_id;
                 let n = x.send_batch(|buf| {
                     let m = it.peek()?;
                     let len = header.len() + m.len();
@@ -445,14 +289,14 @@ impl ServerConnection {
                         return None;
                     }
                     let id = ip_id.fetch_add(1, Ordering::Relaxed);
-                    let l = frame::build(buf, ep, id, &[header, m]);
+                    let l = frame::build(buf, &dest.ep, id, &[header, m]);
                     it.next();
                     Some(l)
                 });
                 x.flush_tx();
                 n
             };
-            self.shared.sent.fetch_add(queued as u64, Ordering::Relaxed);
+            self.sent.fetch_add(queued as u64, Ordering::Relaxed);
             if let Some(e) = err {
                 return Err(e);
             }
@@ -474,54 +318,82 @@ impl ServerConnection {
     }
 }
 
-impl ChunnelConnection for ServerConnection {
-    type Data = Bytes;
-
-    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
-    where
-        B: IntoIterator<Item = Bytes> + Send,
-        B::IntoIter: Send,
-    {
-        self.send_parts(&[], burst)
-    }
-
-    async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
-        if slots.is_empty() {
-            return Ok(0);
-        }
-        let mut rx = self.rx.lock().await;
-        let first = rx.recv().await.ok_or(Error::Closed)?;
-        slots[0] = Some(first);
-        let mut n = 1;
-        while n < slots.len() {
-            match rx.try_recv() {
-                Ok(m) => {
-                    slots[n] = Some(m);
-                    n += 1;
-                }
-                Err(_) => break,
-            }
-        }
-        Ok(n)
-    }
+chunnel_net::datagram_listener! {
+    /// The server side of the AF_XDP datapath: `chunnel_net::datagram`'s listener on an
+    /// [`XdpIo`], handing out one [`ServerConnection`] per peer (IPv4 address + UDP port); its
+    /// peer count and the listener's counters through `Deref`.
+    ///
+    /// Built by [`AfXdpUdp`](crate::AfXdpUdp)'s [`chunnel::Listen::listen`]. Dropping it stops
+    /// admitting new peers; the XDP program stays attached (and the socket open) until the last
+    /// connection is dropped too.
+    pub struct Listener(XdpIo);
 }
 
-impl SendHeader for ServerConnection {
-    fn send_with_header<'a, B>(
-        &'a self,
-        header: &'a [u8],
-        burst: B,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'a
-    where
-        B: IntoIterator<Item = Bytes> + Send + 'a,
-        B::IntoIter: Send,
-    {
-        self.send_parts(header, burst)
-    }
-}
+/// One peer of a [`Listener`]: receives the datagrams from one (address, port), sends
+/// datagrams back to it (to the MAC address its frames came from).
+pub type ServerConnection = datagram::ServerConnection<XdpIo>;
 
-impl PeerHandoff for ServerConnection {
-    fn hand_off(&self, _first: Bytes) -> bool {
-        false
+impl Listener {
+    pub(crate) fn start(cfg: Config, obj: &[u8], ifindex: u32) -> Result<Listener, Error> {
+        let (xsk, program) = open_socket(&cfg, obj, ifindex)?;
+        // SAFETY: the descriptor is the socket's, owned by `XdpIo::xsk`, which drops after
+        // `XdpIo::afd` (field order), so it stays open and the same for the registration's
+        // lifetime.
+        let afd = unsafe { AsyncFd::register_with_interest(Fd(xsk.fd()), Interest::READABLE) }
+            .map_err(|e| Error::Io {
+                op: "registering the AF_XDP socket with tokio",
+                source: e.into_parts().1,
+            })?;
+        let datagram = cfg.datagram.clone();
+        let io = XdpIo {
+            xsk: Mutex::new(xsk),
+            afd,
+            program: Mutex::new(program),
+            ip_id: AtomicU16::new(0),
+            cfg,
+            malformed: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
+            rx_batches: AtomicU64::new(0),
+        };
+        Ok(Listener(datagram::Listener::new(io, datagram)))
+    }
+
+    /// The XDP program's counters (read from its BPF map).
+    pub fn counters(&self) -> Result<Counters, Error> {
+        self.0.get_ref().counters()
+    }
+
+    /// Statistics: the listener's and the socket's.
+    pub fn stats(&self) -> Stats {
+        let io = self.0.get_ref();
+        let (kd, kf, ke, kicks) = {
+            let x = lock(&io.xsk);
+            let (kd, kf, ke) = x.stats().unwrap_or_default();
+            (kd, kf, ke, x.kicks)
+        };
+        let (direct, queued) = self.0.delivery();
+        let (oversize, queue_full, backlog_full) = self.0.dropped();
+        Stats {
+            kernel_rx_dropped: kd,
+            kernel_rx_ring_full: kf,
+            kernel_fill_ring_empty: ke,
+            delivered: direct + queued,
+            malformed: io.malformed.load(Ordering::Relaxed),
+            dropped: oversize + queue_full + backlog_full,
+            dropped_peer_cap: self.0.peer_cap_stats().1,
+            sent: io.sent.load(Ordering::Relaxed),
+            tx_kicks: kicks,
+            rx_batches: io.rx_batches.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The attach mode the program ended up in (`"driver"` or `"skb"`).
+    pub fn attach_mode(&self) -> &'static str {
+        self.0.get_ref().attach_mode()
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &Config {
+        &self.0.get_ref().cfg
     }
 }

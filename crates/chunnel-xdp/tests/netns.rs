@@ -347,7 +347,14 @@ fn the_peer_table_is_capped() -> Result<()> {
             c.send_one(m).await?;
             held.push(c);
         }
-        let _ = stop_rx.await;
+        // Accepting on (as a server does): the reader sorts the new sources' datagrams, and
+        // the cap leaves none of them a connection to hand out.
+        tokio::select! {
+            c = chunnel::Listener::accept(&mut listener) => {
+                bail!("a source past the cap got a connection: {c:?}")
+            }
+            _ = stop_rx => {}
+        }
         Ok(listener.stats())
     });
     ready_rx

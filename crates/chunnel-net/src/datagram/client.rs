@@ -152,13 +152,14 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
                                 &self.cfg,
                                 slots.len(),
                                 false,
-                                &self.stats,
                                 |_, m| {
                                     slots[filled] = Some(m);
                                     filled += 1;
                                 },
-                                // Dropped and counted (`dropped_oversize`).
-                                |_, _, _| {},
+                                // Dropped and counted.
+                                |_, _, _| {
+                                    self.stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
+                                },
                             )
                         })
                         .map(|_| filled)

@@ -8,13 +8,11 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::Notify;
 
-use crate::sys::DgramAddr;
-
 use super::config::{Config, SILENT_GRACE};
+use super::datapath::DatagramIo;
 use super::idle::nanos;
 use super::listener::Shared;
 use super::lock;
-use super::socket::DgramSocket;
 
 /// The hash of the peer map, looked up for every datagram a listener receives.
 ///
@@ -253,7 +251,7 @@ impl<A> std::fmt::Debug for PeerMap<A> {
     }
 }
 
-impl<A: DgramAddr> PeerMap<A> {
+impl<A: Eq + std::hash::Hash> PeerMap<A> {
     pub(super) fn new() -> Self {
         PeerMap {
             table: hashbrown::HashTable::new(),
@@ -316,7 +314,7 @@ pub(super) struct Demux<A> {
     pub(super) silent: VecDeque<std::sync::Weak<Peer<A>>>,
 }
 
-impl<A: DgramAddr> Demux<A> {
+impl<A: Eq + std::hash::Hash> Demux<A> {
     /// Closes `peer` and removes it from the map if it is still `addr`'s peer (a new
     /// connection of the same address may have replaced it). Nothing if already closed.
     pub(super) fn leave(&mut self, peer: &Arc<Peer<A>>) {
@@ -334,7 +332,7 @@ impl<A: DgramAddr> Demux<A> {
 /// Recognises a datagram that starts a session ([`chunnel::Listener::recognise_sessions`]).
 pub(super) type SessionOf = fn(&[u8]) -> Option<u64>;
 
-impl<S: DgramSocket> Shared<S> {
+impl<S: DatagramIo> Shared<S> {
     /// Whether a datagram from a new address may start a peer (demux lock held), making
     /// room first: while the table is more than half full, peers that waited for `accept`
     /// longer than [`SILENT_GRACE`] are evicted; at [`Config::max_peers`], the oldest peer

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::datapath::DatagramIo;
 use super::demux::Peer;
 use super::listener::Shared;
 use super::lock;
-use super::socket::DgramSocket;
 
 /// The accepted connections of a listener with an idle timeout, by when each is next
 /// checked (the earliest on top). One task per listener sweeps it; a connection has no
@@ -56,7 +56,7 @@ impl<A> Ord for IdleEntry<A> {
     }
 }
 
-impl<S: DgramSocket> Shared<S> {
+impl<S: DatagramIo> Shared<S> {
     /// Now, as nanoseconds since [`Shared::epoch`].
     pub(super) fn nanos_now(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
@@ -142,7 +142,7 @@ pub(super) fn nanos(d: Duration) -> u64 {
 }
 
 /// The idle sweep of one listener: sleeps until the earliest connection could be idle.
-async fn sweep_idle<S: DgramSocket>(shared: std::sync::Weak<Shared<S>>, timeout: Duration) {
+async fn sweep_idle<S: DatagramIo>(shared: std::sync::Weak<Shared<S>>, timeout: Duration) {
     loop {
         let Some(sh) = shared.upgrade() else {
             return; // the listener and all its connections are gone

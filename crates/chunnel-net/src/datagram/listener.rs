@@ -11,26 +11,22 @@ use chunnel::Error;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::sys::MAX_BATCH;
-
 use super::config::Config;
+use super::datapath::DatagramIo;
 use super::demux::{Demux, Peer, PeerMap, SessionOf};
 use super::idle::IdleSweep;
 use super::lock;
 use super::reader::{ACCEPT_READER, CONN_READER, NO_READER, ReaderGuard};
-use super::receive::RxScratch;
-use super::send::SpillPool;
 use super::server::ServerConnection;
-use super::socket::DgramSocket;
 use super::stats::Stats;
 
 /// State shared by a listener and its connections.
 #[derive(Debug)]
-pub(crate) struct Shared<S: DgramSocket> {
+pub(crate) struct Shared<S: DatagramIo> {
     pub(super) sock: S,
     pub(super) cfg: Config,
     pub(super) demux: Mutex<Demux<S::Addr>>,
-    pub(super) rx: Mutex<RxScratch>,
+    pub(super) rx: Mutex<S::RxState>,
     pub(super) accept_notify: Notify,
     pub(super) stats: Stats,
     /// Bytes queued for all peers ([`Config::queued_bytes`]).
@@ -59,7 +55,7 @@ pub(crate) struct Shared<S: DgramSocket> {
     /// `accept` once new peers are what comes in.
     pub(super) accept_in_loop: AtomicBool,
     /// Held while the reader checks that it still is the reader and registers its task in
-    /// the socket's one receive-waker slot ([`DgramSocket::poll_read_ready`]). A task that
+    /// the socket's one receive-waker slot ([`DatagramIo::poll_recv_ready`]). A task that
     /// takes the reader role registers after it took it, so it registers after any task that
     /// still saw itself as the reader: the slot ends with the real reader's waker. (A lock
     /// and one slot rather than a readiness future per wait, which puts the waiter in a
@@ -79,18 +75,20 @@ pub(crate) struct Shared<S: DgramSocket> {
     pub(super) accept_waker: Mutex<Option<Waker>>,
     /// The origin of the connections' receive times (kept as nanoseconds since it).
     pub(super) epoch: Instant,
-    pub(super) spill: SpillPool,
+    pub(super) tx: S::TxState,
     pub(super) idle: Mutex<IdleSweep<S::Addr>>,
 }
 
 /// The server side of a datagram datapath: one bound socket, a connection per peer.
 #[derive(Debug)]
-pub struct Listener<S: DgramSocket> {
+pub struct Listener<S: DatagramIo> {
     pub(super) shared: Arc<Shared<S>>,
 }
 
-impl<S: DgramSocket> Listener<S> {
-    pub(crate) fn new(sock: S, cfg: Config) -> Self {
+impl<S: DatagramIo> Listener<S> {
+    /// A listener on `sock` (a datapath's endpoint, bound already) with `cfg`.
+    pub fn new(sock: S, cfg: Config) -> Self {
+        let rx = Mutex::new(sock.rx_state(&cfg));
         Listener {
             shared: Arc::new(Shared {
                 sock,
@@ -100,7 +98,7 @@ impl<S: DgramSocket> Listener<S> {
                     backlog: VecDeque::new(),
                     silent: VecDeque::new(),
                 }),
-                rx: Mutex::new(RxScratch::new(MAX_BATCH)),
+                rx,
                 accept_notify: Notify::new(),
                 stats: Stats::default(),
                 queued_bytes: Arc::default(),
@@ -114,7 +112,7 @@ impl<S: DgramSocket> Listener<S> {
                 vacancy_waiters: AtomicUsize::new(0),
                 accept_waker: Mutex::new(None),
                 epoch: Instant::now(),
-                spill: SpillPool::default(),
+                tx: S::TxState::default(),
                 idle: Mutex::new(IdleSweep {
                     due: std::collections::BinaryHeap::new(),
                     task: None,
@@ -123,7 +121,7 @@ impl<S: DgramSocket> Listener<S> {
         }
     }
 
-    /// The socket underneath (e.g. for its local address).
+    /// The datapath's endpoint underneath (e.g. for its local address).
     pub fn get_ref(&self) -> &S {
         &self.shared.sock
     }
@@ -186,15 +184,15 @@ impl<S: DgramSocket> Listener<S> {
 
 /// See [`Listener::peer_counter`].
 #[derive(Debug)]
-pub struct PeerCounter<S: DgramSocket>(std::sync::Weak<Shared<S>>);
+pub struct PeerCounter<S: DatagramIo>(std::sync::Weak<Shared<S>>);
 
-impl<S: DgramSocket> Clone for PeerCounter<S> {
+impl<S: DatagramIo> Clone for PeerCounter<S> {
     fn clone(&self) -> Self {
         PeerCounter(self.0.clone())
     }
 }
 
-impl<S: DgramSocket> PeerCounter<S> {
+impl<S: DatagramIo> PeerCounter<S> {
     /// The listener's [`Listener::peer_count`] now; 0 once the listener and all of its
     /// connections are gone.
     pub fn count(&self) -> usize {
@@ -213,7 +211,7 @@ impl<S: DgramSocket> PeerCounter<S> {
     }
 }
 
-impl<S: DgramSocket> Drop for Listener<S> {
+impl<S: DatagramIo> Drop for Listener<S> {
     fn drop(&mut self) {
         // Connections already accepted keep working; new peers are no longer admitted, and
         // peers nobody accepted are forgotten.
@@ -241,7 +239,7 @@ impl<S: DgramSocket> Drop for Listener<S> {
     }
 }
 
-impl<S: DgramSocket> chunnel::Listener for Listener<S> {
+impl<S: DatagramIo> chunnel::Listener for Listener<S> {
     type Connection = ServerConnection<S>;
 
     async fn accept(&mut self) -> Result<ServerConnection<S>, Error> {

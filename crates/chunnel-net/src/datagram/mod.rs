@@ -1,5 +1,7 @@
-//! Datagram sockets (UDP, Unix datagram) as Chunnel connections, shared by [`crate::udp`] and
-//! [`crate::uds`].
+//! Datagram sockets as Chunnel connections: the client connection of kernel UDP and Unix
+//! datagram sockets ([`crate::udp`], [`crate::uds`]), and the one datagram listener of every
+//! datapath — kernel sockets, and any other that implements [`DatagramIo`] (io_uring in
+//! `chunnel-uring`, AF_XDP in `chunnel-xdp`).
 //!
 //! * A **client** connection owns a connected socket and receives with `recvmmsg` straight
 //!   into its own scratch buffer.
@@ -16,18 +18,22 @@
 //!   evicts a peer nobody accepted yet or an accepted one marked silent, or is dropped and
 //!   counted ([`Listener::peer_cap_stats`]).
 //!
-//! Files: `config` (settings), `socket` (the socket trait), `client` (the client connection),
+//! Files: `config` (settings), `datapath` ([`DatagramIo`], what a datapath supplies to a
+//! listener: receive a batch, send a burst; its kernel implementation), `socket` (the kernel
+//! socket trait), `client` (the client connection),
 //! `listener` (the listener, its shared state, `accept`), `server` (a listener's connection),
 //! `demux` (peer table, queues, backlog, admission and eviction), `reader` (which task reads
 //! the socket), `receive` (scratch buffers and the pump), `send`, `idle` (the idle sweep) and
 //! `stats`.
 
 // `DgramSocket` is deliberately crate-private (a sealed trait): users name the concrete types
-// (`udp::Connection`, `uds::DatagramListener`...), never the trait.
+// (`udp::Connection`, `uds::DatagramListener`...), never the trait. The kernel receive and send
+// state types are public only as `DatagramIo` associated types.
 #![allow(private_bounds, private_interfaces)]
 
 mod client;
 mod config;
+mod datapath;
 mod demux;
 mod idle;
 mod listener;
@@ -48,7 +54,10 @@ use crate::sys;
 
 pub use client::Connection;
 pub use config::{Config, SILENT_GRACE};
+pub use datapath::{DatagramIo, RxBatch};
 pub use listener::{Listener, PeerCounter};
+pub use receive::RxScratch;
+pub use send::SpillPool;
 pub use server::ServerConnection;
 
 use chunnel::util::lock;
@@ -73,15 +82,12 @@ macro_rules! peer_addr {
     )+};
 }
 
-peer_addr!(
-    tokio::net::UdpSocket,
-    std::net::SocketAddr,
-    Connection.peer,
-    ServerConnection.peer.addr
-);
-peer_addr!(
-    tokio::net::UnixDatagram,
-    sys::UnixAddr,
-    Connection.peer,
-    ServerConnection.peer.addr
-);
+peer_addr!(tokio::net::UdpSocket, std::net::SocketAddr, Connection.peer);
+peer_addr!(tokio::net::UnixDatagram, sys::UnixAddr, Connection.peer);
+
+impl<S: DatagramIo> ServerConnection<S> {
+    /// The peer this connection talks to.
+    pub fn peer_addr(&self) -> &S::Addr {
+        &self.peer.addr
+    }
+}

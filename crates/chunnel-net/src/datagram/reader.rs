@@ -13,20 +13,20 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::Poll;
 
+use super::datapath::DatagramIo;
 use super::demux::Peer;
 use super::listener::Shared;
 use super::lock;
-use super::socket::DgramSocket;
 
 /// A receive's wait for the reader role (see [`Shared::want_reader_role`]); it stops waiting
 /// on drop. (A receive cancelled after the reader role was offered to it passes the offer on
 /// through its [`ReaderGuard`], armed for that.)
-pub(super) struct Wanting<'a, S: DgramSocket> {
+pub(super) struct Wanting<'a, S: DatagramIo> {
     shared: &'a Shared<S>,
     peer: &'a Peer<S::Addr>,
 }
 
-impl<S: DgramSocket> Drop for Wanting<'_, S> {
+impl<S: DatagramIo> Drop for Wanting<'_, S> {
     fn drop(&mut self) {
         // The connection's last waiting receive takes it off the count; not if the reader role
         // was offered meanwhile (the offering reader reset the count and took it off).
@@ -56,13 +56,13 @@ pub(super) const CONN_READER: u8 = 2;
 /// (its message was queued, or it read one for itself), the role may still be vacant with
 /// connections waiting for it: on drop, after giving up the role if it holds it, one of them is
 /// woken in its stead. (One struct for both, not two: every receive future holds it.)
-pub(super) struct ReaderGuard<'a, S: DgramSocket> {
+pub(super) struct ReaderGuard<'a, S: DatagramIo> {
     shared: &'a Shared<S>,
     role: u8,
     pub(super) armed: bool,
 }
 
-impl<'a, S: DgramSocket> ReaderGuard<'a, S> {
+impl<'a, S: DatagramIo> ReaderGuard<'a, S> {
     /// Not holding the reader role, not armed.
     pub(super) fn new(shared: &'a Shared<S>) -> Self {
         ReaderGuard {
@@ -111,7 +111,7 @@ impl<'a, S: DgramSocket> ReaderGuard<'a, S> {
     }
 }
 
-impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
+impl<S: DatagramIo> Drop for ReaderGuard<'_, S> {
     fn drop(&mut self) {
         // The reader role first, so the next waiter is woken by that before `armed` is looked at.
         self.release();
@@ -125,7 +125,7 @@ impl<S: DgramSocket> Drop for ReaderGuard<'_, S> {
     }
 }
 
-impl<S: DgramSocket> Shared<S> {
+impl<S: DatagramIo> Shared<S> {
     /// Gives up the reader role held as `role` (nothing for [`NO_READER`]), waking the
     /// tasks waiting to take it.
     pub(super) fn release_reader(&self, role: u8) {
@@ -389,6 +389,6 @@ impl<S: DgramSocket> Shared<S> {
         if self.reader.load(Ordering::SeqCst) != role {
             return Poll::Ready(Ok(()));
         }
-        self.sock.poll_read_ready(cx)
+        self.sock.poll_recv_ready(cx)
     }
 }

@@ -6,23 +6,21 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 
-use bytes::{Bytes, BytesMut};
-use tokio::io::Interest;
-
 use crate::sys::{self, DgramAddr, MAX_BATCH, RecvMeta};
+use bytes::{Bytes, BytesMut};
 
 use super::config::Config;
+use super::datapath::DatagramIo;
 use super::demux::{Peer, PeerQueue};
 use super::listener::Shared;
 use super::lock;
-use super::socket::DgramSocket;
-use super::stats::Stats;
 
-/// Per-connection receive state: datagrams land in the thread's [`KernelScratch`], then each
+/// A kernel socket's receive state (a client connection's, or a listener's
+/// [`DatagramIo::RxState`](super::DatagramIo::RxState)): datagrams land in a per-thread kernel scratch, then each
 /// is copied once into `out`, a compact buffer that hands out `Bytes` slices. `out` is
 /// reclaimed in place (no allocation) once the application has dropped the messages it
 /// handed out.
-pub(super) struct RxScratch {
+pub struct RxScratch {
     out: BytesMut,
     /// Next reservation for `out`: starts small (a connection that sees one message does not
     /// fault in 64 KiB) and doubles up to `OUT_BLOCK`.
@@ -75,24 +73,21 @@ impl RxScratch {
     }
 
     /// Reads up to `want` datagrams; calls `deliver(addr, payload)` for each well-formed one,
-    /// and `oversize(addr, prefix, len)` for each larger than `cfg.max_payload` (counted as
-    /// dropped; `prefix` is its first bytes, at most [`chunnel::Oversized::PREFIX`], `len`
-    /// its whole length). Returns the number read from the kernel (including dropped ones).
+    /// and `oversize(addr, prefix, len)` for each larger than `cfg.max_payload` (`prefix` is
+    /// its first bytes, at most [`chunnel::Oversized::PREFIX`], `len` its whole length). Returns the number read from the kernel (including dropped ones).
     /// With `want_addr` false (a connected socket) the senders' addresses are not read:
     /// `addr` is `None`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn read<A: DgramAddr>(
         &mut self,
         fd: RawFd,
         cfg: &Config,
         want: usize,
         want_addr: bool,
-        stats: &Stats,
         deliver: impl FnMut(Option<A>, Bytes),
         oversize: impl FnMut(Option<A>, &[u8], usize),
     ) -> io::Result<usize> {
         KERNEL_SCRATCH.with(|k| match k.try_borrow_mut() {
-            Ok(mut k) => self.read_with(&mut k, fd, cfg, want, want_addr, stats, deliver, oversize),
+            Ok(mut k) => self.read_with(&mut k, fd, cfg, want, want_addr, deliver, oversize),
             // Re-entered from `deliver` (no caller does; kept correct regardless).
             Err(_) => self.read_with(
                 &mut KernelScratch::default(),
@@ -100,7 +95,6 @@ impl RxScratch {
                 cfg,
                 want,
                 want_addr,
-                stats,
                 deliver,
                 oversize,
             ),
@@ -115,7 +109,6 @@ impl RxScratch {
         cfg: &Config,
         want: usize,
         want_addr: bool,
-        stats: &Stats,
         mut deliver: impl FnMut(Option<A>, Bytes),
         mut oversize: impl FnMut(Option<A>, &[u8], usize),
     ) -> io::Result<usize> {
@@ -184,7 +177,6 @@ impl RxScratch {
         }
         for (i, m) in k.metas[..n].iter().enumerate() {
             if !ok(m) {
-                stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
                 let addr = if want_addr {
                     A::from_raw(&m.addr)
                 } else {
@@ -230,7 +222,7 @@ pub(super) struct Direct<'a, A> {
     pub(super) slots: &'a mut [Option<Bytes>],
 }
 
-impl<S: DgramSocket> Shared<S> {
+impl<S: DatagramIo> Shared<S> {
     /// Reads one batch from the socket and sorts it into peer queues (`accept`'s read: the
     /// new peers it finds are in the backlog when it looks next, so it is not notified).
     pub(super) fn pump(&self) -> io::Result<usize> {
@@ -247,95 +239,92 @@ impl<S: DgramSocket> Shared<S> {
         // A connection reads (`accept` otherwise, which needs no notification of new peers).
         let conn_reads = me.is_some();
         let mut rx = lock(&self.rx);
-        let fd = self.sock.as_raw_fd();
         let mut direct = 0;
-        let n = self.sock.try_io_with(Interest::READABLE, || {
-            rx.read::<S::Addr>(
-                fd,
-                &self.cfg,
-                self.cfg.batch,
-                true,
-                &self.stats,
-                |addr, m| {
-                    let Some(addr) = addr else {
-                        return; // unnamed sender: no way to answer it
-                    };
-                    if let Some(me) = me.as_mut()
-                        && direct < me.slots.len()
-                        && addr == me.peer.addr
-                        && !me.peer.closed.load(Ordering::Acquire)
-                    {
-                        // Only while nothing older waits in the queue (order); the queue is
-                        // filled only by pumps, and this one holds the receive lock.
-                        if lock(&me.peer.queue).is_empty() {
-                            me.slots[direct] = Some(m);
-                            direct += 1;
-                            self.set_fresh(false);
-                            return;
-                        }
+        let n = self.sock.recv_batch(
+            &mut rx,
+            &self.cfg,
+            |addr, m| {
+                let Some(addr) = addr else {
+                    return; // unnamed sender: no way to answer it
+                };
+                if let Some(me) = me.as_mut()
+                    && direct < me.slots.len()
+                    && addr == me.peer.addr
+                    && !me.peer.closed.load(Ordering::Acquire)
+                {
+                    // Only while nothing older waits in the queue (order); the queue is
+                    // filled only by pumps, and this one holds the receive lock.
+                    if lock(&me.peer.queue).is_empty() {
+                        me.slots[direct] = Some(m);
+                        direct += 1;
+                        self.set_fresh(false);
+                        return;
                     }
-                    // The queue is filled under the demux lock, so a connection that finds its
-                    // queue empty under that lock and leaves the map can never miss a message.
-                    let mut d = lock(&self.demux);
-                    let known = match d.peers.get(&addr) {
-                        Some(p) if self.starts_another_session(p, &m) => {
-                            // A new client on a known address: the old connection ends (after
-                            // what it has queued) and this datagram starts a new one.
-                            let p = p.clone();
-                            p.idled.store(true, Ordering::Release);
-                            d.leave(&p);
-                            p.notify.notify_waiters();
-                            self.stats.new_sessions.fetch_add(1, Ordering::Relaxed);
-                            None
-                        }
-                        known => known.cloned(),
-                    };
-                    let peer = match known {
-                        Some(p) => p,
-                        None => {
-                            if !self.admit_new(&mut d) {
-                                return;
-                            }
-                            // Nobody waits on a new peer's queue yet.
-                            let session = self.session_of.get().and_then(|f| f(&m)).unwrap_or(0);
-                            let mut q = PeerQueue::counted(&self.queued_bytes);
-                            if q.has_room(&m, &self.cfg) {
-                                q.push_back(m);
-                                self.stats.queued.fetch_add(1, Ordering::Relaxed);
-                            } else {
-                                self.stats
-                                    .dropped_queue_full
-                                    .fetch_add(1, Ordering::Relaxed);
-                            }
-                            let p = self.new_peer(addr, q);
-                            p.session.store(session, Ordering::Relaxed);
-                            d.peers.insert(p.clone());
-                            d.backlog.push_back(p);
-                            drop(d);
-                            if conn_reads {
-                                self.accept_notify.notify_one();
-                            }
-                            self.set_fresh(true);
+                }
+                // The queue is filled under the demux lock, so a connection that finds its
+                // queue empty under that lock and leaves the map can never miss a message.
+                let mut d = lock(&self.demux);
+                let known = match d.peers.get(&addr) {
+                    Some(p) if self.starts_another_session(p, &m) => {
+                        // A new client on a known address: the old connection ends (after
+                        // what it has queued) and this datagram starts a new one.
+                        let p = p.clone();
+                        p.idled.store(true, Ordering::Release);
+                        d.leave(&p);
+                        p.notify.notify_waiters();
+                        self.stats.new_sessions.fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
+                    known => known.cloned(),
+                };
+                let peer = match known {
+                    Some(p) => p,
+                    None => {
+                        if !self.admit_new(&mut d) {
                             return;
                         }
-                    };
-                    self.set_fresh(false);
-                    let mut q = lock(&peer.queue);
-                    if !q.has_room(&m, &self.cfg) {
-                        self.stats
-                            .dropped_queue_full
-                            .fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        q.push_back(m);
-                        self.stats.queued.fetch_add(1, Ordering::Relaxed);
-                        drop(q);
+                        // Nobody waits on a new peer's queue yet.
+                        let session = self.session_of.get().and_then(|f| f(&m)).unwrap_or(0);
+                        let mut q = PeerQueue::counted(&self.queued_bytes);
+                        if q.has_room(&m, &self.cfg) {
+                            q.push_back(m);
+                            self.stats.queued.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            self.stats
+                                .dropped_queue_full
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
+                        let p = self.new_peer(addr, q);
+                        p.session.store(session, Ordering::Relaxed);
+                        d.peers.insert(p.clone());
+                        d.backlog.push_back(p);
                         drop(d);
-                        peer.notify.notify_one();
+                        if conn_reads {
+                            self.accept_notify.notify_one();
+                        }
+                        self.set_fresh(true);
+                        return;
                     }
-                },
-                |addr, prefix, len| self.note_oversized(addr, prefix, len, conn_reads),
-            )
-        })?;
+                };
+                self.set_fresh(false);
+                let mut q = lock(&peer.queue);
+                if !q.has_room(&m, &self.cfg) {
+                    self.stats
+                        .dropped_queue_full
+                        .fetch_add(1, Ordering::Relaxed);
+                } else {
+                    q.push_back(m);
+                    self.stats.queued.fetch_add(1, Ordering::Relaxed);
+                    drop(q);
+                    drop(d);
+                    peer.notify.notify_one();
+                }
+            },
+            |addr, prefix, len| {
+                self.stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
+                self.note_oversized(addr, prefix, len, conn_reads)
+            },
+        )?;
         if direct > 0 {
             self.stats
                 .direct

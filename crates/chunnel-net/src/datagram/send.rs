@@ -16,12 +16,13 @@ use super::config::Config;
 use super::socket::DgramSocket;
 use super::{conn_err, lock};
 
-/// Spare vectors for [`Spill`]: a send that has to wait for writability with messages it
-/// already took from its burst parks them in one of these, so neither the messages nor a
+/// A kernel socket's send state ([`DatagramIo::TxState`](super::DatagramIo::TxState)): spare
+/// vectors for a send that has to wait for writability with messages it already took from its
+/// burst, which parks them in one of these, so neither the messages nor a
 /// batch-sized array live in the send future. Reused, so a blocked send does not allocate
 /// once the pool is warm.
 #[derive(Debug, Default)]
-pub(super) struct SpillPool(Mutex<Vec<Vec<Bytes>>>);
+pub struct SpillPool(Mutex<Vec<Vec<Bytes>>>);
 
 /// Spare vectors kept per socket (one per send blocked at the same time, beyond which they
 /// are freed).

@@ -9,23 +9,22 @@ use std::sync::atomic::Ordering;
 use bytes::Bytes;
 use chunnel::{ChunnelConnection, Error, SendHeader};
 
+use super::datapath::DatagramIo;
 use super::demux::{Demux, Peer, PeerQueue};
 use super::listener::Shared;
 use super::reader::{CONN_READER, ReaderGuard};
 use super::receive::Direct;
-use super::send::{send_burst, try_send_now};
-use super::socket::DgramSocket;
 use super::{conn_err, lock};
 
 /// A server-side connection to one peer of a [`Listener`](super::Listener).
 #[derive(Debug)]
-pub struct ServerConnection<S: DgramSocket> {
+pub struct ServerConnection<S: DatagramIo> {
     pub(super) shared: Arc<Shared<S>>,
     /// The peer's state on the listener, its address included.
     pub(super) peer: Arc<Peer<S::Addr>>,
 }
 
-impl<S: DgramSocket> ServerConnection<S> {
+impl<S: DatagramIo> ServerConnection<S> {
     /// Closes the connection and frees its state on the listener; later calls fail with
     /// [`Error::Closed`]. A datagram the same peer sends afterwards starts a new connection.
     pub fn close(&self) {
@@ -64,13 +63,13 @@ impl<S: DgramSocket> ServerConnection<S> {
     }
 }
 
-impl<S: DgramSocket> Drop for ServerConnection<S> {
+impl<S: DatagramIo> Drop for ServerConnection<S> {
     fn drop(&mut self) {
         self.close();
     }
 }
 
-impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
+impl<S: DatagramIo> chunnel::PeerHandoff for ServerConnection<S> {
     fn hand_off(&self, first: Bytes) -> bool {
         let sh = &self.shared;
         let mut d = lock(&sh.demux);
@@ -144,7 +143,7 @@ impl<S: DgramSocket> chunnel::PeerHandoff for ServerConnection<S> {
     }
 }
 
-impl<S: DgramSocket> SendHeader for ServerConnection<S> {
+impl<S: DatagramIo> SendHeader for ServerConnection<S> {
     fn send_with_header<'a, B>(
         &'a self,
         header: &'a [u8],
@@ -155,15 +154,13 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
         B::IntoIter: Send,
     {
         let sh = &self.shared;
-        send_burst(
-            &sh.sock,
+        sh.sock.send_burst(
+            &sh.tx,
             &sh.cfg,
-            Some(&self.peer.addr),
             &self.peer.addr,
             header,
             burst,
-            &sh.spill,
-            Some(&self.peer.closed),
+            &self.peer.closed,
         )
     }
 
@@ -172,18 +169,11 @@ impl<S: DgramSocket> SendHeader for ServerConnection<S> {
             return Some(Err(Error::Closed));
         }
         let sh = &self.shared;
-        try_send_now(
-            &sh.sock,
-            &sh.cfg,
-            Some(&self.peer.addr),
-            &self.peer.addr,
-            header,
-            msg,
-        )
+        sh.sock.try_send_one(&sh.cfg, &self.peer.addr, header, msg)
     }
 }
 
-impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
+impl<S: DatagramIo> ChunnelConnection for ServerConnection<S> {
     type Data = Bytes;
 
     fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), Error>> + Send
@@ -192,15 +182,13 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
         B::IntoIter: Send,
     {
         let sh = &self.shared;
-        send_burst(
-            &sh.sock,
+        sh.sock.send_burst(
+            &sh.tx,
             &sh.cfg,
-            Some(&self.peer.addr),
             &self.peer.addr,
             &[],
             burst,
-            &sh.spill,
-            Some(&self.peer.closed),
+            &self.peer.closed,
         )
     }
 
@@ -288,7 +276,7 @@ impl<S: DgramSocket> ChunnelConnection for ServerConnection<S> {
 /// `accept`, not from a Chunnel); under a reconfigurable select it sits below
 /// [`chunnel::Shared`], so the queue outlives the switch and the new branch reads it. Exporting
 /// the queue would only move it, needlessly, into the switch's carry-over queue.
-impl<S: DgramSocket> chunnel::Handover for ServerConnection<S> {
+impl<S: DatagramIo> chunnel::Handover for ServerConnection<S> {
     fn export(&self, _: &mut chunnel::Handoff<Self::Data>) {}
     fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
 }

@@ -46,6 +46,9 @@ pub(crate) struct Driver<R> {
     send_done: Notify,
     /// Woken (one waiter) when a `send` reaped datagrams for a client's receivers.
     pub(crate) rx_notify: Notify,
+    /// The task polling for datagrams ([`Driver::poll_ready`] through a listener's
+    /// `poll_recv_ready`), woken as `rx_notify` is.
+    pub(crate) rx_waker: Mutex<Option<std::task::Waker>>,
     /// Whether a task holds the reader role: the right to wait for the ring to become
     /// readable, held by one task at a time.
     reader: AtomicBool,
@@ -156,6 +159,7 @@ impl<R: Rx> Driver<R> {
             cfg,
             send_done: Notify::new(),
             rx_notify: Notify::new(),
+            rx_waker: Mutex::new(None),
             reader: AtomicBool::new(false),
             waiters: AtomicUsize::new(0),
             reader_vacant: Notify::new(),
@@ -177,6 +181,32 @@ impl<R: Rx> Driver<R> {
             self.send_done.notify_waiters();
         }
         Ok(r)
+    }
+
+    /// Polls the ring for completions, registering `cx` in its one poll slot; on `Ready` the
+    /// readiness is cleared before the caller reaps (a completion posted after the reap marks
+    /// the descriptor ready again).
+    pub(crate) fn poll_ready(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.afd.poll_read_ready(cx) {
+            std::task::Poll::Ready(Ok(mut g)) => {
+                g.clear_ready();
+                std::task::Poll::Ready(Ok(()))
+            }
+            std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+
+    /// Wakes whoever waits for datagrams a `send` reaped: one client receive, or the task
+    /// registered by a listener's `poll_recv_ready`.
+    fn wake_receiver(&self) {
+        self.rx_notify.notify_one();
+        if let Some(w) = lock(&self.rx_waker).take() {
+            w.wake();
+        }
     }
 
     /// Waits until the ring may have completions — if no other task is already waiting for
@@ -306,8 +336,8 @@ impl<R: Rx> Driver<R> {
         loop {
             let delivered = {
                 let mut g = self.lock();
-                if !submitted && g.free.len() < n {
-                    self.pump(&mut g).map_err(err)?;
+                if !submitted && g.free.len() < n && self.pump(&mut g).map_err(err)?.delivered > 0 {
+                    self.wake_receiver();
                 }
                 if !submitted && g.free.len() >= n {
                     for (i, m) in msgs.iter_mut().enumerate() {
@@ -328,15 +358,15 @@ impl<R: Rx> Driver<R> {
                 if submitted && let Some(res) = flight.collect(&mut g) {
                     drop(g);
                     if r.delivered > 0 {
-                        // Datagrams reaped on behalf of the client's receivers.
-                        self.rx_notify.notify_one();
+                        // Datagrams reaped on behalf of the receivers.
+                        self.wake_receiver();
                     }
                     return res.map_err(err);
                 }
                 r.delivered
             };
             if delivered > 0 {
-                self.rx_notify.notify_one();
+                self.wake_receiver();
             }
             // Register, then look once more: a reap by another task between the look above
             // and the registration would otherwise go unnoticed.
@@ -353,7 +383,9 @@ impl<R: Rx> Driver<R> {
                 if ready {
                     continue;
                 }
-                self.pump(&mut g).map_err(err)?;
+                if self.pump(&mut g).map_err(err)?.delivered > 0 {
+                    self.wake_receiver();
+                }
             }
             self.wait_ready(done).await.map_err(io_err("send"))?;
         }

@@ -248,7 +248,18 @@ impl<R: Rx> Inner<R> {
                 self.rx.deliver(from, payload, stats);
                 done.delivered += 1;
             }
-            _ => {
+            Ok(m) => {
+                let from = if R::NAME_LEN > 0 {
+                    decode_addr(m.name_data())
+                } else {
+                    None
+                };
+                let data = m.payload_data();
+                let len = (m.incoming_payload_len() as usize).max(data.len());
+                let prefix = &data[..data.len().min(chunnel::Oversized::PREFIX)];
+                self.rx.oversize(from, prefix, len, stats);
+            }
+            Err(_) => {
                 stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
             }
         }

@@ -13,18 +13,18 @@ use bytes::Bytes;
 pub(crate) struct Stats {
     pub(crate) dropped_oversize: AtomicU64,
     pub(crate) dropped_queue_full: AtomicU64,
-    pub(crate) dropped_backlog_full: AtomicU64,
-    /// Datagrams from new peers dropped at the listener's peer cap.
-    pub(crate) dropped_peer_cap: AtomicU64,
-    /// Peers waiting for `accept` evicted at the peer cap.
-    pub(crate) evicted: AtomicU64,
 }
 
-/// Where reaped datagrams go: the client's queue, or the listener's demultiplexer.
+/// Where reaped datagrams go: the client's queue, or the batch a listener sorts next.
 pub(crate) trait Rx: Send {
     /// Address bytes to receive with every datagram (0 for a connected client).
     const NAME_LEN: u32;
     fn deliver(&mut self, from: Option<SocketAddr>, msg: Bytes, stats: &Stats);
+    /// A datagram over `max_payload` (`len` bytes, `prefix` its first ones): dropped and
+    /// counted.
+    fn oversize(&mut self, _from: Option<SocketAddr>, _prefix: &[u8], _len: usize, stats: &Stats) {
+        stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
+    }
     fn error(&mut self, e: io::Error);
 }
 
