@@ -10,7 +10,7 @@ use chunnel::{Capability, Chunnel, ChunnelConnection, Negotiate};
 
 use crate::broker::{Broker, Consumer, Incoming, Member, Outgoing, Producer, check_name};
 use crate::id::{DedupWindow, IdSource};
-use crate::{Delivery, Error, Ordering};
+use crate::{Delivery, Error, Offer, Ordering};
 
 /// Settings shared by publishers and subscribers.
 #[derive(Clone, Debug)]
@@ -42,14 +42,13 @@ impl Default for Config {
     }
 }
 
-const ID: &str = "chunnel/pubsub/1";
-
 fn capabilities(broker: &'static str, ordering: Ordering, delivery: Delivery) -> Vec<Capability> {
-    vec![
-        Capability::exact("pubsub-broker", [broker]),
-        Capability::exact("pubsub-ordering", [ordering.label()]),
-        Capability::exact("pubsub-delivery", [delivery.label()]),
-    ]
+    Offer {
+        broker,
+        ordering,
+        delivery,
+    }
+    .capabilities()
 }
 
 /// Runs `op` until it succeeds, fails with a non-transient error, or `limit` has passed since
@@ -119,7 +118,7 @@ impl<B: Broker> Publish<B> {
 
 impl<B: Broker> Negotiate for Publish<B> {
     fn id(&self) -> &'static str {
-        ID
+        crate::ID
     }
     fn capabilities(&self) -> Vec<Capability> {
         capabilities(B::NAME, self.broker.ordering(), self.config.delivery)
@@ -248,7 +247,7 @@ impl<B: Broker> Subscribe<B> {
 
 impl<B: Broker> Negotiate for Subscribe<B> {
     fn id(&self) -> &'static str {
-        ID
+        crate::ID
     }
     fn capabilities(&self) -> Vec<Capability> {
         capabilities(B::NAME, self.broker.ordering(), self.config.delivery)

@@ -13,6 +13,9 @@
 //! committed position, or at the earliest record. Rebalancing when members come and go is not
 //! implemented. rskafka takes records as `Vec<u8>`, so publishing copies each payload once.
 
+/// The rskafka crate this backend uses (for direct use beside the Chunnels).
+pub use rskafka;
+
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};

@@ -42,17 +42,20 @@
 //!
 //! # Example
 //!
-//! Publish and subscribe through Redis Streams (needs a `redis-server` on `REDIS_URL`; the
-//! tests start their own):
+//! Publish and subscribe through Redis Streams (feature `redis`; the hidden lines start a
+//! redis-server on a free port, as the tests do):
 //!
-//! ```no_run
+//! ```
 //! # #[cfg(feature = "redis")]
-//! # async fn run() -> Result<(), chunnel::Error> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel::Error> {
+//! # let scratch = chunnel_test::services::Scratch::new("pubsub-doc");
+//! # let (_server, url) = chunnel_test::brokers::redis(&scratch);
 //! use bytes::Bytes;
 //! use chunnel::{Chunnel, ChunnelConnection, ConnectionExt};
 //! use chunnel_pubsub::{Config, Member, Publish, Subscribe, redis::RedisBroker};
 //!
-//! let broker = RedisBroker::new("redis://127.0.0.1:16379/")?;
+//! let broker = RedisBroker::new(&url)?; // redis://127.0.0.1:<port>/
 //! let config = Config::default();
 //! let publisher = Publish::new(broker.clone(), "orders", config.clone())
 //!     .connect_wrap(())
@@ -60,12 +63,16 @@
 //! let subscriber = Subscribe::new(broker, "orders", Member::sole("billing"), config)
 //!     .connect_wrap(())
 //!     .await?;
-//! publisher.send([Bytes::from_static(b"one"), Bytes::from_static(b"two")]).await?;
+//! publisher
+//!     .send([Bytes::from_static(b"one"), Bytes::from_static(b"two")])
+//!     .await?;
 //! assert_eq!(subscriber.recv_one().await?, "one");
 //! assert_eq!(subscriber.recv_one().await?, "two");
 //! subscriber.ack().await?;
 //! # Ok(())
 //! # }
+//! # #[cfg(not(feature = "redis"))]
+//! # fn main() {}
 //! ```
 #![warn(missing_docs)]
 
@@ -85,6 +92,35 @@ pub use broker::{Broker, Consumer, Incoming, Member, Outgoing, Producer};
 pub use conn::{Config, Publish, Publisher, SubStats, Subscribe, Subscriber};
 pub use error::Error;
 pub use id::MsgId;
+
+/// The negotiation id of the pub/sub Chunnels.
+pub const ID: &str = "chunnel/pubsub/1";
+
+/// What a pub/sub Chunnel offers in negotiation, without a broker connection: [`Publish`] and
+/// [`Subscribe`] describe themselves through it, and a party that only states requirements
+/// (a rendezvous member, documentation) can build one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Offer {
+    /// `kafka`, `nats` or `redis` ([`Broker::NAME`]).
+    pub broker: &'static str,
+    /// The order a group member gets.
+    pub ordering: Ordering,
+    /// How acknowledgements are done.
+    pub delivery: Delivery,
+}
+
+impl chunnel::Negotiate for Offer {
+    fn id(&self) -> &'static str {
+        ID
+    }
+    fn capabilities(&self) -> Vec<chunnel::Capability> {
+        vec![
+            chunnel::Capability::exact("pubsub-broker", [self.broker]),
+            chunnel::Capability::exact("pubsub-ordering", [self.ordering.label()]),
+            chunnel::Capability::exact("pubsub-delivery", [self.delivery.label()]),
+        ]
+    }
+}
 
 /// The order in which a group member receives the messages of one publisher.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -125,5 +161,49 @@ impl Delivery {
             Delivery::AtMostOnce => "at-most-once",
             Delivery::AtLeastOnce => "at-least-once",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chunnel::Negotiate;
+
+    use super::*;
+
+    fn compatible(a: &Offer, b: &Offer) -> bool {
+        let (a, b) = (a.capabilities(), b.capabilities());
+        a.len() == b.len() && a.iter().all(|c| b.iter().any(|d| c.compatible(d)))
+    }
+
+    #[test]
+    fn offers_match_on_broker_ordering_and_delivery() {
+        let kafka = Offer {
+            broker: "kafka",
+            ordering: Ordering::PerKey,
+            delivery: Delivery::AtLeastOnce,
+        };
+        assert!(compatible(&kafka, &kafka));
+        assert!(!compatible(
+            &kafka,
+            &Offer {
+                broker: "nats",
+                ..kafka
+            }
+        ));
+        assert!(!compatible(
+            &kafka,
+            &Offer {
+                ordering: Ordering::Total,
+                ..kafka
+            }
+        ));
+        assert!(!compatible(
+            &kafka,
+            &Offer {
+                delivery: Delivery::AtMostOnce,
+                ..kafka
+            }
+        ));
+        assert_eq!(kafka.id(), ID);
     }
 }

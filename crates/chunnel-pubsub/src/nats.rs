@@ -8,6 +8,9 @@
 //! to one member), so a member gets them in no promised order ([`Ordering::None`]); a message
 //! not acknowledged within [`NatsBroker::ack_wait`] is redelivered. Keys are not carried.
 
+/// The async-nats crate this backend uses (for direct use beside the Chunnels).
+pub use async_nats;
+
 use std::collections::VecDeque;
 use std::time::Duration;
 

@@ -9,6 +9,9 @@
 //! member name), then new ones. Durability is the server's: the tests run redis-server with an
 //! append-only file.
 
+/// The redis crate this backend uses (for direct use beside the Chunnels).
+pub use ::redis as client;
+
 use std::collections::VecDeque;
 use std::time::Duration;
 

@@ -178,8 +178,8 @@ pub async fn group_split<B: Broker>(broker: B) {
                     a.insert(p.clone(), *n);
                 }
             }
-            let m = mine.lock().unwrap().clone();
-            m
+            let guard = mine.lock().unwrap();
+            guard.clone()
         });
     }
     let mut shares = Vec::new();
