@@ -21,6 +21,11 @@ command -v protoc >/dev/null 2>&1 || need_pkgs+=(protobuf-compiler)
 command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
 command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
 command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)  # chunnel-secure's interop tests
+# chunnel-pubsub's tests and `chunnel-bench pubsub` start nats-server (JetStream) and Kafka 4.1
+# (jars from Maven Central through scripts/kafka/fetch.sh, cached under ~/.cache/chunnel).
+command -v nats-server >/dev/null 2>&1 || need_pkgs+=(nats-server)
+command -v java >/dev/null 2>&1 || need_pkgs+=(default-jre-headless)
+command -v mvn >/dev/null 2>&1 || need_pkgs+=(maven)
 # The font `chunnel-bench report` draws its plots' text with (feature `report`).
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if ((${#need_pkgs[@]})); then
@@ -45,7 +50,10 @@ for src in crates/*/src; do python3 scripts/module-cycles.py "$src" > /dev/null 
 export CHUNNEL_XDP_REQUIRE=1
 
 # Optional backends that need servers or build tools are features; the suite enables them all.
-FEATURES="chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report"
+FEATURES="chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report,chunnel-pubsub/kafka,chunnel-pubsub/nats,chunnel-pubsub/redis,chunnel-bench/pubsub"
+
+log "Kafka 4.1 jars for the pub/sub tests (Maven Central, cached)"
+./scripts/kafka/fetch.sh
 
 log "cargo clippy --all-targets -D warnings (default features, then all backends)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -147,6 +155,18 @@ for b, sizes in d["backends"].items():
             s = sizes[n][what]
             assert s["n"] == 3 and s["p50_ms"] > 0, (b, n, what, s)
 print("bench JSON ok:", {b: v["4"]["commit"]["p50_ms"] for b, v in d["backends"].items()})'
+
+log "chunnel-bench pubsub (short run: Chunnel vs client crate per broker, each broker started here)"
+cargo run --release --locked -q -p chunnel-bench --features pubsub -- pubsub --msgs 200 --reps 1 \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "pubsub" and set(d["brokers"]) == {"redis", "nats", "kafka"}, d
+for b, v in d["brokers"].items():
+    for side in ("chunnel", "direct"):
+        s = v[side]
+        assert s["latency_p50_us"] > 0 and s["throughput_msgs_per_s"] > 0, (b, side, s)
+print("bench JSON ok:", {b: (round(v["ratio_latency_p50"], 2), round(v["ratio_throughput"], 2)) for b, v in d["brokers"].items()})'
 
 log "chunnel-bench datapaths (short run: kernel UDP, io_uring, shared memory, AF_XDP vs raw; Figure 7)"
 cargo run --release --locked -q -p chunnel-bench -- datapaths --msgs 2000 --reps 2 \

@@ -17,6 +17,7 @@ mod negotiate;
 mod negotiate_flood;
 mod overhead;
 mod probe;
+mod pubsub;
 mod reconfig;
 mod rendezvous;
 mod report;
@@ -65,6 +66,8 @@ enum Cmd {
     Xdp(xdp::Args),
     /// TLS over TCP and QUIC: chunnel-secure vs tokio-rustls and quinn used directly.
     Secure(secure::Args),
+    /// Pub/sub over Kafka, NATS JetStream, Redis Streams: Chunnel vs the client crates.
+    Pubsub(pubsub::Args),
     /// Runs every figure, writes docs/figures/*.json and plots, regenerates docs/evaluation.md.
     Report(report::Args),
     /// Soak: the KV store under YCSB with live switches, server restarts, malformed frames.
@@ -86,6 +89,7 @@ fn main() -> Result<()> {
         Cmd::Datapaths(a) => datapaths::run(a),
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
+        Cmd::Pubsub(a) => pubsub::run(a),
         Cmd::Report(a) => report::run(a),
         Cmd::Soak(a) => soak::run(a),
         Cmd::Probe(a) => probe::run(a),

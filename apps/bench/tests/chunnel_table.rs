@@ -140,6 +140,36 @@ fn table() -> String {
             &["host-shm"],
         ),
         row(
+            &chunnel_pubsub::Offer {
+                broker: "kafka",
+                ordering: chunnel_pubsub::Ordering::PerKey,
+                delivery: chunnel_pubsub::Delivery::AtLeastOnce,
+            },
+            "chunnel-pubsub",
+            "datapath: pub/sub over Kafka (feature `kafka`; ordering `total` with one partition)",
+            &[],
+        ),
+        row(
+            &chunnel_pubsub::Offer {
+                broker: "nats",
+                ordering: chunnel_pubsub::Ordering::None,
+                delivery: chunnel_pubsub::Delivery::AtLeastOnce,
+            },
+            "chunnel-pubsub",
+            "datapath: pub/sub over NATS JetStream (feature `nats`)",
+            &[],
+        ),
+        row(
+            &chunnel_pubsub::Offer {
+                broker: "redis",
+                ordering: chunnel_pubsub::Ordering::None,
+                delivery: chunnel_pubsub::Delivery::AtLeastOnce,
+            },
+            "chunnel-pubsub",
+            "datapath: pub/sub over Redis Streams (feature `redis`)",
+            &[],
+        ),
+        row(
             &Noop,
             "chunnel",
             "transform: pass-through (measures composition)",

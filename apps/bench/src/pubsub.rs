@@ -1,0 +1,519 @@
+//! `chunnel-bench pubsub`: publish→deliver latency and throughput through the pub/sub
+//! Chunnels (`chunnel-pubsub`) against the same broker's client crate used directly, per
+//! broker (Redis Streams, NATS JetStream, Kafka), in the same run (needs the feature
+//! `pubsub`).
+//!
+//! The benchmark starts each broker itself on free loopback ports (as the tests do) and stops
+//! it by PID. Both variants run in one current-thread runtime, the publisher and the
+//! subscriber as two futures of one task, and do the same broker work per message: the
+//! publisher waits for the broker's acknowledgement of every burst; the subscriber reads as a
+//! group member and acknowledges what it read (Redis `XACK`, a JetStream ack; Kafka has no
+//! groups in rskafka: the direct client fetches by offset, the Chunnel also commits its
+//! position in the background).
+//!
+//! * latency: one message in flight, `msgs` timed messages after a warm-up; the time from the
+//!   start of the publish (which waits for the broker's acknowledgement) to the subscriber's
+//!   receive returning the message, the two done one after the other by one task.
+//! * throughput: `msgs * 10` messages of `size` bytes published in bursts of `burst` while the
+//!   subscriber receives them; messages per second from the first send to the last receipt.
+//!
+//! Variants alternate within each repetition; figures are medians over `reps` with the
+//! Chunnel/direct ratios (latency ≤ 1.1 and throughput ≥ 0.9 are the bars of issue 23).
+
+use anyhow::Result;
+use serde_json::Value;
+
+#[derive(clap::Args, Clone)]
+pub(crate) struct Args {
+    /// Timed messages per latency measurement (throughput sends ten times as many).
+    #[arg(long, default_value_t = 2000)]
+    msgs: usize,
+    /// Repetitions (each runs both variants).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Payload size in bytes.
+    #[arg(long, default_value_t = 64)]
+    size: usize,
+    /// Messages per published burst in the throughput run.
+    #[arg(long, default_value_t = 100)]
+    burst: usize,
+    /// Brokers to measure, comma separated: redis, nats, kafka.
+    #[arg(long, default_value = "redis,nats,kafka")]
+    brokers: String,
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    let out = measure(&a)?;
+    println!("{out}");
+    Ok(())
+}
+
+#[cfg(not(feature = "pubsub"))]
+fn measure(_: &Args) -> Result<Value> {
+    anyhow::bail!("chunnel-bench was built without the feature `pubsub` (--features pubsub)")
+}
+
+#[cfg(feature = "pubsub")]
+fn measure(a: &Args) -> Result<Value> {
+    imp::measure(a)
+}
+
+#[cfg(feature = "pubsub")]
+mod imp {
+    use std::time::{Duration, Instant};
+
+    use anyhow::{Context, Result, bail};
+    use bytes::Bytes;
+    use chunnel::{Chunnel, ChunnelConnection};
+    use chunnel_pubsub::{Broker, Config, Member, Publish, Publisher, Subscribe, Subscriber};
+    use chunnel_test::services::Scratch;
+    use serde_json::{Value, json};
+
+    use super::Args;
+    use crate::stats::{median, quantile};
+
+    const WARMUP: usize = 100;
+
+    /// One side of a measured pair: publish a burst (acknowledged), receive some.
+    trait Pair {
+        async fn publish(&mut self, burst: &[Bytes]) -> Result<()>;
+        /// Receives at least one message; returns how many.
+        async fn receive(&mut self) -> Result<usize>;
+    }
+
+    struct Lib<B: Broker> {
+        publisher: Publisher<B::Producer>,
+        subscriber: Subscriber<B::Consumer>,
+        slots: Vec<Option<Bytes>>,
+    }
+
+    async fn lib<B: Broker>(broker: B, topic: &str) -> Result<Lib<B>> {
+        let config = Config::default();
+        let publisher = Publish::new(broker.clone(), topic, config.clone())
+            .connect_wrap(())
+            .await?;
+        let subscriber = Subscribe::new(broker, topic, Member::sole("bench"), config)
+            .connect_wrap(())
+            .await?;
+        Ok(Lib {
+            publisher,
+            subscriber,
+            slots: vec![None; 256],
+        })
+    }
+
+    impl<B: Broker> Pair for Lib<B> {
+        async fn publish(&mut self, burst: &[Bytes]) -> Result<()> {
+            Ok(self.publisher.send(burst.iter().cloned()).await?)
+        }
+        async fn receive(&mut self) -> Result<usize> {
+            let n = self.subscriber.recv(&mut self.slots).await?;
+            for s in &mut self.slots[..n] {
+                s.take();
+            }
+            Ok(n)
+        }
+    }
+
+    fn payloads(n: usize, size: usize) -> Vec<Bytes> {
+        (0..n).map(|i| Bytes::from(vec![i as u8; size])).collect()
+    }
+
+    /// Latencies in µs, sorted: publish one message (acknowledged by the broker), then
+    /// receive it.
+    async fn latency(p: &mut impl Pair, msgs: usize, size: usize) -> Result<Vec<f64>> {
+        let one = payloads(1, size);
+        let mut out = Vec::with_capacity(msgs);
+        for i in 0..WARMUP + msgs {
+            let start = Instant::now();
+            p.publish(&one).await?;
+            let mut got = 0;
+            while got == 0 {
+                got = p.receive().await?;
+            }
+            if i >= WARMUP {
+                out.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        out.sort_by(f64::total_cmp);
+        Ok(out)
+    }
+
+    /// Messages per second.
+    async fn throughput(p: &mut impl Pair, total: usize, a: &Args) -> Result<f64> {
+        let burst = payloads(a.burst, a.size);
+        let start = Instant::now();
+        let mut got = 0;
+        let mut sent = 0;
+        while got < total {
+            if sent < total && sent < got + 4 * a.burst {
+                p.publish(&burst).await?;
+                sent += a.burst;
+            } else {
+                got += p.receive().await?;
+            }
+        }
+        Ok(total as f64 / start.elapsed().as_secs_f64())
+    }
+
+    struct Figures {
+        p50: Vec<f64>,
+        p99: Vec<f64>,
+        tput: Vec<f64>,
+    }
+
+    impl Figures {
+        fn new() -> Self {
+            Figures {
+                p50: vec![],
+                p99: vec![],
+                tput: vec![],
+            }
+        }
+        fn add(&mut self, lat: &[f64], tput: f64) {
+            self.p50.push(quantile(lat, 0.5));
+            self.p99.push(quantile(lat, 0.99));
+            self.tput.push(tput);
+        }
+        fn med(xs: &[f64]) -> f64 {
+            let mut v = xs.to_vec();
+            v.sort_by(f64::total_cmp);
+            median(&v)
+        }
+        fn json(&self) -> Value {
+            json!({
+                "latency_p50_us": Self::med(&self.p50),
+                "latency_p99_us": Self::med(&self.p99),
+                "throughput_msgs_per_s": Self::med(&self.tput),
+                "runs": {"p50_us": self.p50, "p99_us": self.p99, "throughput": self.tput},
+            })
+        }
+    }
+
+    async fn run_pair(p: &mut impl Pair, a: &Args, f: &mut Figures) -> Result<()> {
+        let lat = latency(p, a.msgs, a.size).await?;
+        let t = throughput(p, a.msgs * 10, a).await?;
+        f.add(&lat, t);
+        Ok(())
+    }
+
+    fn compare(lib: &Figures, direct: &Figures) -> Value {
+        let l50 = Figures::med(&lib.p50) / Figures::med(&direct.p50);
+        let l99 = Figures::med(&lib.p99) / Figures::med(&direct.p99);
+        let t = Figures::med(&lib.tput) / Figures::med(&direct.tput);
+        json!({
+            "chunnel": lib.json(),
+            "direct": direct.json(),
+            "ratio_latency_p50": l50,
+            "ratio_latency_p99": l99,
+            "ratio_throughput": t,
+            "latency_within_1_1x": l50 <= 1.1,
+            "throughput_at_least_0_9x": t >= 0.9,
+        })
+    }
+
+    fn topic(what: &str, rep: usize) -> String {
+        format!("bench-{what}-{}-{rep}", std::process::id())
+    }
+
+    mod redis_direct {
+        use super::*;
+        use chunnel_pubsub::redis::RedisBroker;
+        use chunnel_pubsub::redis::client as redis;
+        use redis::aio::ConnectionManager;
+        use redis::streams::StreamReadReply;
+
+        pub(super) struct Direct {
+            publisher: ConnectionManager,
+            subscriber: ConnectionManager,
+            topic: String,
+        }
+
+        pub(super) async fn direct(broker: &RedisBroker, topic: &str) -> Result<Direct> {
+            let mut subscriber = broker.connection().await?;
+            redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(topic)
+                .arg("bench")
+                .arg("0")
+                .arg("MKSTREAM")
+                .query_async::<()>(&mut subscriber)
+                .await?;
+            Ok(Direct {
+                publisher: broker.connection().await?,
+                subscriber,
+                topic: topic.to_owned(),
+            })
+        }
+
+        impl Pair for Direct {
+            async fn publish(&mut self, burst: &[Bytes]) -> Result<()> {
+                let mut pipe = redis::pipe();
+                for (i, b) in burst.iter().enumerate() {
+                    pipe.cmd("XADD")
+                        .arg(&self.topic)
+                        .arg("*")
+                        .arg("i")
+                        .arg(&(i as u128).to_be_bytes()[..])
+                        .arg("d")
+                        .arg(&b[..])
+                        .ignore();
+                }
+                pipe.query_async::<()>(&mut self.publisher).await?;
+                Ok(())
+            }
+            async fn receive(&mut self) -> Result<usize> {
+                let reply: Option<StreamReadReply> = redis::cmd("XREADGROUP")
+                    .arg("GROUP")
+                    .arg("bench")
+                    .arg("c")
+                    .arg("COUNT")
+                    .arg(256)
+                    .arg("BLOCK")
+                    .arg(100)
+                    .arg("STREAMS")
+                    .arg(&self.topic)
+                    .arg(">")
+                    .query_async(&mut self.subscriber)
+                    .await?;
+                let ids: Vec<String> = reply
+                    .into_iter()
+                    .flat_map(|r| r.keys)
+                    .flat_map(|k| k.ids)
+                    .map(|e| e.id)
+                    .collect();
+                if !ids.is_empty() {
+                    redis::cmd("XACK")
+                        .arg(&self.topic)
+                        .arg("bench")
+                        .arg(&ids)
+                        .query_async::<()>(&mut self.subscriber)
+                        .await?;
+                }
+                Ok(ids.len())
+            }
+        }
+    }
+
+    mod nats_direct {
+        use super::*;
+        use async_nats::jetstream::consumer;
+        use chunnel_pubsub::nats::NatsBroker;
+        use chunnel_pubsub::nats::async_nats;
+        use futures::StreamExt;
+
+        pub(super) struct Direct {
+            js: async_nats::jetstream::Context,
+            messages: consumer::pull::Stream,
+            topic: String,
+        }
+
+        pub(super) async fn direct(broker: &NatsBroker, topic: &str) -> Result<Direct> {
+            let stream = broker.ensure_stream(topic).await?;
+            let consumer: consumer::PullConsumer = stream
+                .get_or_create_consumer(
+                    "bench",
+                    consumer::pull::Config {
+                        durable_name: Some("bench".into()),
+                        ack_policy: consumer::AckPolicy::Explicit,
+                        max_ack_pending: 1024,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let messages = consumer
+                .stream()
+                .max_messages_per_batch(256)
+                .messages()
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            Ok(Direct {
+                js: broker.jetstream().clone(),
+                messages,
+                topic: topic.to_owned(),
+            })
+        }
+
+        impl Pair for Direct {
+            async fn publish(&mut self, burst: &[Bytes]) -> Result<()> {
+                let mut acks = Vec::with_capacity(burst.len());
+                for b in burst {
+                    acks.push(
+                        self.js
+                            .publish(self.topic.clone(), b.clone())
+                            .await
+                            .map_err(|e| anyhow::anyhow!("{e}"))?,
+                    );
+                }
+                for a in acks {
+                    a.await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
+                Ok(())
+            }
+            async fn receive(&mut self) -> Result<usize> {
+                let m = self
+                    .messages
+                    .next()
+                    .await
+                    .context("pull stream ended")?
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                m.ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                Ok(1)
+            }
+        }
+    }
+
+    mod kafka_direct {
+        use super::*;
+        use chunnel_pubsub::kafka::KafkaBroker;
+        use chunnel_pubsub::kafka::rskafka;
+        use rskafka::client::partition::{
+            Compression, OffsetAt, PartitionClient, UnknownTopicHandling,
+        };
+        use rskafka::record::Record;
+
+        pub(super) struct Direct {
+            part: PartitionClient,
+            pos: i64,
+        }
+
+        pub(super) async fn direct(broker: &KafkaBroker, topic: &str) -> Result<Direct> {
+            broker.ensure_topic(topic, 1).await?;
+            let part = broker
+                .client()
+                .partition_client(topic, 0, UnknownTopicHandling::Retry)
+                .await?;
+            let pos = part.get_offset(OffsetAt::Latest).await?;
+            Ok(Direct { part, pos })
+        }
+
+        impl Pair for Direct {
+            async fn publish(&mut self, burst: &[Bytes]) -> Result<()> {
+                let records = burst
+                    .iter()
+                    .map(|b| Record {
+                        key: None,
+                        value: Some(b.to_vec()),
+                        headers: Default::default(),
+                        timestamp: rskafka::chrono::DateTime::from_timestamp_millis(0)
+                            .unwrap_or_default(),
+                    })
+                    .collect();
+                self.part
+                    .produce(records, Compression::NoCompression)
+                    .await?;
+                Ok(())
+            }
+            async fn receive(&mut self) -> Result<usize> {
+                loop {
+                    let (records, _) = self.part.fetch_records(self.pos, 1..4 << 20, 100).await?;
+                    let n = records.iter().filter(|r| r.offset >= self.pos).count();
+                    if let Some(last) = records.last() {
+                        self.pos = self.pos.max(last.offset + 1);
+                    }
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn measure(a: &Args) -> Result<Value> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let mut out = serde_json::Map::new();
+        for b in a
+            .brokers
+            .split(',')
+            .map(str::trim)
+            .filter(|b| !b.is_empty())
+        {
+            let scratch = Scratch::new(&format!("bench-{b}"));
+            let v = match b {
+                "redis" => {
+                    let (_server, url) = chunnel_test::brokers::redis(&scratch);
+                    rt.block_on(async {
+                        let broker = chunnel_pubsub::redis::RedisBroker::new(&url)?;
+                        let (mut l, mut d) = (Figures::new(), Figures::new());
+                        for rep in 0..a.reps {
+                            let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
+                            let mut dp =
+                                redis_direct::direct(&broker, &topic("direct", rep)).await?;
+                            both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                        }
+                        anyhow::Ok(compare(&l, &d))
+                    })?
+                }
+                "nats" => {
+                    let (_server, addr) = chunnel_test::brokers::nats(&scratch);
+                    rt.block_on(async {
+                        let broker = chunnel_pubsub::nats::NatsBroker::connect(
+                            &addr,
+                            Duration::from_secs(10),
+                        )
+                        .await?;
+                        let (mut l, mut d) = (Figures::new(), Figures::new());
+                        for rep in 0..a.reps {
+                            let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
+                            let mut dp =
+                                nats_direct::direct(&broker, &topic("direct", rep)).await?;
+                            both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                        }
+                        anyhow::Ok(compare(&l, &d))
+                    })?
+                }
+                "kafka" => {
+                    let (_server, addr) = chunnel_test::brokers::kafka(&scratch);
+                    rt.block_on(async {
+                        let broker = chunnel_pubsub::kafka::KafkaBroker::connect(
+                            vec![addr],
+                            1,
+                            Duration::from_secs(30),
+                        )
+                        .await?;
+                        let (mut l, mut d) = (Figures::new(), Figures::new());
+                        for rep in 0..a.reps {
+                            let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
+                            let mut dp =
+                                kafka_direct::direct(&broker, &topic("direct", rep)).await?;
+                            both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                        }
+                        anyhow::Ok(compare(&l, &d))
+                    })?
+                }
+                other => bail!("unknown broker {other:?} (redis, nats, kafka)"),
+            };
+            out.insert(b.to_owned(), v);
+        }
+        Ok(json!({
+            "bench": "pubsub",
+            "msgs": a.msgs,
+            "reps": a.reps,
+            "size": a.size,
+            "burst": a.burst,
+            "brokers": out,
+        }))
+    }
+
+    /// Both variants once, alternating which goes first.
+    async fn both(
+        rep: usize,
+        lp: &mut impl Pair,
+        dp: &mut impl Pair,
+        a: &Args,
+        l: &mut Figures,
+        d: &mut Figures,
+    ) -> Result<()> {
+        if rep.is_multiple_of(2) {
+            run_pair(lp, a, l).await?;
+            run_pair(dp, a, d).await?;
+        } else {
+            run_pair(dp, a, d).await?;
+            run_pair(lp, a, l).await?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,459 @@
+//! Kafka through rskafka (feature `kafka`).
+//!
+//! A topic has a fixed number of partitions ([`KafkaBroker::connect`]'s `partitions`; every
+//! client of a topic must use the same). A keyed message goes to partition
+//! `fnv1a(key) % partitions`, so equal keys keep their order ([`Ordering::PerKey`];
+//! [`Ordering::Total`] with one partition); an unkeyed burst goes to one partition, chosen
+//! round-robin per burst. The message id travels in front of the record's value (4 bytes
+//! `chn1`, then the 16-byte id; a value without them is delivered whole, without an id): 20
+//! bytes a record, fewer than a record header would take.
+//!
+//! Large bursts: rskafka 0.6 writes a request's length and its body as two writes on a socket
+//! without `TCP_NODELAY`, so a produce request above roughly 8 KB waits for the broker's
+//! delayed ACK (about 40 ms). `chunnel-bench pubsub` sees it with the client crate alone as
+//! much as through this Chunnel: 100 messages of 84 bytes a burst publish about 2k messages/s
+//! where 100 of 64 bytes publish over 100k. Keep a burst's bytes under that size.
+//!
+//! rskafka has no consumer groups, so a group is static: member `index` of `count` owns
+//! partitions `p` with `p % count == index`. Acknowledged positions are committed by a
+//! background task to the topic `chunnel-offsets` (key `group/topic/partition`, value the next
+//! offset), the latest ones at most every 200 ms; a member starts at its group's last
+//! committed position, or at the earliest record, so a member that restarts gets again what
+//! was acknowledged in its last 200 ms (its new dedup window does not know those ids). Rebalancing when members come and go is not
+//! implemented. rskafka takes records as `Vec<u8>`, so publishing copies each payload once.
+
+/// The rskafka crate this backend uses (for direct use beside the Chunnels).
+pub use rskafka;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rskafka::BackoffConfig;
+use rskafka::client::error::{Error as KError, ProtocolError};
+use rskafka::client::partition::{Compression, OffsetAt, PartitionClient, UnknownTopicHandling};
+use rskafka::client::{Client, ClientBuilder};
+use rskafka::record::Record;
+
+use crate::broker::{Broker, Consumer, Incoming, Member, Outgoing, Producer};
+use crate::{Error, MsgId, Ordering};
+
+const NAME: &str = "kafka";
+/// Marks a record value that starts with a message id.
+const MAGIC: &[u8; 4] = b"chn1";
+/// The magic and the 16-byte id in front of the payload.
+const PREFIX: usize = 4 + 16;
+/// How often acknowledged positions are committed (at most).
+const COMMIT_EVERY: Duration = Duration::from_millis(200);
+const OFFSETS_TOPIC: &str = "chunnel-offsets";
+const FETCH_MAX_BYTES: i32 = 4 << 20;
+
+fn unavailable(op: &'static str, e: KError) -> Error {
+    Error::Unavailable {
+        broker: NAME,
+        op,
+        waited: Duration::ZERO,
+        last: e.to_string(),
+    }
+}
+
+/// A Kafka cluster (one bootstrap list), shared by the Chunnels that use it.
+#[derive(Clone)]
+pub struct KafkaBroker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    partitions: i32,
+    op_timeout: Duration,
+}
+
+impl std::fmt::Debug for KafkaBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaBroker")
+            .field("partitions", &self.inner.partitions)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaBroker {
+    /// Connects to the cluster through `bootstrap` (`host:port` each), for topics of
+    /// `partitions` partitions. Every broker operation is retried at most `op_timeout`.
+    pub async fn connect(
+        bootstrap: Vec<String>,
+        partitions: i32,
+        op_timeout: Duration,
+    ) -> Result<KafkaBroker, Error> {
+        if partitions < 1 {
+            return Err(Error::Config {
+                what: format!("{partitions} partitions"),
+            });
+        }
+        let backoff = BackoffConfig {
+            init_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(500),
+            base: 2.,
+            deadline: Some(op_timeout),
+        };
+        let build = ClientBuilder::new(bootstrap)
+            .client_id("chunnel-pubsub")
+            .backoff_config(backoff)
+            .build();
+        let client = match tokio::time::timeout(op_timeout, build).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(unavailable("connect", e)),
+            Err(_) => {
+                return Err(Error::Unavailable {
+                    broker: NAME,
+                    op: "connect",
+                    waited: op_timeout,
+                    last: "timed out".into(),
+                });
+            }
+        };
+        Ok(KafkaBroker {
+            inner: Arc::new(Inner {
+                client,
+                partitions,
+                op_timeout,
+            }),
+        })
+    }
+
+    /// The underlying rskafka client (the benchmark uses it directly as the baseline).
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// Creates `topic` with `partitions` partitions unless it exists.
+    pub async fn ensure_topic(&self, topic: &str, partitions: i32) -> Result<(), Error> {
+        let controller = self
+            .inner
+            .client
+            .controller_client()
+            .map_err(|e| unavailable("create topic", e))?;
+        match controller.create_topic(topic, partitions, 1, 5_000).await {
+            Ok(()) => Ok(()),
+            Err(KError::ServerError {
+                protocol_error: ProtocolError::TopicAlreadyExists,
+                ..
+            }) => Ok(()),
+            Err(e) => Err(unavailable("create topic", e)),
+        }
+    }
+
+    async fn partition(&self, topic: &str, p: i32) -> Result<Arc<PartitionClient>, Error> {
+        self.inner
+            .client
+            .partition_client(topic, p, UnknownTopicHandling::Retry)
+            .await
+            .map(Arc::new)
+            .map_err(|e| unavailable("open partition", e))
+    }
+}
+
+/// The wall-clock time of a record.
+fn now() -> rskafka::chrono::DateTime<rskafka::chrono::Utc> {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    rskafka::chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default()
+}
+
+/// FNV-1a: a key's partition, the same in every process.
+fn fnv1a(key: &[u8]) -> u64 {
+    key.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn record(m: &Outgoing) -> Record {
+    let mut value = Vec::with_capacity(PREFIX + m.payload.len());
+    value.extend_from_slice(MAGIC);
+    value.extend_from_slice(&m.id.to_bytes());
+    value.extend_from_slice(&m.payload);
+    Record {
+        key: m.key.as_ref().map(|k| k.to_vec()),
+        value: Some(value),
+        headers: BTreeMap::new(),
+        timestamp: now(),
+    }
+}
+
+/// A record value's message id and payload: the id if the value starts with [`MAGIC`] (then
+/// the payload follows it), else no id and the whole value.
+fn split_value(value: Bytes) -> (Option<MsgId>, Bytes) {
+    if value.len() >= PREFIX && value.starts_with(MAGIC) {
+        let id = MsgId::from_bytes(&value[MAGIC.len()..PREFIX]);
+        (id, value.slice(PREFIX..))
+    } else {
+        (None, value)
+    }
+}
+
+impl Broker for KafkaBroker {
+    const NAME: &'static str = NAME;
+    type Producer = KafkaProducer;
+    type Consumer = KafkaConsumer;
+
+    fn ordering(&self) -> Ordering {
+        if self.inner.partitions == 1 {
+            Ordering::Total
+        } else {
+            Ordering::PerKey
+        }
+    }
+
+    async fn producer(&self, topic: &str) -> Result<KafkaProducer, Error> {
+        self.ensure_topic(topic, self.inner.partitions).await?;
+        let mut parts = Vec::with_capacity(self.inner.partitions as usize);
+        for p in 0..self.inner.partitions {
+            parts.push(self.partition(topic, p).await?);
+        }
+        Ok(KafkaProducer {
+            parts,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    async fn consumer(
+        &self,
+        topic: &str,
+        member: &Member,
+        _prefetch: usize,
+    ) -> Result<KafkaConsumer, Error> {
+        self.ensure_topic(topic, self.inner.partitions).await?;
+        self.ensure_topic(OFFSETS_TOPIC, 1).await?;
+        let offsets = self.partition(OFFSETS_TOPIC, 0).await?;
+        let key = |p: i32| format!("{}/{topic}/{p}", member.group);
+        let committed = read_commits(&offsets).await?;
+        let mut parts = Vec::new();
+        let mut keys = Vec::new();
+        for p in (0..self.inner.partitions).filter(|p| *p as u32 % member.count == member.index) {
+            let client = self.partition(topic, p).await?;
+            let k = key(p);
+            let pos = match committed.get(&k) {
+                Some(&pos) => pos,
+                None => client
+                    .get_offset(OffsetAt::Earliest)
+                    .await
+                    .map_err(|e| unavailable("read offset", e))?,
+            };
+            keys.push(k);
+            parts.push(Part { client, pos });
+        }
+        let (commit, rx) = tokio::sync::watch::channel(Vec::new());
+        tokio::spawn(committer(offsets, keys, rx, self.inner.op_timeout));
+        Ok(KafkaConsumer {
+            parts,
+            next: 0,
+            commit,
+            acked: Vec::new(),
+        })
+    }
+}
+
+/// The last committed position of every key in the offsets topic.
+async fn read_commits(offsets: &PartitionClient) -> Result<HashMap<String, i64>, Error> {
+    let end = offsets
+        .get_offset(OffsetAt::Latest)
+        .await
+        .map_err(|e| unavailable("read offsets", e))?;
+    let mut pos = offsets
+        .get_offset(OffsetAt::Earliest)
+        .await
+        .map_err(|e| unavailable("read offsets", e))?;
+    let mut out = HashMap::new();
+    while pos < end {
+        let (records, _) = offsets
+            .fetch_records(pos, 1..FETCH_MAX_BYTES, 100)
+            .await
+            .map_err(|e| unavailable("read offsets", e))?;
+        let Some(last) = records.last() else { break };
+        pos = last.offset + 1;
+        for r in records {
+            let (Some(k), Some(v)) = (r.record.key, r.record.value) else {
+                continue;
+            };
+            let (Ok(k), Ok(v)) = (String::from_utf8(k), <[u8; 8]>::try_from(v.as_slice())) else {
+                continue;
+            };
+            out.insert(k, i64::from_be_bytes(v));
+        }
+    }
+    Ok(out)
+}
+
+/// Commits the latest positions (one per owned partition, -1 for none yet) until the consumer
+/// is dropped; a failed commit is retried with whatever is latest then.
+async fn committer(
+    offsets: Arc<PartitionClient>,
+    keys: Vec<String>,
+    mut rx: tokio::sync::watch::Receiver<Vec<i64>>,
+    op_timeout: Duration,
+) {
+    let mut done = vec![-1i64; keys.len()];
+    while rx.changed().await.is_ok() {
+        let latest = rx.borrow_and_update().clone();
+        let records: Vec<Record> = keys
+            .iter()
+            .zip(&latest)
+            .zip(&done)
+            .filter(|((_, new), old)| *new > *old)
+            .map(|((k, new), _)| Record {
+                key: Some(k.clone().into_bytes()),
+                value: Some(new.to_be_bytes().to_vec()),
+                headers: BTreeMap::new(),
+                timestamp: now(),
+            })
+            .collect();
+        if records.is_empty() {
+            continue;
+        }
+        let r = tokio::time::timeout(
+            op_timeout,
+            offsets.produce(records, Compression::NoCompression),
+        )
+        .await;
+        match r {
+            Ok(Ok(_)) => done = latest,
+            _ => {
+                tracing::debug!("kafka offset commit failed; retrying");
+                rx.mark_changed();
+            }
+        }
+        // Positions acknowledged meanwhile are committed together, the latest only.
+        tokio::time::sleep(COMMIT_EVERY).await;
+    }
+}
+
+/// Publishes to one Kafka topic.
+pub struct KafkaProducer {
+    parts: Vec<Arc<PartitionClient>>,
+    next: AtomicUsize,
+}
+
+impl Producer for KafkaProducer {
+    async fn publish(&self, batch: &[Outgoing]) -> Result<(), Error> {
+        let n = self.parts.len();
+        if n == 1 || batch.iter().all(|m| m.key.is_none()) {
+            let p = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
+            let records = batch.iter().map(record).collect();
+            self.parts[p]
+                .produce(records, Compression::NoCompression)
+                .await
+                .map_err(|e| unavailable("produce", e))?;
+            return Ok(());
+        }
+        let rr = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
+        let mut by_part: Vec<Vec<Record>> = (0..n).map(|_| Vec::new()).collect();
+        for m in batch {
+            let p = match &m.key {
+                Some(k) => (fnv1a(k) % n as u64) as usize,
+                None => rr,
+            };
+            by_part[p].push(record(m));
+        }
+        for (p, records) in by_part.into_iter().enumerate() {
+            if !records.is_empty() {
+                self.parts[p]
+                    .produce(records, Compression::NoCompression)
+                    .await
+                    .map_err(|e| unavailable("produce", e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Part {
+    client: Arc<PartitionClient>,
+    /// The next offset to fetch.
+    pos: i64,
+}
+
+/// One member of a (static) Kafka group.
+pub struct KafkaConsumer {
+    parts: Vec<Part>,
+    next: usize,
+    commit: tokio::sync::watch::Sender<Vec<i64>>,
+    /// The next offset after the highest acknowledged one, per owned partition (-1: none).
+    acked: Vec<i64>,
+}
+
+/// Acknowledges one Kafka record: its owned-partition index and offset.
+#[derive(Clone, Copy, Debug)]
+pub struct KafkaToken {
+    part: u32,
+    offset: i64,
+}
+
+impl Consumer for KafkaConsumer {
+    type Token = KafkaToken;
+
+    async fn fetch(
+        &mut self,
+        max: usize,
+        wait: Duration,
+        out: &mut VecDeque<Incoming<KafkaToken>>,
+    ) -> Result<(), Error> {
+        let n = self.parts.len();
+        if n == 0 {
+            // More members than partitions: this one owns none.
+            tokio::time::sleep(wait).await;
+            return Ok(());
+        }
+        let wait_ms = (wait.as_millis() as usize / n).clamp(1, i32::MAX as usize) as i32;
+        for _ in 0..n {
+            let i = self.next % n;
+            self.next = self.next.wrapping_add(1);
+            let part = &mut self.parts[i];
+            let (records, _hwm) = part
+                .client
+                .fetch_records(part.pos, 1..FETCH_MAX_BYTES, wait_ms)
+                .await
+                .map_err(|e| unavailable("fetch", e))?;
+            let mut got = 0;
+            for r in records {
+                if r.offset < part.pos {
+                    continue;
+                }
+                if got == max {
+                    break;
+                }
+                part.pos = r.offset + 1;
+                got += 1;
+                let value = r.record.value.map(Bytes::from).unwrap_or_default();
+                let (id, payload) = split_value(value);
+                out.push_back(Incoming {
+                    id,
+                    key: r.record.key.map(Bytes::from),
+                    payload,
+                    token: KafkaToken {
+                        part: i as u32,
+                        offset: r.offset,
+                    },
+                });
+            }
+            if got > 0 {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    async fn ack(&mut self, tokens: &mut Vec<KafkaToken>) -> Result<(), Error> {
+        if self.acked.len() != self.parts.len() {
+            self.acked = vec![-1; self.parts.len()];
+        }
+        for t in tokens.drain(..) {
+            let a = &mut self.acked[t.part as usize];
+            *a = (*a).max(t.offset + 1);
+        }
+        self.commit.send_replace(self.acked.clone());
+        Ok(())
+    }
+}

@@ -1,0 +1,420 @@
+//! The scenarios every broker runs (issue 23 items 1, 5, 6), generic over the broker.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use chunnel::{Chunnel, ChunnelConnection};
+use chunnel_pubsub::{Broker, Config, Error, Member, Publish, Subscribe, Subscriber};
+
+use super::{Server, unique};
+
+/// Fast settings for tests: short polls, a small prefetch, `op_timeout` as given.
+pub fn config(op_timeout: Duration) -> Config {
+    Config {
+        op_timeout,
+        prefetch: 64,
+        poll: Duration::from_millis(50),
+        ..Config::default()
+    }
+}
+
+type Counts = Arc<Mutex<HashMap<Bytes, usize>>>;
+
+/// Receives into `counts` until it holds `want` distinct payloads or `limit` passes;
+/// transient errors (a broker restarting) are retried.
+async fn collect<C: chunnel_pubsub::Consumer>(
+    sub: &Subscriber<C>,
+    counts: &Counts,
+    want: usize,
+    limit: Duration,
+    per_message: Duration,
+) {
+    let deadline = Instant::now() + limit;
+    let mut slots = vec![None; 16];
+    while counts.lock().unwrap().len() < want && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_millis(500), sub.recv(&mut slots)).await {
+            Err(_) => continue,
+            Ok(Err(e)) => {
+                eprintln!("recv: {e} (retrying)");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(Ok(n)) => {
+                {
+                    let mut c = counts.lock().unwrap();
+                    for s in &mut slots[..n] {
+                        *c.entry(s.take().unwrap()).or_default() += 1;
+                    }
+                }
+                if !per_message.is_zero() {
+                    tokio::time::sleep(per_message * n as u32).await;
+                }
+            }
+        }
+    }
+}
+
+fn payload(publisher: usize, i: usize) -> Bytes {
+    Bytes::from(format!("p{publisher}-{i}"))
+}
+
+fn check_exactly_once(counts: &Counts, expect: impl Iterator<Item = Bytes>, what: &str) {
+    let c = counts.lock().unwrap();
+    let mut missing = Vec::new();
+    let mut n = 0;
+    for p in expect {
+        n += 1;
+        match c.get(&p) {
+            None => missing.push(p),
+            Some(1) => {}
+            Some(k) => panic!("{what}: {p:?} delivered {k} times"),
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "{what}: {} of {n} messages never arrived, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
+    assert_eq!(c.len(), n, "{what}: messages nobody sent arrived");
+}
+
+/// Four publishers at once, 250 messages each in bursts of 5; one subscriber gets all 1,000
+/// exactly once.
+pub async fn concurrent_publishers<B: Broker>(broker: B) {
+    let topic = unique("conc");
+    let cfg = config(Duration::from_secs(20));
+    let sub = Subscribe::new(broker.clone(), &topic, Member::sole("g"), cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("subscribe");
+    let mut tasks = tokio::task::JoinSet::new();
+    for p in 0..4 {
+        let mut chunnel = Publish::new(broker.clone(), &topic, cfg.clone());
+        tasks.spawn(async move {
+            let publisher = chunnel.connect_wrap(()).await.expect("publisher");
+            for b in 0..50 {
+                publisher
+                    .send((0..5).map(|k| payload(p, b * 5 + k)))
+                    .await
+                    .expect("publish");
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    let counts = Counts::default();
+    collect(&sub, &counts, 1000, Duration::from_secs(30), Duration::ZERO).await;
+    // Anything more (a duplicate) would show up now.
+    collect(
+        &sub,
+        &counts,
+        1001,
+        Duration::from_millis(300),
+        Duration::ZERO,
+    )
+    .await;
+    check_exactly_once(
+        &counts,
+        (0..4).flat_map(|p| (0..250).map(move |i| payload(p, i))),
+        "concurrent publishers",
+    );
+}
+
+/// Two members of one group split a keyed stream of 400 messages: each gets some, together
+/// all, none twice.
+pub async fn group_split<B: Broker>(broker: B) {
+    let topic = unique("split");
+    let cfg = Config {
+        prefetch: 8,
+        ..config(Duration::from_secs(20))
+    };
+    let mut subs = Vec::new();
+    for i in 0..2 {
+        subs.push(Arc::new(
+            Subscribe::new(
+                broker.clone(),
+                &topic,
+                Member::nth("grp", i, 2),
+                cfg.clone(),
+            )
+            .connect_wrap(())
+            .await
+            .expect("subscribe"),
+        ));
+    }
+    let publisher = Publish::new(broker.clone(), &topic, cfg.clone())
+        .keyed_by(|p| Some(p.slice(p.len() - 1..)))
+        .connect_wrap(())
+        .await
+        .expect("publisher");
+    for b in 0..40 {
+        publisher
+            .send((0..10).map(|k| payload(0, b * 10 + k)))
+            .await
+            .expect("publish");
+    }
+    let all = Counts::default();
+    let mut tasks = tokio::task::JoinSet::new();
+    for sub in &subs {
+        let (sub, all) = (sub.clone(), all.clone());
+        tasks.spawn(async move {
+            let mine = Counts::default();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while all.lock().unwrap().len() < 400 && Instant::now() < deadline {
+                let before = mine.lock().unwrap().len();
+                collect(
+                    &sub,
+                    &mine,
+                    before + 1,
+                    Duration::from_millis(200),
+                    Duration::from_millis(2),
+                )
+                .await;
+                let mut a = all.lock().unwrap();
+                for (p, n) in mine.lock().unwrap().iter() {
+                    a.insert(p.clone(), *n);
+                }
+            }
+            let guard = mine.lock().unwrap();
+            guard.clone()
+        });
+    }
+    let mut shares = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        shares.push(r.unwrap());
+    }
+    for (i, s) in shares.iter().enumerate() {
+        assert!(
+            !s.is_empty(),
+            "member {i} got nothing: the group did not split"
+        );
+        assert!(
+            s.values().all(|n| *n == 1),
+            "member {i} got a message twice"
+        );
+    }
+    let overlap = shares[0]
+        .keys()
+        .filter(|k| shares[1].contains_key(*k))
+        .count();
+    assert_eq!(overlap, 0, "{overlap} messages went to both members");
+    check_exactly_once(&all, (0..400).map(|i| payload(0, i)), "group split");
+    eprintln!("group split: {} / {}", shares[0].len(), shares[1].len());
+}
+
+/// The broker is SIGKILLed and restarted while a publisher sends 1,500 messages and a
+/// subscriber receives them: every message the publisher got acknowledged arrives, each once.
+pub async fn restart_mid_stream<B: Broker>(
+    broker: B,
+    server: &mut Server,
+    restart_timeout: Duration,
+) {
+    let topic = unique("restart");
+    let cfg = config(Duration::from_secs(60));
+    let sub = Arc::new(
+        Subscribe::new(broker.clone(), &topic, Member::sole("g"), cfg.clone())
+            .connect_wrap(())
+            .await
+            .expect("subscribe"),
+    );
+    let publisher = Publish::new(broker.clone(), &topic, cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("publisher");
+    let counts = Counts::default();
+    let receiver = {
+        let (sub, counts) = (sub.clone(), counts.clone());
+        tokio::spawn(async move {
+            collect(
+                &sub,
+                &counts,
+                1500,
+                Duration::from_secs(120),
+                Duration::ZERO,
+            )
+            .await;
+        })
+    };
+    let sending = tokio::spawn(async move {
+        for b in 0..150 {
+            publisher
+                .send((0..10).map(|k| payload(0, b * 10 + k)))
+                .await
+                .expect("publish failed although the broker came back within op_timeout");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while counts.lock().unwrap().len() < 300 {
+        assert!(
+            Instant::now() < deadline,
+            "fewer than 300 messages in 30 s before the kill"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let pid = server.pid();
+    server.stop();
+    eprintln!(
+        "killed {} (pid {pid:?}) after {} messages",
+        server.name,
+        counts.lock().unwrap().len()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::task::block_in_place(|| server.restart(restart_timeout));
+    eprintln!("restarted {} (pid {:?})", server.name, server.pid());
+    tokio::time::timeout(Duration::from_secs(90), sending)
+        .await
+        .expect("publisher did not finish within 90 s of the restart")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(120), receiver)
+        .await
+        .expect("subscriber did not finish")
+        .unwrap();
+    collect(
+        &sub,
+        &counts,
+        1501,
+        Duration::from_millis(500),
+        Duration::ZERO,
+    )
+    .await;
+    check_exactly_once(
+        &counts,
+        (0..1500).map(|i| payload(0, i)),
+        "restart mid-stream",
+    );
+    eprintln!(
+        "restart: duplicates dropped by the subscriber: {}",
+        sub.stats().await.duplicates
+    );
+}
+
+fn unavailable(e: &chunnel::Error) -> bool {
+    match e {
+        chunnel::Error::Layer { source, .. } => {
+            matches!(
+                source.downcast_ref::<Error>(),
+                Some(Error::Unavailable { .. })
+            )
+        }
+        _ => false,
+    }
+}
+
+/// With the broker dead, publishing, receiving and opening a connection each fail with
+/// `Error::Unavailable` within a bounded wait.
+pub async fn dead_broker<B: Broker>(broker: B, server: &mut Server) {
+    let topic = unique("dead");
+    let op = Duration::from_secs(2);
+    let bound = op * 2 + Duration::from_secs(3);
+    let cfg = config(op);
+    let sub = Subscribe::new(broker.clone(), &topic, Member::sole("g"), cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("subscribe");
+    let publisher = Publish::new(broker.clone(), &topic, cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("publisher");
+    publisher
+        .send([Bytes::from_static(b"before")])
+        .await
+        .expect("publish");
+    server.stop();
+    let t = Instant::now();
+    let e = tokio::time::timeout(bound * 2, publisher.send([Bytes::from_static(b"after")]))
+        .await
+        .expect("publish to a dead broker hung")
+        .expect_err("publish to a dead broker succeeded");
+    assert!(unavailable(&e), "publish: not Unavailable: {e}");
+    assert!(
+        t.elapsed() < bound,
+        "publish took {:?} to fail (bound {bound:?})",
+        t.elapsed()
+    );
+    eprintln!("publish failed after {:?}: {e}", t.elapsed());
+
+    let t = Instant::now();
+    let mut slots = vec![None; 4];
+    let mut first = true;
+    let e = loop {
+        // The message sent before the kill may still come out of the subscriber's buffer.
+        match tokio::time::timeout(bound * 2, sub.recv(&mut slots)).await {
+            Err(_) => panic!("recv from a dead broker hung"),
+            Ok(Ok(_)) if first => first = false,
+            Ok(Ok(n)) => panic!("recv from a dead broker returned {n} messages"),
+            Ok(Err(e)) => break e,
+        }
+    };
+    assert!(unavailable(&e), "recv: not Unavailable: {e}");
+    assert!(
+        t.elapsed() < bound,
+        "recv took {:?} to fail (bound {bound:?})",
+        t.elapsed()
+    );
+    eprintln!("recv failed after {:?}: {e}", t.elapsed());
+
+    let t = Instant::now();
+    let e = tokio::time::timeout(
+        bound * 2,
+        Publish::new(broker.clone(), unique("dead2"), cfg).connect_wrap(()),
+    )
+    .await
+    .expect("connecting to a dead broker hung")
+    .err()
+    .expect("connected to a dead broker");
+    assert!(unavailable(&e), "connect: not Unavailable: {e}");
+    assert!(
+        t.elapsed() < bound,
+        "connect took {:?} to fail (bound {bound:?})",
+        t.elapsed()
+    );
+}
+
+/// A subscriber whose application takes one message every 5 ms while 2,000 wait at the broker
+/// holds at most `prefetch` fetched and `prefetch` unacknowledged messages at any time.
+pub async fn slow_consumer<B: Broker>(broker: B) {
+    let topic = unique("slow");
+    let cfg = Config {
+        prefetch: 8,
+        ..config(Duration::from_secs(20))
+    };
+    let publisher = Publish::new(broker.clone(), &topic, cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("publisher");
+    for b in 0..20 {
+        publisher
+            .send((0..100).map(|k| payload(0, b * 100 + k)))
+            .await
+            .expect("publish");
+    }
+    let sub = Subscribe::new(broker.clone(), &topic, Member::sole("g"), cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("subscribe");
+    let mut slot = [None];
+    let mut max_buffered = 0;
+    for i in 0..100 {
+        let n = tokio::time::timeout(Duration::from_secs(10), sub.recv(&mut slot))
+            .await
+            .expect("recv hung")
+            .expect("recv");
+        assert_eq!(n, 1);
+        let got = slot[0].take().unwrap();
+        if broker.ordering() == chunnel_pubsub::Ordering::Total {
+            assert_eq!(got, payload(0, i), "out of order from one publisher");
+        }
+        let s = sub.stats().await;
+        assert!(
+            s.buffered <= 8 && s.unacked <= 8,
+            "subscriber holds {s:?} with prefetch 8"
+        );
+        max_buffered = max_buffered.max(s.buffered);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(max_buffered > 0, "the subscriber never prefetched");
+}
