@@ -20,6 +20,7 @@ mod probe;
 mod reconfig;
 mod rendezvous;
 mod report;
+mod sched;
 mod secure;
 mod shm;
 mod soak;
@@ -65,6 +66,8 @@ enum Cmd {
     Xdp(xdp::Args),
     /// TLS over TCP and QUIC: chunnel-secure vs tokio-rustls and quinn used directly.
     Secure(secure::Args),
+    /// Packet scheduler determinism: a 1 ms flow's latency under bulk, FIFO vs priority vs TAS.
+    Sched(sched::Args),
     /// Runs every figure, writes docs/figures/*.json and plots, regenerates docs/evaluation.md.
     Report(report::Args),
     /// Soak: the KV store under YCSB with live switches, server restarts, malformed frames.
@@ -86,6 +89,7 @@ fn main() -> Result<()> {
         Cmd::Datapaths(a) => datapaths::run(a),
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
+        Cmd::Sched(a) => sched::run(a),
         Cmd::Report(a) => report::run(a),
         Cmd::Soak(a) => soak::run(a),
         Cmd::Probe(a) => probe::run(a),

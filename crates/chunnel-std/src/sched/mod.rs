@@ -304,9 +304,15 @@ async fn drive<C: ChunnelConnection>(
         if shared.closing.load(Ordering::Acquire) {
             deadline.get_or_insert(now + linger);
         }
+        // Marked before the queue is emptied, so `flush` never sees an empty queue while a
+        // burst is on its way to the inner connection.
+        shared.sending.store(true, Ordering::Release);
         let d = shared.lock().next(now, &mut burst);
-        if !burst.is_empty() {
-            shared.sending.store(true, Ordering::Release);
+        if burst.is_empty() {
+            shared.sending.store(false, Ordering::Release);
+            // A `flush` that saw the mark with an empty queue checks again.
+            shared.room.notify_waiters();
+        } else {
             shared.room.notify_waiters();
             let send = inner.send(burst.drain(..));
             let r = match deadline {
