@@ -142,6 +142,17 @@ for m in (d["switch_pause"]["lock-free"], d["switch_pause"]["lock"], d["multilat
 assert d["checks"]["zero_loss"] and d["checks"]["multilateral_zero_loss"], d["checks"]
 print("bench JSON ok:", d["checks"])'
 
+log "chunnel-bench sched (short run: a 1 ms flow under bulk with FIFO, priority and the time-aware shaper)"
+taskset -c 0,1 cargo run --release --locked -q -p chunnel-bench -- sched --secs 0.3 --reps 1 \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "sched" and set(d["results"]) == {"alone", "fifo", "priority", "time_aware"}, d
+for m, r in d["results"].items():
+    assert r["one_way_p50_us"]["runs"] == 1 and r["one_way_p50_us"]["median"] > 0, (m, r)
+    assert (r["bulk_mbps"]["median"] > 0) == (m != "alone"), (m, r)
+print("bench JSON ok:", {m: round(r["one_way_p99_us"]["median"], 1) for m, r in d["results"].items()})'
+
 log "chunnel-bench rendezvous (short run: every backend joins and commits at two group sizes)"
 cargo run --release --locked -q -p chunnel-bench --features stores -- rendezvous --sizes 1,4 --reps 3 --backends sqlite,redis,etcd \
   | tail -n 1 | python3 -c '

@@ -21,6 +21,7 @@ mod pubsub;
 mod reconfig;
 mod rendezvous;
 mod report;
+mod sched;
 mod secure;
 mod shm;
 mod soak;
@@ -68,6 +69,8 @@ enum Cmd {
     Secure(secure::Args),
     /// Pub/sub over Kafka, NATS JetStream, Redis Streams: Chunnel vs the client crates.
     Pubsub(pubsub::Args),
+    /// Packet scheduler determinism: a 1 ms flow's latency under bulk, FIFO vs priority vs TAS.
+    Sched(sched::Args),
     /// Runs every figure, writes docs/figures/*.json and plots, regenerates docs/evaluation.md.
     Report(report::Args),
     /// Soak: the KV store under YCSB with live switches, server restarts, malformed frames.
@@ -90,6 +93,7 @@ fn main() -> Result<()> {
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
         Cmd::Pubsub(a) => pubsub::run(a),
+        Cmd::Sched(a) => sched::run(a),
         Cmd::Report(a) => report::run(a),
         Cmd::Soak(a) => soak::run(a),
         Cmd::Probe(a) => probe::run(a),

@@ -53,6 +53,12 @@ pub enum Error {
         /// The shard's index.
         shard: usize,
     },
+    /// A packet scheduler's gate schedule cannot work (see `sched::GateSchedule::new`).
+    #[error("bad gate schedule: {what}")]
+    BadSchedule {
+        /// What was wrong.
+        what: &'static str,
+    },
     /// An ordered connection without a gap timeout had more than its capacity of messages
     /// waiting behind a missing one: the base reorders more than the configuration allows
     /// (e.g. `Reliable`'s window is larger than `Ordered`'s capacity). Nothing was dropped;
@@ -76,6 +82,7 @@ impl From<Error> for chunnel::Error {
             Error::Encode { .. } | Error::Decode { .. } => "chunnel-std/serialize",
             Error::Header { layer, .. } => layer,
             Error::ReorderOverflow { .. } => "chunnel-std/ordered",
+            Error::BadSchedule { .. } => "chunnel-std/sched",
             Error::ShardSetUnknown
             | Error::BadShardSet { .. }
             | Error::ShardGone { .. }

@@ -6,6 +6,8 @@
 //! * [`reliable`] and [`ordered`]: acknowledgement and retransmission with an adaptive
 //!   timeout and a bounded window, and in-order delivery, over a best-effort datagram base;
 //!   usable apart or together. The protocol logic is sans-IO.
+//! * [`sched`]: a packet scheduler on the send path (FIFO, strict priority between classes,
+//!   a time-aware shaper in the style of IEEE 802.1Qbv), batching what is queued into bursts.
 #![forbid(unsafe_code)]
 #![warn(
     missing_docs,
@@ -17,6 +19,7 @@
 mod error;
 pub mod ordered;
 pub mod reliable;
+pub mod sched;
 pub mod serialize;
 pub mod shard;
 
