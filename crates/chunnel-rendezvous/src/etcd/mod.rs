@@ -68,8 +68,11 @@
 //! * `join`: R the whole group; W `meta` (when creating) and `members/<id>`; C `meta` and
 //!   `members/<id>` (the latter so the lease it replaces, revoked afterwards, is the one read);
 //! * `propose`: R `meta`, `transition`; W `transition`, deletes `ballots/*`; C both;
-//! * `vote`: R `transition`; W `ballots/<id>`; C `transition` (a vote racing with `finish`
-//!   either lands before it, and is deleted with the other ballots, or fails its compare);
+//! * `vote`: R `transition` (serializably first: the member it asks answers from what it
+//!   applied, without a round through the leader; linearizably after a failed compare, and
+//!   before refusing because the transition is not pending); W `ballots/<id>`; C
+//!   `transition` (a vote racing with `finish` either lands before it, and is deleted with
+//!   the other ballots, or fails its compare);
 //! * `finish`: R `meta`, `transition`; W `meta`, deletes `transition` and `ballots/*`; C both;
 //! * `renew`, when moving a member to a new lease: C `members/<id>`.
 //!
@@ -84,8 +87,10 @@
 //! record), on the store's pinned member, and wakes the participant with the kinds of keys
 //! each response's events touched: `members/*` (a join, a leave, a lease that ran out: etcd
 //! deletes the key itself, so expiries are notified too), `ballots/*`, and `meta` or
-//! `transition` (a transition proposed or finished). Lease keep-alives write no key, so
-//! renewals wake nobody. The watch starts at the current revision, not at the revision of
+//! `transition` (a transition proposed or finished). Events carry the keys' values, so a put
+//! of `transition` also brings the proposal and a put of `meta` with an outcome the finished
+//! transition and the committed stack ([`crate::News`]): voters vote and members switch
+//! without reading. Lease keep-alives write no key, so renewals wake nobody. The watch starts at the current revision, not at the revision of
 //! the participant's last read: once etcd confirms it was created, the watch notifies
 //! everything once, and the participant reads the record again, which covers every write
 //! before the watch's start; the watch covers every write after it.

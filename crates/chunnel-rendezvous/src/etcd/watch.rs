@@ -4,9 +4,11 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use etcd_client::{WatchOptions, WatchResponse};
+use etcd_client::{EventType, WatchOptions, WatchResponse};
 
-use crate::store::{Changes, Notifier, Watch};
+use crate::store::{Changes, Committed, News, Notifier, Watch};
+
+use super::record::{Meta, decode_transition};
 
 use super::EtcdStore;
 
@@ -37,13 +39,46 @@ pub(super) fn kind(prefix: &[u8], key: &[u8]) -> Changes {
     }
 }
 
-/// The kinds the events of `resp` touched.
-fn changes(prefix: &[u8], resp: &WatchResponse) -> Changes {
+/// The kinds the events of `resp` touched, and the news of its last event that carries some:
+/// a put of the transition key (a proposal) or of the meta key with an outcome (a finished
+/// transition, or the group's lease moved: news of a transition already finished, which
+/// changes nothing). A value that does not decode carries no news (the kinds alone make the
+/// participant read the record).
+fn changes(prefix: &[u8], resp: &WatchResponse) -> (Changes, Option<News>) {
     let mut out = Changes::NONE;
+    let mut news = None;
     for ev in resp.events() {
-        out |= ev.kv().map_or(Changes::ALL, |kv| kind(prefix, kv.key()));
+        let Some(kv) = ev.kv() else {
+            out = Changes::ALL;
+            continue;
+        };
+        out |= kind(prefix, kv.key());
+        if ev.event_type() != EventType::Put {
+            continue;
+        }
+        match kv.key().strip_prefix(prefix) {
+            Some(b"transition") => {
+                if let Ok(t) = decode_transition(kv.value()) {
+                    news = Some(News::Proposed(t));
+                }
+            }
+            Some(b"meta") => {
+                if let Ok(Meta {
+                    epoch,
+                    stack,
+                    outcome: Some(outcome),
+                }) = Meta::decode(kv.value())
+                {
+                    news = Some(News::Finished {
+                        outcome,
+                        committed: Committed { epoch, stack },
+                    });
+                }
+            }
+            _ => {}
+        }
     }
-    out
+    (out, news)
 }
 
 /// Watches the prefix on one member at a time (the store's pinned one first, the next after
@@ -87,9 +122,10 @@ async fn feed(store: EtcdStore, prefix: String, notifier: Notifier) {
                                     backoff = FIRST_BACKOFF;
                                     notifier.set_complete(true);
                                 }
-                                let ch = changes(prefix.as_bytes(), &resp);
-                                if !ch.is_empty() {
-                                    notifier.notify(ch);
+                                match changes(prefix.as_bytes(), &resp) {
+                                    (ch, Some(news)) => notifier.notify_news(ch, news),
+                                    (ch, None) if !ch.is_empty() => notifier.notify(ch),
+                                    _ => {}
                                 }
                             }
                             Ok(None) => break "the stream closed".to_owned(),
