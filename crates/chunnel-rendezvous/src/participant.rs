@@ -388,11 +388,19 @@ impl<St: Store> Driver<St> {
         let mut renew = tokio::time::interval(self.config.renew_every);
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         renew.tick().await;
+        // While our proposal is pending: the ballots' notifications, from a store whose main
+        // watch leaves them out (`Store::watch_ballots`).
+        let mut ballots: Option<Watch> = None;
         loop {
             self.notified = watch.as_ref().is_some_and(Watch::is_complete);
+            if self.pending.is_none() {
+                ballots = None;
+            }
             tokio::select! {
                 c = cmd.recv() => match c {
-                    Some(Command::Propose { option, reply }) => self.propose(option, reply).await,
+                    Some(Command::Propose { option, reply }) => {
+                        ballots = self.propose(option, reply).await;
+                    }
                     Some(Command::Leave { reply }) => {
                         let r = bounded(self.backend(), self.config.op_timeout,
                             self.store.leave(&self.group, &self.me.id)).await;
@@ -418,6 +426,15 @@ impl<St: Store> Driver<St> {
                 () = tokio::time::sleep_until(next_poll) => {
                     next_poll = tokio::time::Instant::now() + self.poll_every(watch.as_ref());
                     if self.step().await.is_err() {
+                        return;
+                    }
+                }
+                changes = changed(&mut ballots) => {
+                    let now = tokio::time::Instant::now();
+                    if changes.is_empty() {
+                        // The ballots' watch went down (or up): poll fast meanwhile.
+                        next_poll = next_poll.min(now + self.config.poll);
+                    } else if self.pending.is_some() && self.step().await.is_err() {
                         return;
                     }
                 }
@@ -449,17 +466,34 @@ impl<St: Store> Driver<St> {
         }
     }
 
-    async fn propose(&mut self, option: usize, reply: oneshot::Sender<Result<(), Error>>) {
+    /// Proposes a transition to our option `option`; the watch on its ballots, if the store
+    /// has a separate one ([`Store::watch_ballots`]), opened before the proposal is written so
+    /// no ballot goes unnotified.
+    async fn propose(
+        &mut self,
+        option: usize,
+        reply: oneshot::Sender<Result<(), Error>>,
+    ) -> Option<Watch> {
         if self.pending.is_some() {
             let _ = reply.send(Err(Error::Busy("this participant's proposal is pending")));
-            return;
+            return None;
         }
         let id = random_id(&self.me.id);
         let deadline = now_ms() + self.config.transition_timeout.as_millis() as u64;
         let Some(t) = self.machine.proposal(id, option, deadline) else {
             let _ = reply.send(Err(Error::Busy("no such option")));
-            return;
+            return None;
         };
+        let mut ballots = self.store.watch_ballots(&self.group);
+        if let Some(w) = &mut ballots {
+            // Until it covers every write (else the fast poll covers the ballots).
+            let _ = tokio::time::timeout(self.config.op_timeout, async {
+                while !w.is_complete() {
+                    w.changed().await;
+                }
+            })
+            .await;
+        }
         match bounded(
             self.backend(),
             self.config.op_timeout,
@@ -481,6 +515,7 @@ impl<St: Store> Driver<St> {
                 let _ = reply.send(Err(e));
             }
         }
+        ballots
     }
 
     /// Joins again; the group record the join returned, if it succeeded.

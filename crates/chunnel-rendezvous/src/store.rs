@@ -246,6 +246,15 @@ pub trait Store: Send + Sync + 'static {
         let _ = group;
         None
     }
+
+    /// Notifications of ballots on `group`, for a backend whose [`Store::watch`] leaves them
+    /// out (so the members that do not collect ballots are not woken by each one): a
+    /// proposer holds this watch while its proposal is pending. `None` (the default): the
+    /// main watch, if any, notifies ballots too.
+    fn watch_ballots(&self, group: &str) -> Option<Watch> {
+        let _ = group;
+        None
+    }
 }
 
 /// What changed in a group's record, as a store's notifications tell it: a set of kinds,

@@ -48,8 +48,13 @@ impl EtcdStore {
 
     /// Reads the whole group record in one `Txn`.
     async fn read(&self, k: &Keys) -> Result<Record, Error> {
+        self.read_with(k, false).await
+    }
+
+    /// [`Self::read`], serializable if `local` (see [`Self::get_keys_with`]).
+    async fn read_with(&self, k: &Keys, local: bool) -> Result<Record, Error> {
         let resp = self
-            .txn(&Txn::new().and_then(k.read_ops()), Retry::Always)
+            .txn(&Txn::new().and_then(k.read_ops_with(local)), Retry::Always)
             .await?;
         Record::decode(k, &ranges(&resp, 0, READ_OPS)?)
     }
@@ -381,16 +386,23 @@ impl Store for EtcdStore {
 
     async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
         let k = Keys::new(group)?;
-        for attempt in 0..Self::MAX_ATTEMPTS {
+        // The first read is local (the finisher decided on a read at least as recent, on the
+        // same member); a refusal is confirmed by a linearizable read.
+        let mut local = true;
+        let mut attempt = 0;
+        while attempt < Self::MAX_ATTEMPTS {
             backoff(attempt).await;
             // One read at one revision: the record, and the ballots of the members live then.
-            let rec = self.read(&k).await?;
-            let Some(t) = rec.snap.transition.clone().filter(|t| t.id == id) else {
+            let rec = self.read_with(&k, local).await?;
+            let t = rec.snap.transition.clone().filter(|t| t.id == id);
+            let Some(t) = t.filter(|_| !commit || rec.snap.all_live_yes()) else {
+                if std::mem::take(&mut local) {
+                    continue;
+                }
                 return Ok(false);
             };
-            if commit && !rec.snap.all_live_yes() {
-                return Ok(false);
-            }
+            local = false;
+            attempt += 1;
             let mut ops = Vec::with_capacity(3);
             if let Some(c) = &rec.snap.committed {
                 let (epoch, stack) = match commit && c.epoch == t.from_epoch {
@@ -438,10 +450,16 @@ impl Store for EtcdStore {
         Err(contended(&k))
     }
 
-    /// A watch on the group's key prefix (see "Notifications" in the module docs).
+    /// A watch on the group's keys but its ballots (see "Notifications" in the module docs).
     fn watch(&self, group: &str) -> Option<crate::store::Watch> {
         crate::store::check_name("group name", group).ok()?;
         Some(self.watch_group(group))
+    }
+
+    /// A watch on the group's ballots.
+    fn watch_ballots(&self, group: &str) -> Option<crate::store::Watch> {
+        crate::store::check_name("group name", group).ok()?;
+        Some(self.watch_group_ballots(group))
     }
 }
 

@@ -21,10 +21,25 @@ impl EtcdStore {
     /// since the previous request counts as broken.
     pub const WATCH_PROGRESS: Duration = Duration::from_secs(5);
 
-    /// A watch on `group`'s record, fed by a task of its own.
+    /// A watch on `group`'s record but its ballots (the keys from `members/` to the end of the
+    /// group's prefix), fed by a task of its own.
     pub(super) fn watch_group(&self, group: &str) -> Watch {
+        let prefix = format!("chunnel/{group}/");
+        // `/` + 1: the end of the prefix.
+        let range = (format!("{prefix}members/"), format!("chunnel/{group}0"));
+        self.spawn_watch(prefix, range)
+    }
+
+    /// A watch on `group`'s ballots only (what a proposer waits for).
+    pub(super) fn watch_group_ballots(&self, group: &str) -> Watch {
+        let prefix = format!("chunnel/{group}/");
+        let range = (format!("{prefix}ballots/"), format!("{prefix}ballots0"));
+        self.spawn_watch(prefix, range)
+    }
+
+    fn spawn_watch(&self, prefix: String, range: (String, String)) -> Watch {
         let (watch, notifier) = Watch::new();
-        let task = tokio::spawn(feed(self.clone(), format!("chunnel/{group}/"), notifier));
+        let task = tokio::spawn(feed(self.clone(), prefix, range, notifier));
         watch.with_task(task)
     }
 }
@@ -81,13 +96,13 @@ fn changes(prefix: &[u8], resp: &WatchResponse) -> (Changes, Option<News>) {
     (out, news)
 }
 
-/// Watches the prefix on one member at a time (the store's pinned one first, the next after
+/// Watches the key range `range` (start, end) under the group's `prefix` on one member at a time (the store's pinned one first, the next after
 /// a failure), notifying the kinds each response's events touched. The watch is complete
 /// from etcd's confirmation that it was created until it breaks (an error, the stream closed
 /// or cancelled, no answer to a progress request, an answer from another cluster); then the
 /// task watches again after a backoff of 50 ms doubling up to [`EtcdStore::WATCH_BACKOFF`].
 /// Ends when the watch is dropped (which also aborts it).
-async fn feed(store: EtcdStore, prefix: String, notifier: Notifier) {
+async fn feed(store: EtcdStore, prefix: String, range: (String, String), notifier: Notifier) {
     const FIRST_BACKOFF: Duration = Duration::from_millis(50);
     let mut backoff = FIRST_BACKOFF;
     let n = store.clients.len();
@@ -95,10 +110,10 @@ async fn feed(store: EtcdStore, prefix: String, notifier: Notifier) {
     while !notifier.is_closed() {
         let i = at % n;
         let mut client = store.clients[i].clone();
-        let options = WatchOptions::new().with_prefix();
+        let options = WatchOptions::new().with_range(range.1.as_bytes());
         let opened = tokio::time::timeout(
             EtcdStore::CONNECT_TIMEOUT + EtcdStore::REQUEST_TIMEOUT,
-            client.watch(prefix.as_bytes(), Some(options)),
+            client.watch(range.0.as_bytes(), Some(options)),
         )
         .await;
         let why = match opened {
