@@ -16,8 +16,9 @@
 //! the same process), and otherwise every `--poll-ms` (while the store has no working
 //! notifications; always for SQLite, whose notifications cover one process only) or every
 //! `--poll-notified-ms` (while notified). With notifications, commit latency is a few store
-//! round trips (the proposal, N votes, the proposer's reads, the commit) under the load of N
-//! members reading on every change; without, a few poll intervals.
+//! round trips (the proposal, N votes, the proposer's reads, the commit): voters vote on the
+//! proposal the notification carries and follow the commit it carries, without reading
+//! (Redis and etcd; SQLite's notifications carry no data); without, a few poll intervals.
 //!
 //! The servers are started here, on free loopback ports, and stopped after their backend's
 //! measurements: redis-server (append-only file fsynced on every write) and etcd (one member,

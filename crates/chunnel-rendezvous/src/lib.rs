@@ -167,6 +167,6 @@ pub use crate::redis::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use crate::sqlite::SqliteStore;
 pub use crate::store::{
-    Ballot, Changes, Committed, JoinReply, Member, Notifier, Outcome, Snapshot, Store, Transition,
-    Watch,
+    Ballot, Changes, Committed, JoinReply, Member, News, Notifier, Outcome, Snapshot, Store,
+    Transition, Watch,
 };

@@ -20,7 +20,7 @@
 
 use chunnel::negotiate::{ChunnelInfo, Mismatch, Pick, StackOption, choose};
 
-use crate::store::{Ballot, Snapshot, Transition};
+use crate::store::{Ballot, Committed, News, Snapshot, Transition};
 
 /// How long past a transition's deadline a member other than the proposer waits before it
 /// aborts the transition itself.
@@ -207,6 +207,79 @@ impl Machine {
         (Ballot::Yes, Some(option))
     }
 
+    /// Switches to `committed` if it is a later epoch than ours (pushing
+    /// [`Action::Switch`]), or pushes [`Action::Incompatible`] and returns `false` if we cannot
+    /// build its stack.
+    fn follow(&mut self, committed: &Committed, out: &mut Vec<Action>) -> bool {
+        if committed.epoch <= self.epoch {
+            return true;
+        }
+        match chunnel_negotiate::wire::decode_stack(&committed.stack)
+            .map_err(|e| e.to_string())
+            .and_then(|s| join_choice(&s, &self.offers).map_err(|m| format!("{m:?}")))
+        {
+            Ok(option) => {
+                self.epoch = committed.epoch;
+                self.option = option;
+                out.push(Action::Switch {
+                    epoch: self.epoch,
+                    option,
+                });
+                true
+            }
+            Err(_) => {
+                let mismatches = chunnel_negotiate::wire::decode_stack(&committed.stack)
+                    .ok()
+                    .and_then(|s| join_choice(&s, &self.offers).err())
+                    .unwrap_or_default();
+                out.push(Action::Incompatible {
+                    epoch: committed.epoch,
+                    mismatches,
+                });
+                false
+            }
+        }
+    }
+
+    /// Feeds a store's [`News`]: a change as the write that made it applied it. `Some` is
+    /// what to do, in order, acting on the news alone (what [`Machine::on_snapshot`] would do
+    /// with a read just after that write, less what only a full read can decide); `None`
+    /// means the news is not enough (a transition from an epoch we have not seen committed):
+    /// read the record.
+    ///
+    /// * A proposed transition from our epoch that we have not voted on: prepare and vote,
+    ///   as on a snapshot showing it (membership is not checked: a ballot from a non-member
+    ///   counts for nothing, and the lease renewal finds a lost membership).
+    /// * A finished transition: follow the committed stack, as on a snapshot.
+    ///
+    /// Deciding (finishing) always takes a read, of every member and ballot.
+    pub fn on_news(&mut self, news: &News) -> Option<Vec<Action>> {
+        let mut out = Vec::new();
+        match news {
+            News::Proposed(t) => {
+                if t.from_epoch != self.epoch {
+                    return None;
+                }
+                if self.finished == Some(t.id) || self.voted.map(|(id, _)| id) == Some(t.id) {
+                    return Some(out);
+                }
+                let (ballot, option) = self.judge(t);
+                if let Some(option) = option {
+                    out.push(Action::Prepare {
+                        epoch: t.from_epoch + 1,
+                        option,
+                    });
+                }
+                self.voted = Some((t.id, ballot == Ballot::Yes));
+                out.push(Action::Vote { id: t.id, ballot });
+            }
+            News::Finished { committed, .. } => {
+                self.follow(committed, &mut out);
+            }
+        }
+        Some(out)
+    }
+
     /// Feeds one snapshot read at `now_ms`; returns what to do, in order.
     pub fn on_snapshot(&mut self, snap: &Snapshot, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();
@@ -215,31 +288,8 @@ impl Machine {
             out.push(Action::Rejoin);
             return out;
         };
-        if committed.epoch > self.epoch {
-            match chunnel_negotiate::wire::decode_stack(&committed.stack)
-                .map_err(|e| e.to_string())
-                .and_then(|s| join_choice(&s, &self.offers).map_err(|m| format!("{m:?}")))
-            {
-                Ok(option) => {
-                    self.epoch = committed.epoch;
-                    self.option = option;
-                    out.push(Action::Switch {
-                        epoch: self.epoch,
-                        option,
-                    });
-                }
-                Err(_) => {
-                    let mismatches = chunnel_negotiate::wire::decode_stack(&committed.stack)
-                        .ok()
-                        .and_then(|s| join_choice(&s, &self.offers).err())
-                        .unwrap_or_default();
-                    out.push(Action::Incompatible {
-                        epoch: committed.epoch,
-                        mismatches,
-                    });
-                    return out;
-                }
-            }
+        if !self.follow(committed, &mut out) {
+            return out;
         }
         if !snap.is_member(&self.me) {
             out.push(Action::Rejoin);
@@ -313,7 +363,7 @@ mod tests {
     use chunnel::negotiate::Capability;
 
     use super::*;
-    use crate::store::{Committed, Member};
+    use crate::store::{Committed, Member, Outcome};
 
     fn option(label: &'static str, branch: u8) -> StackOption {
         StackOption {
@@ -396,6 +446,62 @@ mod tests {
                 option: 1
             }]
         );
+    }
+
+    #[test]
+    fn news_votes_and_switches_without_a_read_and_asks_for_one_when_short() {
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        let mut b = Machine::new("b".into(), offers(), None, 1, 0);
+        let t = a.proposal(9, 1, 10_000).unwrap();
+        let proposed = News::Proposed(t.clone());
+        assert_eq!(
+            b.on_news(&proposed),
+            Some(vec![
+                Action::Prepare {
+                    epoch: 2,
+                    option: 1
+                },
+                Action::Vote {
+                    id: 9,
+                    ballot: Ballot::Yes
+                }
+            ])
+        );
+        // Once only, whether the proposal comes again as news or in a read.
+        assert_eq!(b.on_news(&proposed), Some(vec![]));
+        let mut s = snap(1, &option("none", 0), &["a", "b"]);
+        s.transition = Some(t);
+        assert!(b.on_snapshot(&s, 0).is_empty());
+        // A proposal from an epoch we have not seen committed needs the record.
+        let mut later = a.proposal(10, 1, 10_000).unwrap();
+        later.from_epoch = 2;
+        assert_eq!(a.on_news(&News::Proposed(later)), None);
+        // A commit is followed from its news; an older one changes nothing.
+        let finished = |epoch| News::Finished {
+            outcome: Outcome {
+                id: 9,
+                committed: true,
+            },
+            committed: Committed {
+                epoch,
+                stack: chunnel_negotiate::wire::encode_stack(&option("total", 0).chunnels),
+            },
+        };
+        assert_eq!(
+            b.on_news(&finished(2)),
+            Some(vec![Action::Switch {
+                epoch: 2,
+                option: 1
+            }])
+        );
+        assert_eq!(b.on_news(&finished(2)), Some(vec![]));
+        assert_eq!(b.epoch(), 2);
+        // A committed stack we cannot build: leave, as on a read.
+        let mut c = Machine::new("c".into(), vec![option("none", 0)], None, 1, 0);
+        assert!(matches!(
+            c.on_news(&finished(2)).as_deref(),
+            Some([Action::Incompatible { epoch: 2, .. }])
+        ));
     }
 
     #[test]

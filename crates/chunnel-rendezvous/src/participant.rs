@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::Error;
 use crate::machine::{Action, Machine, Policy, join_choice};
-use crate::store::{Changes, JoinReply, Member, Snapshot, Store, Watch, now_ms};
+use crate::store::{Changes, JoinReply, Member, News, Snapshot, Store, Watch, now_ms};
 
 /// Timing of a participant.
 #[derive(Clone, Debug)]
@@ -388,11 +388,19 @@ impl<St: Store> Driver<St> {
         let mut renew = tokio::time::interval(self.config.renew_every);
         renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         renew.tick().await;
+        // While our proposal is pending: the ballots' notifications, from a store whose main
+        // watch leaves them out (`Store::watch_ballots`).
+        let mut ballots: Option<Watch> = None;
         loop {
             self.notified = watch.as_ref().is_some_and(Watch::is_complete);
+            if self.pending.is_none() {
+                ballots = None;
+            }
             tokio::select! {
                 c = cmd.recv() => match c {
-                    Some(Command::Propose { option, reply }) => self.propose(option, reply).await,
+                    Some(Command::Propose { option, reply }) => {
+                        ballots = self.propose(option, reply).await;
+                    }
                     Some(Command::Leave { reply }) => {
                         let r = bounded(self.backend(), self.config.op_timeout,
                             self.store.leave(&self.group, &self.me.id)).await;
@@ -421,10 +429,29 @@ impl<St: Store> Driver<St> {
                         return;
                     }
                 }
+                changes = changed(&mut ballots) => {
+                    let now = tokio::time::Instant::now();
+                    if changes.is_empty() {
+                        // The ballots' watch went down (or up): poll fast meanwhile.
+                        next_poll = next_poll.min(now + self.config.poll);
+                    } else if self.pending.is_some() && self.step().await.is_err() {
+                        return;
+                    }
+                }
                 changes = changed(&mut watch) => {
                     self.notified = watch.as_ref().is_some_and(Watch::is_complete);
                     let now = tokio::time::Instant::now();
-                    if self.wants(changes) {
+                    let mut read = self.wants(changes);
+                    // News (the change itself) spares the read it would call for, unless
+                    // something else changed too, or the machine needs the whole record.
+                    if let Some(news) = watch.as_mut().and_then(Watch::take_news) {
+                        match self.on_news(&news).await {
+                            Ok(true) => {}
+                            Ok(false) => read = self.wants(changes.without(Changes::TRANSITION)),
+                            Err(()) => return,
+                        }
+                    }
+                    if read {
                         next_poll = now + self.poll_every(watch.as_ref());
                         if self.step().await.is_err() {
                             return;
@@ -439,17 +466,34 @@ impl<St: Store> Driver<St> {
         }
     }
 
-    async fn propose(&mut self, option: usize, reply: oneshot::Sender<Result<(), Error>>) {
+    /// Proposes a transition to our option `option`; the watch on its ballots, if the store
+    /// has a separate one ([`Store::watch_ballots`]), opened before the proposal is written so
+    /// no ballot goes unnotified.
+    async fn propose(
+        &mut self,
+        option: usize,
+        reply: oneshot::Sender<Result<(), Error>>,
+    ) -> Option<Watch> {
         if self.pending.is_some() {
             let _ = reply.send(Err(Error::Busy("this participant's proposal is pending")));
-            return;
+            return None;
         }
         let id = random_id(&self.me.id);
         let deadline = now_ms() + self.config.transition_timeout.as_millis() as u64;
         let Some(t) = self.machine.proposal(id, option, deadline) else {
             let _ = reply.send(Err(Error::Busy("no such option")));
-            return;
+            return None;
         };
+        let mut ballots = self.store.watch_ballots(&self.group);
+        if let Some(w) = &mut ballots {
+            // Until it covers every write (else the fast poll covers the ballots).
+            let _ = tokio::time::timeout(self.config.op_timeout, async {
+                while !w.is_complete() {
+                    w.changed().await;
+                }
+            })
+            .await;
+        }
         match bounded(
             self.backend(),
             self.config.op_timeout,
@@ -471,6 +515,7 @@ impl<St: Store> Driver<St> {
                 let _ = reply.send(Err(e));
             }
         }
+        ballots
     }
 
     /// Joins again; the group record the join returned, if it succeeded.
@@ -560,68 +605,7 @@ impl<St: Store> Driver<St> {
                         snap = joined;
                     }
                 }
-                Action::Prepare { epoch, option } => {
-                    self.view
-                        .send_modify(|v| v.prepared = Some((epoch, option)));
-                }
-                Action::Vote { id, ballot } => {
-                    if let Err(e) = bounded(
-                        self.backend(),
-                        self.config.op_timeout,
-                        self.store.vote(&self.group, id, &self.me.id, &ballot),
-                    )
-                    .await
-                    {
-                        tracing::warn!(group = %self.group, error = %e, "vote failed");
-                    }
-                }
-                Action::Finish { id, commit, reason } => {
-                    if let Some((pid, _, why)) = &mut self.pending
-                        && *pid == id
-                    {
-                        *why = Some(reason.clone());
-                    }
-                    match bounded(
-                        self.backend(),
-                        self.config.op_timeout,
-                        self.store.finish(&self.group, id, commit),
-                    )
-                    .await
-                    {
-                        // We ended our own proposal: we know its fate without reading it back
-                        // (the outcome may be overwritten by another transition before then).
-                        Ok(true) => self.answer(id, commit),
-                        // Not pending any more, or (a commit) someone live has not said yes:
-                        // decide again on the next read.
-                        Ok(false) => self.machine.finish_refused(id),
-                        Err(e) => {
-                            tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
-                            // Decide again on the next snapshot that still shows it pending.
-                            self.machine.finish_refused(id);
-                        }
-                    }
-                }
-                Action::Switch { epoch, option } => {
-                    let stack = self.machine.offers()[option].chunnels.clone();
-                    self.view.send_modify(|v| {
-                        v.epoch = epoch;
-                        v.option = option;
-                        v.stack = stack;
-                        v.prepared = None;
-                    });
-                }
-                Action::Incompatible { epoch, mismatches } => {
-                    let why = format!(
-                        "the group switched to a stack (epoch {epoch}) we cannot build: {}",
-                        mismatches
-                            .first()
-                            .map_or_else(String::new, |m| m.to_string())
-                    );
-                    tracing::error!(group = %self.group, "{why}");
-                    let _ = self.store.leave(&self.group, &self.me.id).await;
-                    self.view.send_modify(|v| v.closed = Some(why));
-                    return Err(());
-                }
+                action => self.execute(action).await?,
             }
         }
         // Membership, and a prepared epoch that never came (aborted).
@@ -654,6 +638,97 @@ impl<St: Store> Driver<St> {
             }
         }
         Ok(wrote)
+    }
+
+    /// Carries out one action of the machine other than [`Action::Rejoin`] (which needs the
+    /// read it came from). `Err` ends the participant.
+    async fn execute(&mut self, action: Action) -> Result<(), ()> {
+        match action {
+            Action::Rejoin => {
+                self.rejoin().await;
+            }
+            Action::Prepare { epoch, option } => {
+                self.view
+                    .send_modify(|v| v.prepared = Some((epoch, option)));
+            }
+            Action::Vote { id, ballot } => {
+                if let Err(e) = bounded(
+                    self.backend(),
+                    self.config.op_timeout,
+                    self.store.vote(&self.group, id, &self.me.id, &ballot),
+                )
+                .await
+                {
+                    tracing::warn!(group = %self.group, error = %e, "vote failed");
+                }
+            }
+            Action::Finish { id, commit, reason } => {
+                if let Some((pid, _, why)) = &mut self.pending
+                    && *pid == id
+                {
+                    *why = Some(reason.clone());
+                }
+                match bounded(
+                    self.backend(),
+                    self.config.op_timeout,
+                    self.store.finish(&self.group, id, commit),
+                )
+                .await
+                {
+                    // We ended our own proposal: we know its fate without reading it back
+                    // (the outcome may be overwritten by another transition before then).
+                    Ok(true) => self.answer(id, commit),
+                    // Not pending any more, or (a commit) someone live has not said yes:
+                    // decide again on the next read.
+                    Ok(false) => self.machine.finish_refused(id),
+                    Err(e) => {
+                        tracing::warn!(group = %self.group, error = %e, "finishing a transition failed");
+                        // Decide again on the next snapshot that still shows it pending.
+                        self.machine.finish_refused(id);
+                    }
+                }
+            }
+            Action::Switch { epoch, option } => {
+                let stack = self.machine.offers()[option].chunnels.clone();
+                self.view.send_modify(|v| {
+                    v.epoch = epoch;
+                    v.option = option;
+                    v.stack = stack;
+                    v.prepared = None;
+                });
+            }
+            Action::Incompatible { epoch, mismatches } => {
+                let why = format!(
+                    "the group switched to a stack (epoch {epoch}) we cannot build: {}",
+                    mismatches
+                        .first()
+                        .map_or_else(String::new, |m| m.to_string())
+                );
+                tracing::error!(group = %self.group, "{why}");
+                let _ = self.store.leave(&self.group, &self.me.id).await;
+                self.view.send_modify(|v| v.closed = Some(why));
+                return Err(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Acts on a notification's `news` alone if the machine can ([`Machine::on_news`]);
+    /// whether the record must still be read for it.
+    async fn on_news(&mut self, news: &News) -> Result<bool, ()> {
+        let Some(actions) = self.machine.on_news(news) else {
+            return Ok(true);
+        };
+        for action in actions {
+            self.execute(action).await?;
+        }
+        if let News::Finished { outcome, .. } = news {
+            if !outcome.committed {
+                self.view.send_if_modified(|v| v.prepared.take().is_some());
+            }
+            self.answer(outcome.id, outcome.committed);
+        }
+        Ok(false)
     }
 
     /// Tells the caller of our pending proposal `id` (if it is still waiting) how it ended.

@@ -56,7 +56,12 @@
 //! proposed or finished, the committed stack), `b` (a ballot that may decide the transition:
 //! a no, or the one that brings the ballots up to the number of live members; a yes before
 //! that publishes nothing, since only the proposer acts on ballots and it could not decide
-//! yet). A renewal that removes nobody and a snapshot publish nothing. [`Store::watch`] subscribes to the channel on a connection
+//! yet). The kinds may be followed by `\n` and news, the change itself, so a participant
+//! need not read the record: the proposing script appends
+//! `P\n<id>\n<from epoch>\n<deadline ms>\n<proposer>\n<stack>`, the finishing one
+//! `F\n<id>\n<1|0>\n<epoch>\n<stack>` (the committed stack after it); numbers in decimal,
+//! the stack's bytes to the end. A renewal that removes nobody and a snapshot publish
+//! nothing. [`Store::watch`] subscribes to the channel on a connection
 //! of its own and wakes the participant on every message.
 //!
 //! Why a `PUBLISH` from the scripts and not keyspace notifications: keyspace notifications
@@ -102,8 +107,8 @@ use bytes::Bytes;
 
 use crate::Error;
 use crate::store::{
-    Ballot, Changes, Committed, JoinReply, Member, Notifier, Outcome, Snapshot, Store, Transition,
-    Watch, check_name,
+    Ballot, Changes, Committed, JoinReply, Member, News, Notifier, Outcome, Snapshot, Store,
+    Transition, Watch, check_name,
 };
 
 const BACKEND: &str = "redis";
@@ -217,7 +222,7 @@ redis.call('DEL', ballots)
 redis.call('HSET', transition, 'id', ARGV[1], 'from_epoch', ARGV[2], 'next_epoch', ARGV[3],
   'proposer', ARGV[4], 'stack', ARGV[5], 'deadline_ms', ARGV[6])
 touch()
-publish('t')
+publish('t\nP\n' .. ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. ARGV[6] .. '\n' .. ARGV[4] .. '\n' .. ARGV[5])
 return 1
 ";
 
@@ -261,7 +266,12 @@ end
 redis.call('HSET', meta, 'outcome_id', ARGV[1], 'outcome_committed', ARGV[2])
 redis.call('DEL', transition, ballots)
 touch()
-publish('t')
+local after = redis.call('HMGET', meta, 'epoch', 'stack')
+if after[1] and after[2] then
+  publish('t\nF\n' .. ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. after[1] .. '\n' .. after[2])
+else
+  publish('t')
+end
 return 1
 ";
 
@@ -484,7 +494,60 @@ fn channel(group: &str) -> String {
 }
 
 /// What a message on a group's channel says changed: a letter per kind; anything else (an
-/// empty or unknown message) counts as everything.
+/// empty or unknown message) counts as everything. The kinds may be followed by `\n` and
+/// [`News`] (see "Notifications" in the module docs); news that does not parse is ignored
+/// (the kinds alone make the participant read the record).
+fn message(payload: &[u8]) -> (Changes, Option<News>) {
+    match payload.iter().position(|&b| b == b'\n') {
+        Some(at) => (changes(&payload[..at]), news(&payload[at + 1..])),
+        None => (changes(payload), None),
+    }
+}
+
+/// Parses the news part of a channel message: `P\n<id>\n<from epoch>\n<deadline ms>\n
+/// <proposer>\n<stack>` or `F\n<id>\n<1|0>\n<epoch>\n<stack>` (the stack is the rest, any
+/// bytes).
+fn news(data: &[u8]) -> Option<News> {
+    let mut parts = data.splitn(6, |&b| b == b'\n');
+    let what = parts.next()?;
+    let num = |p: Option<&[u8]>| number(p?, "").ok();
+    match what {
+        b"P" => {
+            let (id, from_epoch, deadline_ms) =
+                (num(parts.next())?, num(parts.next())?, num(parts.next())?);
+            let proposer = String::from_utf8(parts.next()?.to_vec()).ok()?;
+            let stack = Bytes::copy_from_slice(parts.next()?);
+            Some(News::Proposed(Transition {
+                id,
+                from_epoch,
+                proposer,
+                stack,
+                deadline_ms,
+            }))
+        }
+        b"F" => {
+            let id = num(parts.next())?;
+            let committed = match parts.next()? {
+                b"1" => true,
+                b"0" => false,
+                _ => return None,
+            };
+            let epoch = num(parts.next())?;
+            // The stack is the rest: it may hold `\n`s.
+            let rest: Vec<&[u8]> = parts.collect();
+            let stack = Bytes::from(rest.join(&b'\n'));
+            if rest.is_empty() {
+                return None;
+            }
+            Some(News::Finished {
+                outcome: Outcome { id, committed },
+                committed: Committed { epoch, stack },
+            })
+        }
+        _ => None,
+    }
+}
+
 fn changes(payload: &[u8]) -> Changes {
     let mut out = Changes::NONE;
     for b in payload {
@@ -527,7 +590,10 @@ async fn feed_watch(client: Client, channel: String, notifier: Notifier) {
                 let why = loop {
                     tokio::select! {
                         msg = next_message(&mut stream) => match msg {
-                            Some(m) => notifier.notify(changes(m.get_payload_bytes())),
+                            Some(m) => match message(m.get_payload_bytes()) {
+                                (kinds, Some(news)) => notifier.notify_news(kinds, news),
+                                (kinds, None) => notifier.notify(kinds),
+                            },
                             None => break "the connection closed".to_owned(),
                         },
                         _ = ping.tick() => {
@@ -895,6 +961,51 @@ mod tests {
         assert_eq!(changes(b"b"), Changes::BALLOTS);
         assert_eq!(changes(b""), Changes::ALL);
         assert_eq!(changes(b"m\xff"), Changes::ALL);
+    }
+
+    #[test]
+    fn messages_carry_news_and_bad_news_is_dropped() {
+        let (kinds, news) = message(b"t\nP\n7\n3\n99\nthe proposer\nst\nack");
+        assert_eq!(kinds, Changes::TRANSITION);
+        assert_eq!(
+            news,
+            Some(News::Proposed(Transition {
+                id: 7,
+                from_epoch: 3,
+                proposer: "the proposer".into(),
+                stack: Bytes::from_static(b"st\nack"),
+                deadline_ms: 99,
+            }))
+        );
+        let (kinds, news) = message(b"t\nF\n7\n1\n4\n\n\xff");
+        assert_eq!(kinds, Changes::TRANSITION);
+        assert_eq!(
+            news,
+            Some(News::Finished {
+                outcome: Outcome {
+                    id: 7,
+                    committed: true
+                },
+                committed: Committed {
+                    epoch: 4,
+                    stack: Bytes::from_static(b"\n\xff"),
+                },
+            })
+        );
+        for bad in [
+            &b"t\nP\n7\n3\n99\nno stack"[..],
+            b"t\nF\n7\n2\n4\nx",
+            b"t\nF\n-1\n1\n4\nx",
+            b"t\nF\n7\n1\n4",
+            b"t\nQ\n",
+            b"t\n",
+        ] {
+            assert_eq!(message(bad), (Changes::TRANSITION, None), "{bad:?}");
+        }
+        assert_eq!(
+            message(b"mt"),
+            (Changes::MEMBERS | Changes::TRANSITION, None)
+        );
     }
 
     #[test]

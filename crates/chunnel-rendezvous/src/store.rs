@@ -246,6 +246,15 @@ pub trait Store: Send + Sync + 'static {
         let _ = group;
         None
     }
+
+    /// Notifications of ballots on `group`, for a backend whose [`Store::watch`] leaves them
+    /// out (so the members that do not collect ballots are not woken by each one): a
+    /// proposer holds this watch while its proposal is pending. `None` (the default): the
+    /// main watch, if any, notifies ballots too.
+    fn watch_ballots(&self, group: &str) -> Option<Watch> {
+        let _ = group;
+        None
+    }
 }
 
 /// What changed in a group's record, as a store's notifications tell it: a set of kinds,
@@ -275,6 +284,11 @@ impl Changes {
         self.0 & other.0 != 0
     }
 
+    /// `self` without the kinds in `other`.
+    pub fn without(self, other: Changes) -> Changes {
+        Changes(self.0 & !other.0)
+    }
+
     /// Whether no kind is set.
     pub fn is_empty(self) -> bool {
         self.0 == 0
@@ -294,11 +308,29 @@ impl std::ops::BitOrAssign for Changes {
     }
 }
 
+/// What a notification may carry besides its kinds: the change itself, exactly as the write
+/// that it announces applied it, so a participant can act without reading the record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum News {
+    /// A transition was proposed (it is the pending one as of that write).
+    Proposed(Transition),
+    /// A transition ended; `committed` is the group's stack after it.
+    Finished {
+        /// How it ended.
+        outcome: Outcome,
+        /// The committed stack after it (the new one, if it committed).
+        committed: Committed,
+    },
+}
+
 /// State shared by a [`Watch`] and its [`Notifier`].
 #[derive(Debug, Default)]
 struct WatchShared {
     /// The kinds notified and not yet taken (coalesced: a bit per kind, never a queue).
     pending: AtomicU8,
+    /// The latest [`News`] notified and not yet taken (a later one replaces it: at most one is
+    /// held, and a watcher that finds it insufficient reads the record).
+    news: std::sync::Mutex<Option<News>>,
     /// Whether every write to the group is being notified now.
     complete: AtomicBool,
     /// Woken by every notification and state change (holds at most one permit).
@@ -363,6 +395,17 @@ impl Watch {
         Changes(self.shared.pending.swap(0, Ordering::AcqRel))
     }
 
+    /// Takes the latest [`News`] notified since the last call, if any. Only the latest is
+    /// kept: a watcher that took news older than the kinds [`Watch::changed`] returned, or
+    /// none, reads the record.
+    pub fn take_news(&mut self) -> Option<News> {
+        self.shared
+            .news
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+
     /// Whether every write to the group is being notified now (the stream is up and covers
     /// every writer). While it is not, a watcher must poll at its normal rate.
     pub fn is_complete(&self) -> bool {
@@ -375,6 +418,17 @@ impl Notifier {
     pub fn notify(&self, changes: Changes) {
         self.shared.pending.fetch_or(changes.0, Ordering::AcqRel);
         self.shared.wake.notify_one();
+    }
+
+    /// Records `changes` that `news` describes (the latest news replaces an earlier one not
+    /// yet taken) and wakes the watcher.
+    pub fn notify_news(&self, changes: Changes, news: News) {
+        *self
+            .shared
+            .news
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(news);
+        self.notify(changes);
     }
 
     /// Says whether every write is notified from now on, and wakes the watcher if that

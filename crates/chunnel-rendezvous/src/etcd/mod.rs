@@ -68,9 +68,15 @@
 //! * `join`: R the whole group; W `meta` (when creating) and `members/<id>`; C `meta` and
 //!   `members/<id>` (the latter so the lease it replaces, revoked afterwards, is the one read);
 //! * `propose`: R `meta`, `transition`; W `transition`, deletes `ballots/*`; C both;
-//! * `vote`: R `transition`; W `ballots/<id>`; C `transition` (a vote racing with `finish`
-//!   either lands before it, and is deleted with the other ballots, or fails its compare);
-//! * `finish`: R `meta`, `transition`; W `meta`, deletes `transition` and `ballots/*`; C both;
+//! * `vote`: R `transition` (serializably first: the member it asks answers from what it
+//!   applied, without a round through the leader; linearizably after a failed compare, and
+//!   before refusing because the transition is not pending); W `ballots/<id>`; C
+//!   `transition` (a vote racing with `finish` either lands before it, and is deleted with
+//!   the other ballots, or fails its compare);
+//! * `finish`: R the whole group (serializably first, linearizably after a failed compare
+//!   and before refusing); W `meta`, deletes `transition` and `ballots/*`; C `meta`,
+//!   `transition` and, for a commit, that no key under `members/` or `ballots/` changed
+//!   since the read;
 //! * `renew`, when moving a member to a new lease: C `members/<id>`.
 //!
 //! Leases are not part of `Txn`s: `join` grants the member's lease (and, when it creates the
@@ -80,12 +86,18 @@
 //!
 //! # Notifications
 //!
-//! [`Store::watch`] opens an etcd watch on the group's prefix `chunnel/<g>/` (every key of the
-//! record), on the store's pinned member, and wakes the participant with the kinds of keys
-//! each response's events touched: `members/*` (a join, a leave, a lease that ran out: etcd
-//! deletes the key itself, so expiries are notified too), `ballots/*`, and `meta` or
-//! `transition` (a transition proposed or finished). Lease keep-alives write no key, so
-//! renewals wake nobody. The watch starts at the current revision, not at the revision of
+//! [`Store::watch`] opens an etcd watch on the group's keys from `chunnel/<g>/members/` to the
+//! end of the prefix `chunnel/<g>/` (every key of the record but the ballots, so a member is
+//! not woken by every other member's vote), on the store's pinned member, and wakes the
+//! participant with the kinds of keys each response's events touched: `members/*` (a join, a
+//! leave, a lease that ran out: etcd deletes the key itself, so expiries are notified too)
+//! and `meta` or
+//! `transition` (a transition proposed or finished). Events carry the keys' values, so a put
+//! of `transition` also brings the proposal and a put of `meta` with an outcome the finished
+//! transition and the committed stack ([`crate::News`]): voters vote and members switch
+//! without reading. [`Store::watch_ballots`] watches `chunnel/<g>/ballots/` alone: a proposer
+//! opens it before writing its proposal and holds it while the proposal is pending. Lease
+//! keep-alives write no key, so renewals wake nobody. The watch starts at the current revision, not at the revision of
 //! the participant's last read: once etcd confirms it was created, the watch notifies
 //! everything once, and the participant reads the record again, which covers every write
 //! before the watch's start; the watch covers every write after it.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use etcd_client::{
-    Compare, CompareOp, DeleteOptions, GetResponse, KeyValue, PutOptions, Txn, TxnOp,
+    Compare, CompareOp, DeleteOptions, GetOptions, GetResponse, KeyValue, PutOptions, Txn, TxnOp,
     TxnOpResponse, TxnResponse,
 };
 
@@ -23,7 +23,20 @@ impl EtcdStore {
         &self,
         keys: [&str; N],
     ) -> Result<[Option<KeyValue>; N], Error> {
-        let ops: Vec<TxnOp> = keys.iter().map(|k| TxnOp::get(*k, None)).collect();
+        self.get_keys_with(keys, false).await
+    }
+
+    /// Reads `keys` in one `Txn` (one revision); if `local`, a serializable read (answered by
+    /// the member asked, from what it has applied, without a round through the leader): for
+    /// the read a compare-and-swap compares against, where a stale answer only fails the
+    /// compare.
+    pub(super) async fn get_keys_with<const N: usize>(
+        &self,
+        keys: [&str; N],
+        local: bool,
+    ) -> Result<[Option<KeyValue>; N], Error> {
+        let options = || local.then(|| GetOptions::new().with_serializable());
+        let ops: Vec<TxnOp> = keys.iter().map(|k| TxnOp::get(*k, options())).collect();
         let resp = self.txn(&Txn::new().and_then(ops), Retry::Always).await?;
         let gets = ranges(&resp, 0, N)?;
         let mut out = [const { None }; N];
@@ -35,8 +48,13 @@ impl EtcdStore {
 
     /// Reads the whole group record in one `Txn`.
     async fn read(&self, k: &Keys) -> Result<Record, Error> {
+        self.read_with(k, false).await
+    }
+
+    /// [`Self::read`], serializable if `local` (see [`Self::get_keys_with`]).
+    async fn read_with(&self, k: &Keys, local: bool) -> Result<Record, Error> {
         let resp = self
-            .txn(&Txn::new().and_then(k.read_ops()), Retry::Always)
+            .txn(&Txn::new().and_then(k.read_ops_with(local)), Retry::Always)
             .await?;
         Record::decode(k, &ranges(&resp, 0, READ_OPS)?)
     }
@@ -321,15 +339,27 @@ impl Store for EtcdStore {
         check_name("member id", member_id)?;
         let value = format!("{id:016x}:{}", ballot.encode());
         let member_key = k.member(member_id);
-        for attempt in 0..Self::MAX_ATTEMPTS {
+        // The first read is local (the participant votes on a proposal its watch on the same
+        // member announced, so that member has it); an answer that it is not pending is
+        // confirmed by a linearizable read before the vote is refused.
+        let mut local = true;
+        let mut attempt = 0;
+        while attempt < Self::MAX_ATTEMPTS {
             backoff(attempt).await;
-            let [pending, me] = self.get_keys([&k.transition, &member_key]).await?;
-            let Some(pending) = pending else {
+            let [pending, me] = self
+                .get_keys_with([&k.transition, &member_key], local)
+                .await?;
+            let pending = pending
+                .map(|p| decode_transition(p.value()).map(|t| (p, t.id)))
+                .transpose()?;
+            let Some((pending, _)) = pending.filter(|(_, tid)| *tid == id) else {
+                if std::mem::take(&mut local) {
+                    continue;
+                }
                 return Ok(false);
             };
-            if decode_transition(pending.value())?.id != id {
-                return Ok(false);
-            }
+            local = false;
+            attempt += 1;
             // The ballot lives on the voter's lease (it goes with the voter), or, from a
             // non-member, on the group's.
             let lease = me.as_ref().map_or(pending.lease(), KeyValue::lease);
@@ -356,16 +386,23 @@ impl Store for EtcdStore {
 
     async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
         let k = Keys::new(group)?;
-        for attempt in 0..Self::MAX_ATTEMPTS {
+        // The first read is local (the finisher decided on a read at least as recent, on the
+        // same member); a refusal is confirmed by a linearizable read.
+        let mut local = true;
+        let mut attempt = 0;
+        while attempt < Self::MAX_ATTEMPTS {
             backoff(attempt).await;
             // One read at one revision: the record, and the ballots of the members live then.
-            let rec = self.read(&k).await?;
-            let Some(t) = rec.snap.transition.clone().filter(|t| t.id == id) else {
+            let rec = self.read_with(&k, local).await?;
+            let t = rec.snap.transition.clone().filter(|t| t.id == id);
+            let Some(t) = t.filter(|_| !commit || rec.snap.all_live_yes()) else {
+                if std::mem::take(&mut local) {
+                    continue;
+                }
                 return Ok(false);
             };
-            if commit && !rec.snap.all_live_yes() {
-                return Ok(false);
-            }
+            local = false;
+            attempt += 1;
             let mut ops = Vec::with_capacity(3);
             if let Some(c) = &rec.snap.committed {
                 let (epoch, stack) = match commit && c.epoch == t.from_epoch {
@@ -413,10 +450,16 @@ impl Store for EtcdStore {
         Err(contended(&k))
     }
 
-    /// A watch on the group's key prefix (see "Notifications" in the module docs).
+    /// A watch on the group's keys but its ballots (see "Notifications" in the module docs).
     fn watch(&self, group: &str) -> Option<crate::store::Watch> {
         crate::store::check_name("group name", group).ok()?;
         Some(self.watch_group(group))
+    }
+
+    /// A watch on the group's ballots.
+    fn watch_ballots(&self, group: &str) -> Option<crate::store::Watch> {
+        crate::store::check_name("group name", group).ok()?;
+        Some(self.watch_group_ballots(group))
     }
 }
 

@@ -50,10 +50,19 @@ impl Keys {
 
     /// The range reads of the whole record, in the order [`Record::decode`] expects.
     pub(super) fn read_ops(&self) -> [TxnOp; READ_OPS] {
-        let prefix = || Some(GetOptions::new().with_prefix());
+        self.read_ops_with(false)
+    }
+
+    /// [`Keys::read_ops`], serializable if `local` (see `EtcdStore::get_keys_with`).
+    pub(super) fn read_ops_with(&self, local: bool) -> [TxnOp; READ_OPS] {
+        let options = || {
+            let o = GetOptions::new();
+            if local { o.with_serializable() } else { o }
+        };
+        let prefix = || Some(options().with_prefix());
         [
-            TxnOp::get(self.meta.as_str(), None),
-            TxnOp::get(self.transition.as_str(), None),
+            TxnOp::get(self.meta.as_str(), Some(options())),
+            TxnOp::get(self.transition.as_str(), Some(options())),
             TxnOp::get(self.members.as_str(), prefix()),
             TxnOp::get(self.ballots.as_str(), prefix()),
         ]

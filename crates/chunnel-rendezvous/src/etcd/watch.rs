@@ -4,9 +4,11 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use etcd_client::{WatchOptions, WatchResponse};
+use etcd_client::{EventType, WatchOptions, WatchResponse};
 
-use crate::store::{Changes, Notifier, Watch};
+use crate::store::{Changes, Committed, News, Notifier, Watch};
+
+use super::record::{Meta, decode_transition};
 
 use super::EtcdStore;
 
@@ -19,10 +21,25 @@ impl EtcdStore {
     /// since the previous request counts as broken.
     pub const WATCH_PROGRESS: Duration = Duration::from_secs(5);
 
-    /// A watch on `group`'s record, fed by a task of its own.
+    /// A watch on `group`'s record but its ballots (the keys from `members/` to the end of the
+    /// group's prefix), fed by a task of its own.
     pub(super) fn watch_group(&self, group: &str) -> Watch {
+        let prefix = format!("chunnel/{group}/");
+        // `/` + 1: the end of the prefix.
+        let range = (format!("{prefix}members/"), format!("chunnel/{group}0"));
+        self.spawn_watch(prefix, range)
+    }
+
+    /// A watch on `group`'s ballots only (what a proposer waits for).
+    pub(super) fn watch_group_ballots(&self, group: &str) -> Watch {
+        let prefix = format!("chunnel/{group}/");
+        let range = (format!("{prefix}ballots/"), format!("{prefix}ballots0"));
+        self.spawn_watch(prefix, range)
+    }
+
+    fn spawn_watch(&self, prefix: String, range: (String, String)) -> Watch {
         let (watch, notifier) = Watch::new();
-        let task = tokio::spawn(feed(self.clone(), format!("chunnel/{group}/"), notifier));
+        let task = tokio::spawn(feed(self.clone(), prefix, range, notifier));
         watch.with_task(task)
     }
 }
@@ -37,22 +54,55 @@ pub(super) fn kind(prefix: &[u8], key: &[u8]) -> Changes {
     }
 }
 
-/// The kinds the events of `resp` touched.
-fn changes(prefix: &[u8], resp: &WatchResponse) -> Changes {
+/// The kinds the events of `resp` touched, and the news of its last event that carries some:
+/// a put of the transition key (a proposal) or of the meta key with an outcome (a finished
+/// transition, or the group's lease moved: news of a transition already finished, which
+/// changes nothing). A value that does not decode carries no news (the kinds alone make the
+/// participant read the record).
+fn changes(prefix: &[u8], resp: &WatchResponse) -> (Changes, Option<News>) {
     let mut out = Changes::NONE;
+    let mut news = None;
     for ev in resp.events() {
-        out |= ev.kv().map_or(Changes::ALL, |kv| kind(prefix, kv.key()));
+        let Some(kv) = ev.kv() else {
+            out = Changes::ALL;
+            continue;
+        };
+        out |= kind(prefix, kv.key());
+        if ev.event_type() != EventType::Put {
+            continue;
+        }
+        match kv.key().strip_prefix(prefix) {
+            Some(b"transition") => {
+                if let Ok(t) = decode_transition(kv.value()) {
+                    news = Some(News::Proposed(t));
+                }
+            }
+            Some(b"meta") => {
+                if let Ok(Meta {
+                    epoch,
+                    stack,
+                    outcome: Some(outcome),
+                }) = Meta::decode(kv.value())
+                {
+                    news = Some(News::Finished {
+                        outcome,
+                        committed: Committed { epoch, stack },
+                    });
+                }
+            }
+            _ => {}
+        }
     }
-    out
+    (out, news)
 }
 
-/// Watches the prefix on one member at a time (the store's pinned one first, the next after
+/// Watches the key range `range` (start, end) under the group's `prefix` on one member at a time (the store's pinned one first, the next after
 /// a failure), notifying the kinds each response's events touched. The watch is complete
 /// from etcd's confirmation that it was created until it breaks (an error, the stream closed
 /// or cancelled, no answer to a progress request, an answer from another cluster); then the
 /// task watches again after a backoff of 50 ms doubling up to [`EtcdStore::WATCH_BACKOFF`].
 /// Ends when the watch is dropped (which also aborts it).
-async fn feed(store: EtcdStore, prefix: String, notifier: Notifier) {
+async fn feed(store: EtcdStore, prefix: String, range: (String, String), notifier: Notifier) {
     const FIRST_BACKOFF: Duration = Duration::from_millis(50);
     let mut backoff = FIRST_BACKOFF;
     let n = store.clients.len();
@@ -60,10 +110,10 @@ async fn feed(store: EtcdStore, prefix: String, notifier: Notifier) {
     while !notifier.is_closed() {
         let i = at % n;
         let mut client = store.clients[i].clone();
-        let options = WatchOptions::new().with_prefix();
+        let options = WatchOptions::new().with_range(range.1.as_bytes());
         let opened = tokio::time::timeout(
             EtcdStore::CONNECT_TIMEOUT + EtcdStore::REQUEST_TIMEOUT,
-            client.watch(prefix.as_bytes(), Some(options)),
+            client.watch(range.0.as_bytes(), Some(options)),
         )
         .await;
         let why = match opened {
@@ -87,9 +137,10 @@ async fn feed(store: EtcdStore, prefix: String, notifier: Notifier) {
                                     backoff = FIRST_BACKOFF;
                                     notifier.set_complete(true);
                                 }
-                                let ch = changes(prefix.as_bytes(), &resp);
-                                if !ch.is_empty() {
-                                    notifier.notify(ch);
+                                match changes(prefix.as_bytes(), &resp) {
+                                    (ch, Some(news)) => notifier.notify_news(ch, news),
+                                    (ch, None) if !ch.is_empty() => notifier.notify(ch),
+                                    _ => {}
                                 }
                             }
                             Ok(None) => break "the stream closed".to_owned(),
