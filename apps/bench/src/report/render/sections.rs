@@ -707,10 +707,11 @@ fn rendezvous(r: &Value, s: &mut Section) {
         ),
     );
     let mut t = format!(
-        "p50 / p90 in ms over {} repetitions, polling every {} ms:\n\n\
+        "p50 / p90 in ms over {} repetitions, notified (polling every {} ms without \
+         notifications, every {} ms with them):\n\n\
          | backend | N | join p50 | join p90 | commit p50 | commit p90 |\n\
          |---|---:|---:|---:|---:|---:|\n",
-        r["reps"], r["poll_ms"]
+        r["reps"], r["poll_ms"], r["poll_notified_ms"]
     );
     for (name, sizes) in b {
         let Some(sizes) = sizes.as_object() else {
