@@ -204,14 +204,7 @@ fn bars(
         .map_err(|e| anyhow!("{e}"))?;
     }
     if series.len() > 1 {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 13))
-            .draw()
-            .map_err(|e| anyhow!("{e}"))?;
+        legend(&mut chart)?;
     }
     Ok(())
 }
@@ -303,16 +296,23 @@ fn lines(
             .map_err(|e| anyhow!("{e}"))?;
     }
     if series.len() > 1 {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 13))
-            .draw()
-            .map_err(|e| anyhow!("{e}"))?;
+        legend(&mut chart)?;
     }
     Ok(())
+}
+
+/// The series' legend, in the upper left corner (drawn when a chart has more than one series).
+fn legend<'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, BitMapBackend<'a>, CT>,
+) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))
 }
 
 /// An axis label: no decimals once they say nothing.
