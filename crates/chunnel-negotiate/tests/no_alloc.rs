@@ -5,37 +5,13 @@
 //! A counting global allocator wraps the system allocator; the test fails if the steady
 //! state (bursts echoed through the real `listen` server over loopback UDP) allocates.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, Noop, select, stack};
 use chunnel_negotiate::{Client, Config, listen};
 use chunnel_net::udp;
 
-struct Counting;
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: defers to `System`, only counting.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
+static A: chunnel_test::alloc::Counting = chunnel_test::alloc::Counting::new();
 
 const BURST: usize = 16;
 
@@ -91,9 +67,9 @@ async fn negotiated_data_path_does_not_allocate_per_message() {
     let mut slots: [Option<Bytes>; BURST] = Default::default();
     // Warm up: receive buffers reach their steady size, the runtime its queues.
     echo_bursts(&conn, &msg, &mut slots, 300).await;
-    let before = ALLOCS.load(Ordering::Relaxed);
+    let before = A.count();
     echo_bursts(&conn, &msg, &mut slots, 500).await;
-    let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+    let allocs = A.count() - before;
     assert_eq!(
         allocs,
         0,

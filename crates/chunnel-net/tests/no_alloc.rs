@@ -4,36 +4,12 @@
 //! five `Noop` layers sends bursts to a raw reflector socket and receives them back; the test
 //! fails if any allocation happens in that steady state.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, Noop, stack};
 use chunnel_net::udp;
 
-struct Counting;
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: defers to `System`, only counting.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
+static A: chunnel_test::alloc::Counting = chunnel_test::alloc::Counting::new();
 
 async fn bursts<C: ChunnelConnection<Data = Bytes>>(
     conn: &C,
@@ -81,9 +57,9 @@ fn five_noop_layers_over_udp_allocate_nothing_per_message() {
         let mut slots = vec![None; 32];
         let mut buf = vec![0u8; 2048];
         bursts(&conn, &reflector, &msg, &mut slots, &mut buf, 50).await;
-        let before = ALLOCS.load(Ordering::Relaxed);
+        let before = A.count();
         bursts(&conn, &reflector, &msg, &mut slots, &mut buf, 500).await;
-        let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+        let allocs = A.count() - before;
         assert_eq!(allocs, 0, "{allocs} allocations for 16,000 messages");
     });
 }

@@ -5,8 +5,6 @@
 //! reflector socket, waits for the driver to hand them to the socket (`flush`), and receives
 //! them back; the test fails if any allocation happens in that steady state.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,29 +12,8 @@ use chunnel::{Chunnel, ChunnelConnection, stack};
 use chunnel_net::udp;
 use chunnel_std::sched::{Config, GateEntry, GateSchedule, Policy, Sched};
 
-struct Counting;
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: defers to `System`, only counting.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
+static A: chunnel_test::alloc::Counting = chunnel_test::alloc::Counting::new();
 
 #[test]
 fn scheduled_sends_allocate_nothing_per_message() {
@@ -80,9 +57,9 @@ fn scheduled_sends_allocate_nothing_per_message() {
                 }
             };
             round(50).await;
-            let before = ALLOCS.load(Ordering::Relaxed);
+            let before = A.count();
             round(300).await;
-            let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+            let allocs = A.count() - before;
             assert_eq!(allocs, 0, "{allocs} allocations for 9,600 messages");
         });
     }

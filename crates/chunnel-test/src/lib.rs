@@ -12,6 +12,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+pub mod alloc;
 pub mod brokers;
 pub mod fault;
 pub mod flood;

@@ -5,39 +5,17 @@
 //! A counting global allocator wraps the system allocator; after a warm-up, the tests fail if
 //! any allocation happens.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, Listener as _, Noop, stack};
 use chunnel_uring::udp;
 
-struct Counting;
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
 /// The two tests measure one at a time (the counter is process-wide).
 static SERIAL: Mutex<()> = Mutex::new(());
 
-// SAFETY: defers to `System`, only counting.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: same contract.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static A: Counting = Counting;
+static A: chunnel_test::alloc::Counting = chunnel_test::alloc::Counting::new();
 
 async fn recv_all<C: ChunnelConnection<Data = Bytes>>(conn: &C, slots: &mut [Option<Bytes>]) {
     let mut got = 0;
@@ -96,9 +74,9 @@ fn client_with_five_noop_layers_allocates_nothing_per_message() {
         let mut slots = vec![None; 32];
         let mut buf = vec![0u8; 2048];
         client_bursts(&conn, &reflector, &msg, &mut slots, &mut buf, 50).await;
-        let before = ALLOCS.load(Ordering::Relaxed);
+        let before = A.count();
         client_bursts(&conn, &reflector, &msg, &mut slots, &mut buf, 500).await;
-        let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+        let allocs = A.count() - before;
         assert_eq!(allocs, 0, "{allocs} allocations for 16,000 messages");
     });
 }
@@ -149,9 +127,9 @@ fn server_connection_allocates_nothing_per_message() {
         let mut slots = vec![None; 32];
         let mut buf = vec![0u8; 2048];
         server_bursts(&server, &client, &msg, &mut slots, &mut buf, 50).await;
-        let before = ALLOCS.load(Ordering::Relaxed);
+        let before = A.count();
         server_bursts(&server, &client, &msg, &mut slots, &mut buf, 500).await;
-        let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+        let allocs = A.count() - before;
         assert_eq!(allocs, 0, "{allocs} allocations for 16,000 messages");
     });
 }
