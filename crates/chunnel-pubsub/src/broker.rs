@@ -93,6 +93,38 @@ pub trait Broker: Clone + Send + Sync + 'static {
         member: &Member,
         prefetch: usize,
     ) -> impl Future<Output = Result<Self::Consumer, Error>> + Send;
+
+    /// The lane of service-side ordering on `topic` ([`crate::order::Mode::Service`]): one
+    /// place the broker keeps in order. Default: the topic `{topic}-s` on this broker (a
+    /// NATS stream, a Redis stream); Kafka: `{topic}-s` with one partition.
+    fn service_lane(&self, topic: &str) -> Result<Lane<Self>, Error> {
+        Ok(Lane {
+            broker: self.clone(),
+            topic: format!("{topic}-s"),
+        })
+    }
+
+    /// The lanes of receiver-side ordering on `topic` ([`crate::order::Mode::Receiver`]): `n`
+    /// places the broker serves independently, with no order between them. Default: the
+    /// topics `{topic}-r0` .. `{topic}-r{n-1}` (NATS streams, Redis streams); Kafka: one
+    /// topic `{topic}-r` of `n` partitions.
+    fn spread_lanes(&self, topic: &str, n: u32) -> Result<Vec<Lane<Self>>, Error> {
+        Ok((0..n)
+            .map(|i| Lane {
+                broker: self.clone(),
+                topic: format!("{topic}-r{i}"),
+            })
+            .collect())
+    }
+}
+
+/// One lane of an ordered topic: a topic on a broker handle (see [`Broker::service_lane`]).
+#[derive(Clone, Debug)]
+pub struct Lane<B> {
+    /// The broker handle (for Kafka, with the lane's partition count).
+    pub broker: B,
+    /// The lane's topic.
+    pub topic: String,
 }
 
 /// Publishes to one topic.

@@ -36,6 +36,20 @@ pub enum Error {
         /// What is wrong.
         what: String,
     },
+    /// An ordered subscriber had more messages waiting behind a gap than its reorder buffer
+    /// holds ([`crate::order::OrderConfig::capacity`]): the lanes reorder more than the
+    /// configuration allows. Nothing was skipped; the connection delivers no more.
+    #[error(
+        "ordered subscriber: more than {capacity} messages wait behind a gap (reorder buffer full)"
+    )]
+    ReorderOverflow {
+        /// The buffer's capacity.
+        capacity: usize,
+    },
+    /// The rendezvous store of an ordering group failed (feature `group`).
+    #[cfg(feature = "group")]
+    #[error("ordering group: {0}")]
+    Rendezvous(#[from] chunnel_rendezvous::Error),
 }
 
 impl Error {

@@ -37,7 +37,7 @@ use rskafka::client::partition::{Compression, OffsetAt, PartitionClient, Unknown
 use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::Record;
 
-use crate::broker::{Broker, Consumer, Incoming, Member, Outgoing, Producer};
+use crate::broker::{Broker, Consumer, Incoming, Lane, Member, Outgoing, Producer};
 use crate::{Error, MsgId, Ordering};
 
 const NAME: &str = "kafka";
@@ -63,18 +63,18 @@ fn unavailable(op: &'static str, e: KError) -> Error {
 #[derive(Clone)]
 pub struct KafkaBroker {
     inner: Arc<Inner>,
+    partitions: i32,
 }
 
 struct Inner {
     client: Client,
-    partitions: i32,
     op_timeout: Duration,
 }
 
 impl std::fmt::Debug for KafkaBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KafkaBroker")
-            .field("partitions", &self.inner.partitions)
+            .field("partitions", &self.partitions)
             .finish_non_exhaustive()
     }
 }
@@ -115,11 +115,22 @@ impl KafkaBroker {
             }
         };
         Ok(KafkaBroker {
-            inner: Arc::new(Inner {
-                client,
-                partitions,
-                op_timeout,
-            }),
+            inner: Arc::new(Inner { client, op_timeout }),
+            partitions,
+        })
+    }
+
+    /// The same cluster connection for topics of `partitions` partitions (the ordering lanes:
+    /// one partition for service-side ordering, several for receiver-side).
+    pub fn with_partitions(&self, partitions: i32) -> Result<KafkaBroker, Error> {
+        if partitions < 1 {
+            return Err(Error::Config {
+                what: format!("{partitions} partitions"),
+            });
+        }
+        Ok(KafkaBroker {
+            inner: self.inner.clone(),
+            partitions,
         })
     }
 
@@ -200,17 +211,34 @@ impl Broker for KafkaBroker {
     type Consumer = KafkaConsumer;
 
     fn ordering(&self) -> Ordering {
-        if self.inner.partitions == 1 {
+        if self.partitions == 1 {
             Ordering::Total
         } else {
             Ordering::PerKey
         }
     }
 
+    fn service_lane(&self, topic: &str) -> Result<Lane<Self>, Error> {
+        Ok(Lane {
+            broker: self.with_partitions(1)?,
+            topic: format!("{topic}-s"),
+        })
+    }
+
+    fn spread_lanes(&self, topic: &str, n: u32) -> Result<Vec<Lane<Self>>, Error> {
+        let partitions = i32::try_from(n).map_err(|_| Error::Config {
+            what: format!("{n} lanes"),
+        })?;
+        Ok(vec![Lane {
+            broker: self.with_partitions(partitions)?,
+            topic: format!("{topic}-r"),
+        }])
+    }
+
     async fn producer(&self, topic: &str) -> Result<KafkaProducer, Error> {
-        self.ensure_topic(topic, self.inner.partitions).await?;
-        let mut parts = Vec::with_capacity(self.inner.partitions as usize);
-        for p in 0..self.inner.partitions {
+        self.ensure_topic(topic, self.partitions).await?;
+        let mut parts = Vec::with_capacity(self.partitions as usize);
+        for p in 0..self.partitions {
             parts.push(self.partition(topic, p).await?);
         }
         Ok(KafkaProducer {
@@ -225,14 +253,14 @@ impl Broker for KafkaBroker {
         member: &Member,
         _prefetch: usize,
     ) -> Result<KafkaConsumer, Error> {
-        self.ensure_topic(topic, self.inner.partitions).await?;
+        self.ensure_topic(topic, self.partitions).await?;
         self.ensure_topic(OFFSETS_TOPIC, 1).await?;
         let offsets = self.partition(OFFSETS_TOPIC, 0).await?;
         let key = |p: i32| format!("{}/{topic}/{p}", member.group);
         let committed = read_commits(&offsets).await?;
         let mut parts = Vec::new();
         let mut keys = Vec::new();
-        for p in (0..self.inner.partitions).filter(|p| *p as u32 % member.count == member.index) {
+        for p in (0..self.partitions).filter(|p| *p as u32 % member.count == member.index) {
             let client = self.partition(topic, p).await?;
             let k = key(p);
             let pos = match committed.get(&k) {

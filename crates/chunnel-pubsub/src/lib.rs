@@ -85,10 +85,11 @@ mod id;
 pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
+pub mod order;
 #[cfg(feature = "redis")]
 pub mod redis;
 
-pub use broker::{Broker, Consumer, Incoming, Member, Outgoing, Producer};
+pub use broker::{Broker, Consumer, Incoming, Lane, Member, Outgoing, Producer};
 pub use conn::{Config, Publish, Publisher, SubStats, Subscribe, Subscriber};
 pub use error::Error;
 pub use id::MsgId;

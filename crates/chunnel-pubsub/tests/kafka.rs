@@ -24,6 +24,12 @@ async fn kafka_scenarios() {
     scenarios::concurrent_publishers(broker(&addr, 1, Duration::from_secs(30)).await).await;
     eprintln!("kafka: group split (2 partitions)");
     scenarios::group_split(broker(&addr, 2, Duration::from_secs(30)).await).await;
+    #[cfg(feature = "group")]
+    {
+        eprintln!("kafka: ordering switch");
+        support::order::ordering_switch(broker(&addr, 1, Duration::from_secs(30)).await, &scratch)
+            .await;
+    }
     eprintln!("kafka: slow consumer");
     scenarios::slow_consumer(broker(&addr, 1, Duration::from_secs(30)).await).await;
     eprintln!("kafka: restart mid-stream");

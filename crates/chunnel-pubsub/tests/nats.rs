@@ -54,3 +54,11 @@ async fn nats_slow_consumer() {
     let (_server, addr) = support::nats(&scratch);
     scenarios::slow_consumer(broker(&addr, Duration::from_secs(5)).await).await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_ordering_switch() {
+    let scratch = Scratch::new("ps-nats");
+    let (_server, addr) = support::nats(&scratch);
+    support::order::ordering_switch(broker(&addr, Duration::from_secs(5)).await, &scratch).await;
+}

@@ -51,3 +51,11 @@ async fn redis_slow_consumer() {
     let (_server, url) = support::redis(&scratch);
     scenarios::slow_consumer(broker(&url, Duration::from_secs(5))).await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_ordering_switch() {
+    let scratch = Scratch::new("ps-redis");
+    let (_server, url) = support::redis(&scratch);
+    support::order::ordering_switch(broker(&url, Duration::from_secs(5)), &scratch).await;
+}

@@ -2,6 +2,8 @@
 //! so also when a test panics), and the scenarios every broker runs.
 #![allow(dead_code, unused_imports)]
 
+#[cfg(feature = "group")]
+pub mod order;
 pub mod scenarios;
 
 pub use chunnel_test::brokers::{kafka, nats, redis};
