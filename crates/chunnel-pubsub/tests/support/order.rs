@@ -190,7 +190,9 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
                     .await
                     .expect("publish");
                 i += 5;
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                // As fast as the broker acknowledges: receivers fall behind, so their lanes
+                // race (what makes receiver-side ordering reorder).
+                tokio::task::yield_now().await;
             }
             (p, i)
         });
@@ -232,7 +234,7 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
     );
     let base = sent_in(Mode::Receiver).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while sent_in(Mode::Receiver).await < base + 600 {
+    while sent_in(Mode::Receiver).await < base + 3000 {
         assert!(
             Instant::now() < deadline,
             "too few messages in receiver mode"
@@ -258,7 +260,7 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
     );
     let base = sent_in(Mode::Service).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while sent_in(Mode::Service).await < base + 300 {
+    while sent_in(Mode::Service).await < base + 600 {
         assert!(
             Instant::now() < deadline,
             "too few messages after switching back"
