@@ -40,6 +40,17 @@ pub(crate) struct Args {
     /// Brokers to measure, comma separated: redis, nats, kafka.
     #[arg(long, default_value = "redis,nats,kafka")]
     brokers: String,
+    /// Experiments, comma separated: `direct` (the Chunnel against the client crate) and
+    /// `ordering` (service- against receiver-side ordering, 1 and 4 receivers).
+    #[arg(long, default_value = "direct,ordering")]
+    experiments: String,
+    /// Lanes of receiver-side ordering in the ordering experiment.
+    #[arg(long, default_value_t = 4)]
+    lanes: u32,
+    /// Messages per published burst in the ordering experiment's throughput run (50 keeps a
+    /// Kafka produce request under rskafka's delayed-ACK size; see chunnel_pubsub::kafka).
+    #[arg(long, default_value_t = 50)]
+    order_burst: usize,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -57,6 +68,10 @@ fn measure(_: &Args) -> Result<Value> {
 fn measure(a: &Args) -> Result<Value> {
     imp::measure(a)
 }
+
+#[cfg(feature = "pubsub")]
+#[path = "pubsub_order.rs"]
+mod order;
 
 #[cfg(feature = "pubsub")]
 mod imp {
@@ -424,7 +439,20 @@ mod imp {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
+        let wants = |e: &str| a.experiments.split(',').any(|x| x.trim() == e);
+        let (direct, ordering) = (wants("direct"), wants("ordering"));
+        if !direct && !ordering {
+            bail!("no experiment: --experiments takes direct, ordering");
+        }
+        let params = super::order::Params {
+            msgs: a.msgs,
+            reps: a.reps,
+            size: a.size,
+            burst: a.order_burst,
+            lanes: a.lanes,
+        };
         let mut out = serde_json::Map::new();
+        let mut orders = serde_json::Map::new();
         for b in a
             .brokers
             .split(',')
@@ -432,19 +460,29 @@ mod imp {
             .filter(|b| !b.is_empty())
         {
             let scratch = Scratch::new(&format!("bench-{b}"));
-            let v = match b {
+            let (d, o) = match b {
                 "redis" => {
                     let (_server, url) = chunnel_test::brokers::redis(&scratch);
                     rt.block_on(async {
                         let broker = chunnel_pubsub::redis::RedisBroker::new(&url)?;
-                        let (mut l, mut d) = (Figures::new(), Figures::new());
-                        for rep in 0..a.reps {
-                            let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
-                            let mut dp =
-                                redis_direct::direct(&broker, &topic("direct", rep)).await?;
-                            both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
-                        }
-                        anyhow::Ok(compare(&l, &d))
+                        let d = if direct {
+                            let (mut l, mut d) = (Figures::new(), Figures::new());
+                            for rep in 0..a.reps {
+                                let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
+                                let mut dp =
+                                    redis_direct::direct(&broker, &topic("direct", rep)).await?;
+                                both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                            }
+                            Some(compare(&l, &d))
+                        } else {
+                            None
+                        };
+                        let o = if ordering {
+                            Some(super::order::experiment(broker, &params).await?)
+                        } else {
+                            None
+                        };
+                        anyhow::Ok((d, o))
                     })?
                 }
                 "nats" => {
@@ -455,14 +493,24 @@ mod imp {
                             Duration::from_secs(10),
                         )
                         .await?;
-                        let (mut l, mut d) = (Figures::new(), Figures::new());
-                        for rep in 0..a.reps {
-                            let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
-                            let mut dp =
-                                nats_direct::direct(&broker, &topic("direct", rep)).await?;
-                            both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
-                        }
-                        anyhow::Ok(compare(&l, &d))
+                        let d = if direct {
+                            let (mut l, mut d) = (Figures::new(), Figures::new());
+                            for rep in 0..a.reps {
+                                let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
+                                let mut dp =
+                                    nats_direct::direct(&broker, &topic("direct", rep)).await?;
+                                both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                            }
+                            Some(compare(&l, &d))
+                        } else {
+                            None
+                        };
+                        let o = if ordering {
+                            Some(super::order::experiment(broker, &params).await?)
+                        } else {
+                            None
+                        };
+                        anyhow::Ok((d, o))
                     })?
                 }
                 "kafka" => {
@@ -474,19 +522,34 @@ mod imp {
                             Duration::from_secs(30),
                         )
                         .await?;
-                        let (mut l, mut d) = (Figures::new(), Figures::new());
-                        for rep in 0..a.reps {
-                            let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
-                            let mut dp =
-                                kafka_direct::direct(&broker, &topic("direct", rep)).await?;
-                            both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
-                        }
-                        anyhow::Ok(compare(&l, &d))
+                        let d = if direct {
+                            let (mut l, mut d) = (Figures::new(), Figures::new());
+                            for rep in 0..a.reps {
+                                let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
+                                let mut dp =
+                                    kafka_direct::direct(&broker, &topic("direct", rep)).await?;
+                                both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                            }
+                            Some(compare(&l, &d))
+                        } else {
+                            None
+                        };
+                        let o = if ordering {
+                            Some(super::order::experiment(broker, &params).await?)
+                        } else {
+                            None
+                        };
+                        anyhow::Ok((d, o))
                     })?
                 }
                 other => bail!("unknown broker {other:?} (redis, nats, kafka)"),
             };
-            out.insert(b.to_owned(), v);
+            if let Some(d) = d {
+                out.insert(b.to_owned(), d);
+            }
+            if let Some(o) = o {
+                orders.insert(b.to_owned(), o);
+            }
         }
         Ok(json!({
             "bench": "pubsub",
@@ -495,6 +558,7 @@ mod imp {
             "size": a.size,
             "burst": a.burst,
             "brokers": out,
+            "ordering": orders,
         }))
     }
 

@@ -170,6 +170,24 @@ fn table() -> String {
             &[],
         ),
         row(
+            &chunnel_pubsub::order::OrderOffer {
+                mode: chunnel_pubsub::order::Mode::Service,
+                lanes: 4,
+            },
+            "chunnel-pubsub",
+            "transform: ordering by the broker (one lane; a group's select, with 4 lanes here)",
+            &[],
+        ),
+        row(
+            &chunnel_pubsub::order::OrderOffer {
+                mode: chunnel_pubsub::order::Mode::Receiver,
+                lanes: 4,
+            },
+            "chunnel-pubsub",
+            "transform: ordering at each receiver (sequence numbers over 4 lanes)",
+            &[],
+        ),
+        row(
             &Noop,
             "chunnel",
             "transform: pass-through (measures composition)",

@@ -24,6 +24,15 @@
 //! Redis share a group's messages dynamically, [`Ordering::None`]) and `pubsub-delivery`
 //! ([`Delivery`]).
 //!
+//! # Ordering as a negotiated choice
+//!
+//! [`order`] orders each publisher's messages either at the broker (service-side: one lane,
+//! one partition or stream) or at each receiver (receiver-side: sequence numbers over several
+//! lanes, reordered by a bounded sans-IO core). A group of publishers and receivers picks
+//! between the two through chunnel-rendezvous (feature `group`, on by default) and switches
+//! live as receivers join and leave, with no message lost, duplicated or out of order across
+//! the switch.
+//!
 //! # Delivery
 //!
 //! Every published message carries an id ([`MsgId`]: publisher, sequence number) in a header

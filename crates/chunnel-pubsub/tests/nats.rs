@@ -62,3 +62,11 @@ async fn nats_ordering_switch() {
     let (_server, addr) = support::nats(&scratch);
     support::order::ordering_switch(broker(&addr, Duration::from_secs(5)).await, &scratch).await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_cancelled_bursts_are_resent() {
+    let scratch = Scratch::new("ps-nats");
+    let (_server, addr) = support::nats(&scratch);
+    support::order::cancelled_bursts_are_resent(broker(&addr, Duration::from_secs(5)).await).await;
+}

@@ -59,3 +59,11 @@ async fn redis_ordering_switch() {
     let (_server, url) = support::redis(&scratch);
     support::order::ordering_switch(broker(&url, Duration::from_secs(5)), &scratch).await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cancelled_bursts_are_resent() {
+    let scratch = Scratch::new("ps-redis");
+    let (_server, url) = support::redis(&scratch);
+    support::order::cancelled_bursts_are_resent(broker(&url, Duration::from_secs(5))).await;
+}

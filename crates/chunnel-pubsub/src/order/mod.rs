@@ -599,3 +599,30 @@ impl ChunnelConnection for OrderedSubscriber {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compatible(a: &OrderOffer, b: &OrderOffer) -> bool {
+        let (a, b) = (a.capabilities(), b.capabilities());
+        a.len() == b.len() && a.iter().all(|c| b.iter().any(|d| c.compatible(d)))
+    }
+
+    #[test]
+    fn offers_match_on_mode_and_lanes() {
+        let s4 = OrderOffer {
+            mode: Mode::Service,
+            lanes: 4,
+        };
+        let r4 = OrderOffer {
+            mode: Mode::Receiver,
+            lanes: 4,
+        };
+        assert!(compatible(&s4, &s4) && compatible(&r4, &r4));
+        assert!(!compatible(&s4, &r4));
+        assert!(!compatible(&r4, &OrderOffer { lanes: 2, ..r4 }));
+        assert_eq!(s4.id(), ID);
+        assert_eq!(Mode::Service.other(), Mode::Receiver);
+    }
+}

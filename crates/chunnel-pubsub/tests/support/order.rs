@@ -322,3 +322,63 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
         r.task.abort();
     }
 }
+
+/// Sends cancelled at their first wait (a timeout of zero) alternate with sends that run to
+/// the end: each cancelled burst is published again, whole, by the next send, and the receiver
+/// gets every message exactly once, in order (the copies dropped as duplicates).
+pub async fn cancelled_bursts_are_resent<B: Broker>(broker: B) {
+    let topic = unique("resend");
+    let cfg = super::scenarios::config(Duration::from_secs(20));
+    let order_cfg = OrderConfig {
+        lanes: 2,
+        ..OrderConfig::default()
+    };
+    let sub = OrderedSubscribe::new(broker.clone(), &topic, "r", cfg.clone(), order_cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("ordered subscriber");
+    let publisher = OrderedPublish::new(broker.clone(), &topic, cfg, order_cfg)
+        .fixed(Mode::Receiver)
+        .connect_wrap(())
+        .await
+        .expect("ordered publisher");
+    let mut next = 0u64;
+    let mut cancelled = 0;
+    for _ in 0..20 {
+        let burst = (next..next + 5).map(|k| payload(0, k));
+        next += 5;
+        if tokio::time::timeout(Duration::ZERO, publisher.send(burst))
+            .await
+            .is_err()
+        {
+            cancelled += 1;
+        }
+        let burst = (next..next + 5).map(|k| payload(0, k));
+        next += 5;
+        publisher.send(burst).await.expect("publish");
+    }
+    let stats = publisher.stats().await;
+    assert!(
+        cancelled > 0,
+        "no send was cancelled: the test tests nothing"
+    );
+    assert_eq!(stats.resent, cancelled, "{stats:?}");
+    let mut log = Log::default();
+    let mut slots = vec![None; 16];
+    while log.total < next {
+        let n = tokio::time::timeout(Duration::from_secs(20), sub.recv(&mut slots))
+            .await
+            .expect("the receiver stalled: a gap nobody fills")
+            .expect("recv");
+        for s in &mut slots[..n] {
+            log.take("r", &s.take().unwrap());
+        }
+    }
+    // Nothing more arrives (a duplicate would).
+    let more = tokio::time::timeout(Duration::from_millis(500), sub.recv(&mut slots)).await;
+    assert!(more.is_err(), "more messages than were sent");
+    eprintln!(
+        "{cancelled} cancelled bursts re-sent; receiver: {:?}",
+        sub.stats()
+    );
+}
