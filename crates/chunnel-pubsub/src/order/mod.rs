@@ -39,6 +39,44 @@
 //! same sequence numbers, before its next burst (the receivers drop the copies), so a failure
 //! never leaves a gap the receivers would wait for forever.
 //!
+//! # Example
+//!
+//! A publisher fixed in receiver-side ordering over two Redis streams, and a receiver (feature
+//! `redis`; the hidden lines start a redis-server on a free port). The tests
+//! (`tests/support/order.rs`) run a whole group switching on all three brokers.
+//!
+//! ```
+//! # #[cfg(feature = "redis")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), chunnel::Error> {
+//! # let scratch = chunnel_test::services::Scratch::new("order-doc");
+//! # let (_server, url) = chunnel_test::brokers::redis(&scratch);
+//! use bytes::Bytes;
+//! use chunnel::{Chunnel, ChunnelConnection, ConnectionExt};
+//! use chunnel_pubsub::order::{Mode, OrderConfig, OrderedPublish, OrderedSubscribe};
+//! use chunnel_pubsub::{Config, redis::RedisBroker};
+//!
+//! let broker = RedisBroker::new(&url)?;
+//! let order = OrderConfig { lanes: 2, ..OrderConfig::default() };
+//! let receiver = OrderedSubscribe::new(broker.clone(), "log", "r1", Config::default(), order.clone())
+//!     .connect_wrap(())
+//!     .await?;
+//! let publisher = OrderedPublish::new(broker, "log", Config::default(), order)
+//!     .fixed(Mode::Receiver)
+//!     .connect_wrap(())
+//!     .await?;
+//! for i in 0..10u8 {
+//!     publisher.send([Bytes::from(vec![i])]).await?; // bursts alternate between the lanes
+//! }
+//! for i in 0..10u8 {
+//!     assert_eq!(receiver.recv_one().await?, Bytes::from(vec![i]));
+//! }
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "redis"))]
+//! # fn main() {}
+//! ```
+//!
 //! # Limits
 //!
 //! * A receiver connection reads every lane from its start (a fresh consumer group per
