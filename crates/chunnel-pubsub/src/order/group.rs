@@ -131,6 +131,33 @@ impl OrderGroup {
         }
     }
 
+    /// Runs [`OrderGroup::adapt`] with `policy` whenever this member's view of the group
+    /// changes (a receiver joins or leaves, a switch commits), and again every 50 ms while the
+    /// policy wants another mode than the group's (a proposal that lost to another's): the
+    /// group follows its receivers with no call from the application. The task ends when the
+    /// group is dropped, or when aborted through the handle.
+    pub fn follow(self: &Arc<Self>, policy: fn(usize) -> Mode) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        let mut changes = self.participant.watch();
+        tokio::spawn(async move {
+            loop {
+                let Some(g) = weak.upgrade() else { return };
+                if let Err(e) = g.adapt(policy).await {
+                    tracing::debug!(error = %e, "ordering group: proposal failed");
+                }
+                let settled = policy(g.receivers()) == g.mode();
+                drop(g);
+                if settled {
+                    if changes.changed().await.is_err() {
+                        return;
+                    }
+                } else {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        })
+    }
+
     /// Leaves the group at once.
     pub async fn leave(&self) -> Result<(), Error> {
         Ok(self.participant.leave().await?)

@@ -127,7 +127,8 @@ async fn until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     }
 }
 
-/// Proposes (from publisher 0's member) until every publisher uses `want`.
+/// Waits until every publisher uses `want` (publisher 0 follows the receivers:
+/// `OrderGroup::follow`, so nothing here proposes).
 async fn switch_to(groups: &[Arc<OrderGroup>], want: Mode) -> Duration {
     let t = Instant::now();
     let deadline = t + Duration::from_secs(20);
@@ -136,8 +137,7 @@ async fn switch_to(groups: &[Arc<OrderGroup>], want: Mode) -> Duration {
             Instant::now() < deadline,
             "the group did not switch to {want:?}"
         );
-        groups[0].adapt(order::by_receivers).await.expect("adapt");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     t.elapsed()
 }
@@ -177,6 +177,7 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
         groups.push(g);
         publishers.push(Arc::new(conn));
     }
+    let follower = groups[0].follow(order::by_receivers);
     let r1 = receiver(&broker, &store, &topic, "r1", &cfg, &order_cfg).await;
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -218,6 +219,7 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
     };
 
     // Two receivers join: several receivers -> receiver-side ordering.
+    let joined = Instant::now();
     let r2 = receiver(&broker, &store, &topic, "r2", &cfg, &order_cfg).await;
     let r3 = receiver(&broker, &store, &topic, "r3", &cfg, &order_cfg).await;
     until(
@@ -226,9 +228,11 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
         || groups[0].receivers() == 3,
     )
     .await;
-    let took = switch_to(&groups, Mode::Receiver).await;
+    switch_to(&groups, Mode::Receiver).await;
+    let took = joined.elapsed();
+    assert_eq!(groups[0].receivers(), 3);
     eprintln!(
-        "switched to receiver-side ordering in {:.1} ms (epoch {})",
+        "2 receivers joined -> every publisher in receiver-side ordering {:.1} ms later (epoch {})",
         took.as_secs_f64() * 1e3,
         groups[0].epoch()
     );
@@ -243,6 +247,7 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
     }
 
     // They leave: one receiver -> service-side ordering again.
+    let left = Instant::now();
     for r in [&r2, &r3] {
         r.group.leave().await.expect("leave");
     }
@@ -252,9 +257,10 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
         || groups[0].receivers() == 1,
     )
     .await;
-    let took = switch_to(&groups, Mode::Service).await;
+    switch_to(&groups, Mode::Service).await;
+    let took = left.elapsed();
     eprintln!(
-        "switched back to service-side ordering in {:.1} ms (epoch {})",
+        "2 receivers left -> every publisher in service-side ordering {:.1} ms later (epoch {})",
         took.as_secs_f64() * 1e3,
         groups[0].epoch()
     );
@@ -317,6 +323,8 @@ pub async fn ordering_switch<B: Broker>(broker: B, scratch: &Scratch) {
         );
         assert!(got > 0, "{} got nothing", r.name);
     }
+    assert!(!follower.is_finished(), "the follower task ended");
+    follower.abort();
     for r in [r1, r2, r3] {
         assert!(!r.task.is_finished(), "{}'s receive loop ended", r.name);
         r.task.abort();
