@@ -19,6 +19,11 @@
 //!
 //! Variants alternate within each repetition; figures are medians over `reps` with the
 //! Chunnel/direct ratios (latency ≤ 1.1 and throughput ≥ 0.9 are the bars of issue 23).
+//!
+//! `--experiments` selects `direct` (the above, JSON key `brokers`) and `ordering`
+//! (`pubsub_order.rs`: service- against receiver-side ordering with 1 and 4 receivers, JSON key
+//! `ordering`, per broker the figures of each mode and receiver count and their
+//! receiver-side / service-side ratios); both by default.
 
 use anyhow::Result;
 use serde_json::Value;
