@@ -84,6 +84,12 @@
 //!   pump tasks acknowledge a message once it is in the connection's bounded queue: a receiver
 //!   that crashes loses nothing at the broker for its successor, which starts over anyway.
 //! * Ordering is per publisher connection; there is no order between publishers.
+//! * The reorder buffer must cover the skew between lanes. Lanes are read at about the same
+//!   pace (one pump per lane into one queue), so in a steady stream few messages wait; but a
+//!   receiver far behind at a switch (a backlog on the old mode's lanes while the new mode's
+//!   fill) can see as many early messages as that backlog. Past [`OrderConfig::capacity`] the
+//!   connection fails with [`Error::ReorderOverflow`]: it never skips a message, and never
+//!   holds more than the bound.
 //! * A publisher whose broker stays down past `op_timeout` returns the error; its next send
 //!   first re-publishes the failed burst.
 
