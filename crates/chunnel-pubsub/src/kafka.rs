@@ -21,6 +21,10 @@
 //! committed position, or at the earliest record, so a member that restarts gets again what
 //! was acknowledged in its last 200 ms (its new dedup window does not know those ids). Rebalancing when members come and go is not
 //! implemented. rskafka takes records as `Vec<u8>`, so publishing copies each payload once.
+//!
+//! Ordering lanes ([`crate::order`]): service-side ordering uses the topic `{t}-s` with one
+//! partition, receiver-side the topic `{t}-r` with one partition per lane, both through
+//! [`KafkaBroker::with_partitions`] on the same cluster connection.
 
 /// The rskafka crate this backend uses (for direct use beside the Chunnels).
 pub use rskafka;
