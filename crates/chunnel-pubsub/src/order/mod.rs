@@ -12,7 +12,7 @@
 //! | [`Mode::Receiver`]: `lanes` independent lanes, reordered by each receiver | topic `{t}-r`, `lanes` partitions (a burst per partition, round-robin) | streams `{t}-r0`..: one subject each (a burst per stream, round-robin) | streams `{t}-r0`..  (a burst per stream, round-robin) |
 //!
 //! Every ordered message carries a 20-byte header in front of its payload (`docs/wire.md`
-//! §17): the magic `cho1`, the publisher (a random 64-bit id per connection) and its
+//! §18): the magic `cho1`, the publisher (a random 64-bit id per connection) and its
 //! sequence number, 0, 1, 2... **continuing across modes**. Each receiver is its own
 //! subscription (it gets every message) and reads **every lane of both modes**; its
 //! [`Reorder`] core hands each publisher's messages to the application in sequence order,

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-/// Marks an ordered message (`docs/wire.md` §17).
+/// Marks an ordered message (`docs/wire.md` §18).
 pub const MAGIC: &[u8; 4] = b"cho1";
 /// The header's length: magic, publisher (8 bytes), sequence number (8 bytes).
 pub const HEADER: usize = 4 + 8 + 8;
