@@ -24,6 +24,7 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
         "datapaths" => datapaths(r, &mut s),
         "xdp" => xdp(r, &mut s),
         "secure" => secure(r, &mut s),
+        "sched" | "sched_heavy" => super::sched::render(f.name, r, &mut s),
         _ => {}
     }
     s
@@ -32,7 +33,7 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
 // ---- formatting --------------------------------------------------------------------------
 
 /// A ratio: `1.062 [1.049–1.301]`; `171 [120–198]` for large ones.
-fn ratio(sp: Option<Spread>) -> String {
+pub(super) fn ratio(sp: Option<Spread>) -> String {
     let f = |x: f64| {
         if x.abs() >= 10.0 {
             format!("{x:.0}")
@@ -59,7 +60,7 @@ fn ratio_b(sp: Option<Spread>) -> String {
 }
 
 /// Microseconds at a precision fit for their size.
-fn us(x: f64) -> String {
+pub(super) fn us(x: f64) -> String {
     if !x.is_finite() {
         "–".into()
     } else if x < 1.0 {
@@ -73,7 +74,7 @@ fn us(x: f64) -> String {
     }
 }
 
-fn us_sp(sp: Option<Spread>) -> String {
+pub(super) fn us_sp(sp: Option<Spread>) -> String {
     match sp {
         Some(s) if s.min == s.max => us(s.med),
         Some(s) => format!("{} [{}–{}]", us(s.med), us(s.min), us(s.max)),
@@ -81,7 +82,7 @@ fn us_sp(sp: Option<Spread>) -> String {
     }
 }
 
-fn med(sp: Option<Spread>) -> f64 {
+pub(super) fn med(sp: Option<Spread>) -> f64 {
     sp.map_or(f64::NAN, |s| s.med)
 }
 
@@ -106,7 +107,7 @@ fn met(ok: Option<bool>) -> &'static str {
     }
 }
 
-fn reps(sp: Option<Spread>) -> String {
+pub(super) fn reps(sp: Option<Spread>) -> String {
     match sp.and_then(|s| s.runs) {
         Some(1) => "one repetition".into(),
         Some(n) => format!("median [min–max] of {n} repetitions"),
@@ -114,7 +115,7 @@ fn reps(sp: Option<Spread>) -> String {
     }
 }
 
-fn plot(name: &str, alt: &str) -> String {
+pub(super) fn plot(name: &str, alt: &str) -> String {
     format!("![{alt}](figures/{name}.png)")
 }
 
