@@ -26,22 +26,24 @@ pub struct Client {
 impl Client {
     /// Connects to the endpoint at `path` and checks its version (a `hello`).
     pub async fn connect(path: &Path) -> Result<Client, Error> {
-        let stream = UnixStream::connect(path).await.map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => Error::NoSocket {
-                path: path.to_owned(),
-            },
-            io::ErrorKind::PermissionDenied => Error::PermissionDenied {
-                path: path.to_owned(),
-            },
-            io::ErrorKind::ConnectionRefused => Error::NotListening {
-                path: path.to_owned(),
-            },
-            _ => Error::Io {
-                what: "connecting to",
-                path: path.to_owned(),
-                source: e,
-            },
-        })?;
+        let stream = UnixStream::connect(path)
+            .await
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::NotFound => Error::NoSocket {
+                    path: path.to_owned(),
+                },
+                io::ErrorKind::PermissionDenied => Error::PermissionDenied {
+                    path: path.to_owned(),
+                },
+                io::ErrorKind::ConnectionRefused => Error::NotListening {
+                    path: path.to_owned(),
+                },
+                _ => Error::Io {
+                    what: "connecting to",
+                    path: path.to_owned(),
+                    source: e,
+                },
+            })?;
         let (rd, wr) = stream.into_split();
         let mut c = Client {
             rd: BufReader::new(rd),

@@ -13,8 +13,8 @@ use tokio::time::timeout;
 
 use crate::Error;
 use crate::proto::{
-    Body, Code, EntryView, Failure, MAX_REQUEST, MAX_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS,
-    Op, Reply, Response, SwitchResult, Target, VERSION, encode_response, parse_request,
+    Body, Code, EntryView, Failure, MAX_REQUEST, MAX_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS, Op,
+    Reply, Response, SwitchResult, Target, VERSION, encode_response, parse_request,
 };
 use crate::registry::{Mode, Registry};
 
@@ -257,7 +257,11 @@ async fn read_line<R: AsyncBufReadExt + Unpin>(
     }
     if buf.last() != Some(&b'\n') {
         // Either the stream ended mid-line (answer what came) or the line is too long.
-        return if n >= MAX_REQUEST { Err(true) } else { Ok(Some(())) };
+        return if n >= MAX_REQUEST {
+            Err(true)
+        } else {
+            Ok(Some(()))
+        };
     }
     buf.pop();
     if buf.last() == Some(&b'\r') {
@@ -320,7 +324,8 @@ async fn watch<W: AsyncWriteExt + Unpin>(
     interval_ms: u64,
     count: Option<u64>,
 ) -> io::Result<()> {
-    let every = Duration::from_millis(interval_ms.clamp(MIN_WATCH_INTERVAL_MS, MAX_WATCH_INTERVAL_MS));
+    let every =
+        Duration::from_millis(interval_ms.clamp(MIN_WATCH_INTERVAL_MS, MAX_WATCH_INTERVAL_MS));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
@@ -330,7 +335,11 @@ async fn watch<W: AsyncWriteExt + Unpin>(
         if let Some(id) = id
             && entries.is_empty()
         {
-            return write(w, &error(Code::NoSuchEntry, format!("no entry {id} (gone?)"))).await;
+            return write(
+                w,
+                &error(Code::NoSuchEntry, format!("no entry {id} (gone?)")),
+            )
+            .await;
         }
         let last = count.is_some_and(|c| seq + 1 >= c);
         let mut r = ok(Reply::Watch {
@@ -413,7 +422,11 @@ async fn switch(shared: &Shared, target: Target, branch: &str, commit: bool) -> 
             Some(_) => {}
         }
     }
-    let mode = if commit { Mode::Commit } else { Mode::Unilateral };
+    let mode = if commit {
+        Mode::Commit
+    } else {
+        Mode::Unilateral
+    };
     let mut results = Vec::new();
     for (id, sw) in handles {
         let Some(sw) = sw else { continue };
@@ -426,7 +439,10 @@ async fn switch(shared: &Shared, target: Target, branch: &str, commit: bool) -> 
             if only.is_some() {
                 return error(
                     Code::NoSuchBranch,
-                    format!("entry {id} has no branch {branch:?} (its branches: {})", names.join(", ")),
+                    format!(
+                        "entry {id} has no branch {branch:?} (its branches: {})",
+                        names.join(", ")
+                    ),
                 );
             }
             results.push(SwitchResult {
@@ -464,10 +480,7 @@ async fn switch(shared: &Shared, target: Target, branch: &str, commit: bool) -> 
     if let (Some(_), Some(r)) = (only, results.first())
         && !r.ok
     {
-        return error(
-            Code::SwitchFailed,
-            format!("entry {}: {}", r.id, r.message),
-        );
+        return error(Code::SwitchFailed, format!("entry {}: {}", r.id, r.message));
     }
     ok(Reply::Switch { results })
 }

@@ -33,7 +33,9 @@ pub enum Error {
         message: String,
     },
     /// The endpoint speaks another protocol version.
-    #[error("endpoint version mismatch: the endpoint speaks control protocol version {theirs}, this client speaks {ours}")]
+    #[error(
+        "endpoint version mismatch: the endpoint speaks control protocol version {theirs}, this client speaks {ours}"
+    )]
     Version {
         /// This crate's version.
         ours: u32,

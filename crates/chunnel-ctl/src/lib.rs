@@ -77,6 +77,4 @@ pub use endpoint::{Config, ENV, Endpoint};
 pub use error::Error;
 pub use proto::{Counter, EntryView, LayerCounters, Negotiation};
 pub use reconfig::ReconfigSwitch;
-pub use registry::{
-    BoxFuture, Counters, Entry, Guard, Mode, Policy, Registry, Switch, Switched,
-};
+pub use registry::{BoxFuture, Counters, Entry, Guard, Mode, Policy, Registry, Switch, Switched};

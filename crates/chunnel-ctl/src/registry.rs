@@ -380,7 +380,11 @@ fn view(id: u64, s: &Slot) -> EntryView {
         branch,
         branches,
         commit_only,
-        counters: e.counters.as_ref().map(|c| c.counters()).unwrap_or_default(),
+        counters: e
+            .counters
+            .as_ref()
+            .map(|c| c.counters())
+            .unwrap_or_default(),
         age_ms: u64::try_from(s.since.elapsed().as_millis()).unwrap_or(u64::MAX),
     }
 }
@@ -445,9 +449,9 @@ mod tests {
     fn guard_removes_the_entry() {
         let r = Registry::new("t");
         let a = r.register(Entry::connection("a").with_stack(["x", "y"]));
-        let b = r.register(Entry::listener("b").with_counters(|| {
-            vec![LayerCounters::new("l", [("n", 3)])]
-        }));
+        let b = r.register(
+            Entry::listener("b").with_counters(|| vec![LayerCounters::new("l", [("n", 3)])]),
+        );
         assert_ne!(a.id(), b.id());
         let v = r.views(None);
         assert_eq!(v.len(), 2);
