@@ -368,8 +368,16 @@ pub fn parse_request(line: &[u8]) -> Result<Op, ParseError> {
             });
         }
     }
-    serde_json::from_value(serde_json::Value::Object(map))
-        .map_err(|e| ParseError::malformed(format!("not a request: {e}")))
+    let op: Op = serde_json::from_value(serde_json::Value::Object(map.clone()))
+        .map_err(|e| ParseError::malformed(format!("not a request: {e}")))?;
+    // serde ignores unknown fields of unit variants (`ls`, `hello`): every field sent must be
+    // one the operation has.
+    if let Ok(serde_json::Value::Object(known)) = serde_json::to_value(&op)
+        && let Some(k) = map.keys().find(|k| !known.contains_key(*k))
+    {
+        return Err(ParseError::malformed(format!("unknown field {k:?}")));
+    }
+    Ok(op)
 }
 
 /// Encodes a request line (with its newline).
