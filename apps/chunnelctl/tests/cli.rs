@@ -29,6 +29,7 @@ fn bin_dir() -> &'static Path {
         let mut cmd = Command::new(cargo);
         cmd.args([
             "build",
+            "--locked",
             "-p",
             "chunnel-kv",
             "-p",

@@ -54,11 +54,11 @@ pub(crate) fn register_server<S: Offers>(
     shard_counts: &ShardCounts,
     client_push: bool,
 ) -> Vec<Guard> {
-    let layers = stack
+    let layers: Vec<String> = stack
         .offers()
         .first()
         .map(|o| o.chunnels.iter().map(|c| c.id.to_string()).collect())
-        .unwrap_or_else(Vec::new);
+        .unwrap_or_default();
     let stats = {
         let counts = Arc::clone(counts);
         let sc = shard_counts.clone();

@@ -369,7 +369,9 @@ async fn handle(shared: &Shared, op: Op) -> Response {
             ok(Reply::Ls { entries, left_off })
         }
         Op::Show { id } => match registry.views(Some(id)).pop() {
-            Some(entry) => ok(Reply::Show { entry }),
+            Some(entry) => ok(Reply::Show {
+                entry: Box::new(entry),
+            }),
             None => error(Code::NoSuchEntry, format!("no entry {id}")),
         },
         Op::Policy { name, value } => match (name, value) {

@@ -168,7 +168,7 @@ pub enum Reply {
     /// To [`Op::Show`].
     Show {
         /// The entry.
-        entry: EntryView,
+        entry: Box<EntryView>,
     },
     /// To [`Op::Switch`].
     Switch {
