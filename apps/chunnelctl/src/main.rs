@@ -94,14 +94,14 @@ fn main() {
     };
     if let Err(e) = rt.block_on(run(cli)) {
         let code = match e.downcast_ref::<Error>() {
-            Some(Error::Remote { code, .. }) => serde_json::to_value(code)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_else(|| "error".into()),
-            Some(Error::NoSocket { .. }) => "no-socket".into(),
-            Some(Error::PermissionDenied { .. } | Error::Refused { .. }) => {
-                "permission-denied".into()
+            Some(Error::Remote { code, .. } | Error::Refused { code, .. }) => {
+                serde_json::to_value(code)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_else(|| "error".into())
             }
+            Some(Error::NoSocket { .. }) => "no-socket".into(),
+            Some(Error::PermissionDenied { .. }) => "permission-denied".into(),
             Some(Error::Version { .. }) => "version".into(),
             _ => "error".into(),
         };

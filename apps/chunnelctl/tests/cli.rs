@@ -217,7 +217,10 @@ fn check_traffic(e: &Value) -> u64 {
         0,
         "a PUT answered a value other than the one written before: {e}"
     );
-    assert!(requests - answered <= 4, "more in flight than writers: {e}");
+    assert!(
+        requests.saturating_sub(answered) <= 4,
+        "more in flight than writers: {e}"
+    );
     answered
 }
 
@@ -399,21 +402,21 @@ fn demo_switch_by_two_phase_commit() {
     );
 
     // By two-phase commit: both ends switch; traffic goes on, nothing lost or repeated.
-    let mut epoch = 0;
-    for (who, to) in [(client, "fnv1a"), (server, "crc32"), (client, "fnv1a")] {
+    let switches = [(client, "fnv1a"), (server, "crc32"), (client, "fnv1a")];
+    for (k, (who, to)) in switches.into_iter().enumerate() {
+        let epoch = k as u64 + 1;
         let before = traffic(&json(&sock, &["show", &client.to_string()])["entry"]);
         let r = json(&sock, &["switch", &who.to_string(), to, "--commit"]);
         assert_eq!(r["results"][0]["ok"], true, "{r}");
         assert_eq!(r["results"][0]["changed"], true, "{r}");
-        epoch += 1;
-        let ls = json(&sock, &["ls"]);
-        for name in ["demo client", "echo server"] {
-            assert_eq!(
-                entry(&ls, name)["branch"],
-                to,
-                "{name} after the switch: {ls}"
-            );
-            assert_eq!(entry(&ls, name)["epoch"], epoch, "{name}: {ls}");
+        // Both ends show the new branch once the switch returns; the follower counts its
+        // switch just after its marker leaves, so its epoch may take a moment.
+        for id in [client, server] {
+            show_until(&sock, id, "the epoch after the switch", |e| {
+                e["epoch"] == epoch
+            });
+            let e = json(&sock, &["show", &id.to_string()])["entry"].clone();
+            assert_eq!(e["branch"], to, "entry {id} after the switch: {e}");
         }
         show_until(&sock, client, "more echoes after the switch", |e| {
             traffic(e) >= before + 500

@@ -58,9 +58,9 @@ impl Client {
             Ok(Reply::Hello { pid, name, .. }) => c.hello = (pid, name),
             Ok(_) => return Err(Error::Protocol("hello answered with something else".into())),
             Err(Error::Remote {
-                code: Code::PermissionDenied | Code::Busy,
+                code: code @ (Code::PermissionDenied | Code::Busy),
                 message,
-            }) => return Err(Error::Refused { message }),
+            }) => return Err(Error::Refused { code, message }),
             Err(e) => return Err(e),
         }
         Ok(c)

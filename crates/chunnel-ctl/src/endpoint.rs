@@ -135,7 +135,8 @@ fn prepare(path: &Path) -> Result<(), Error> {
 
 impl Endpoint {
     /// Binds the control socket (mode 0600, in a directory this user owns) and serves
-    /// `registry` on it from a task of the current tokio runtime.
+    /// `registry` on it from a task of the current tokio runtime (so it must be called
+    /// within one; it panics outside a runtime, as `tokio::spawn` does).
     pub fn bind(cfg: Config, registry: Registry) -> Result<Endpoint, Error> {
         let path = cfg.path.clone();
         prepare(&path)?;

@@ -29,6 +29,8 @@ pub enum Error {
     /// The endpoint refused this client (its uid, or it serves its maximum of clients).
     #[error("the endpoint refused: {message}")]
     Refused {
+        /// [`Code::PermissionDenied`] or [`Code::Busy`].
+        code: Code,
         /// Why.
         message: String,
     },

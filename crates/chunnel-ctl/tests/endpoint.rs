@@ -400,7 +400,7 @@ async fn clients_are_bounded() {
     let _b = Client::connect(ep.path()).await.unwrap();
     let e = Client::connect(ep.path()).await.unwrap_err();
     assert!(
-        matches!(&e, Error::Refused { message } if message.contains("maximum of 2")),
+        matches!(&e, Error::Refused { code: Code::Busy, message } if message.contains("maximum of 2")),
         "{e}"
     );
     // A slot frees when a session ends.

@@ -26,8 +26,8 @@ fn section_17_examples_decode() {
                     assert_eq!(parse_request(&again[..again.len() - 1]), Ok(op));
                     requests += 1;
                 } else {
-                    let r: Response = serde_json::from_str(l)
-                        .unwrap_or_else(|e| panic!("§17 response {l}: {e}"));
+                    let r: Response =
+                        serde_json::from_str(l).unwrap_or_else(|e| panic!("§17 response {l}: {e}"));
                     let again = encode_response(&r);
                     assert_eq!(std::str::from_utf8(&again).unwrap(), format!("{l}\n"));
                     responses += 1;
@@ -36,5 +36,8 @@ fn section_17_examples_decode() {
             _ => {}
         }
     }
-    assert!(requests >= 8 && responses >= 3, "{requests} requests, {responses} responses");
+    assert!(
+        requests >= 8 && responses >= 3,
+        "{requests} requests, {responses} responses"
+    );
 }
