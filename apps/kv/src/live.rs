@@ -248,6 +248,7 @@ pub async fn load(
         let writers = writers.max(1) as f64;
         tasks.spawn(async move {
             let mut last: Option<Vec<u8>> = None;
+            let mut next = tokio::time::Instant::now();
             for n in 1u64.. {
                 let per_sec = rate.get().parse::<f64>().unwrap_or(100.0).max(1.0);
                 let value = n.to_string().into_bytes();
@@ -270,7 +271,12 @@ pub async fn load(
                         }
                     }
                 }
-                tokio::time::sleep(Duration::from_secs_f64(writers / per_sec)).await;
+                // Paced by deadline, not by sleeping after each call: the call's own time
+                // does not slow the rate (a writer behind schedule does not burst to catch
+                // up, though).
+                next = (next + Duration::from_secs_f64(writers / per_sec))
+                    .max(tokio::time::Instant::now());
+                tokio::time::sleep_until(next).await;
             }
         });
     }
