@@ -21,6 +21,9 @@ command -v protoc >/dev/null 2>&1 || need_pkgs+=(protobuf-compiler)
 command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
 command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
 command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)  # chunnel-secure's interop tests
+# chunnelctl's tests drive it in a real terminal (a detached tmux session, capture-pane);
+# its permission test runs it as nobody with setpriv (util-linux, always installed).
+command -v tmux >/dev/null 2>&1 || need_pkgs+=(tmux)
 # chunnel-pubsub's tests and `chunnel-bench pubsub` start nats-server (JetStream) and Kafka 4.1
 # (jars from Maven Central through scripts/kafka/fetch.sh, cached under ~/.cache/chunnel).
 command -v nats-server >/dev/null 2>&1 || need_pkgs+=(nats-server)
