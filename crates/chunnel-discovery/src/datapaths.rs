@@ -25,7 +25,7 @@ use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection, ChunnelExt, End, Negotiate};
 
 use crate::registry::{Implementation, Placement, Registry};
-use crate::{Endpoints, Error, Resource, Scope};
+use crate::{Error, Resource, Scope};
 
 /// The function every datapath implements.
 pub const FUNCTION: &str = "datapath";
@@ -172,7 +172,7 @@ impl Datapaths {
                 })
                 .with_priority(30)
                 .with_scope(Scope::Host)
-                .with_endpoints(Endpoints::Both)
+                .with_endpoints(crate::Endpoints::Both)
                 .requires(Resource::CoLocatedPeer { dir }),
             )?;
         }
@@ -206,6 +206,16 @@ impl Datapaths {
             Implementation::new(KERNEL_UDP, FUNCTION, || OnBase::new("chunnel/udp/1").boxed())
                 .with_placement(Placement::Base),
         )
+    }
+
+    /// The base datapath `hint` makes this end run on under `policy` (what
+    /// [`crate::QosPlan::base`] will say), before a registry typed on that base's connection
+    /// exists; logs nothing. `None` if the hint names no usable base.
+    pub fn base_for(&self, policy: &crate::Policy, hint: crate::Hint) -> Result<Option<String>, Error> {
+        let reg = Registry::<chunnel::BoxConnection<Bytes>, Bytes>::new();
+        reg.set_policy(policy.clone());
+        self.register(&reg)?;
+        Ok(reg.plan(FUNCTION, hint, false)?.report().base.clone())
     }
 
     #[cfg(feature = "uring")]

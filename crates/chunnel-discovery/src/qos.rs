@@ -148,6 +148,16 @@ impl<I: Send + 'static, D: Send + 'static> Registry<I, D> {
     /// runs on one socket); [`QosPlan::base`] names it. Fails with
     /// [`Error::NoImplementation`] if none is usable.
     pub fn for_hint(&self, function: &str, hint: Hint) -> Result<QosPlan<I, D>, Error> {
+        self.plan(function, hint, true)
+    }
+
+    /// [`Registry::for_hint`], logging nothing when `warn` is false.
+    pub(crate) fn plan(
+        &self,
+        function: &str,
+        hint: Hint,
+        warn: bool,
+    ) -> Result<QosPlan<I, D>, Error> {
         let policy = self.policy();
         let wanted: Vec<String> = policy.datapaths_for(hint).to_vec();
         let mut members = Vec::new();
@@ -202,7 +212,7 @@ impl<I: Send + 'static, D: Send + 'static> Registry<I, D> {
             base,
             fallbacks,
         };
-        if report.fell_back() {
+        if warn && report.fell_back() {
             let list: Vec<String> = report.fallbacks.iter().map(|m| m.to_string()).collect();
             tracing::warn!(
                 hint = %hint,

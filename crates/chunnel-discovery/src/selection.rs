@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use chunnel::negotiate::PickReader;
 use chunnel::{
@@ -33,7 +33,9 @@ pub struct Selection<I, D> {
     function: String,
     members: Vec<Arc<Implementation<I, D>>>,
     candidates: Vec<Candidate>,
-    tree: BoxChunnel<I, D>,
+    /// Behind a mutex only to be `Sync` (a server shares its stack between tasks):
+    /// `connect_wrap` and `apply_pick` reach it through `get_mut`, without locking.
+    tree: Mutex<BoxChunnel<I, D>>,
 }
 
 impl<I, D> fmt::Debug for Selection<I, D> {
@@ -60,7 +62,7 @@ impl<I: Send + 'static, D: Send + 'static> Selection<I, D> {
             function,
             members: names,
             candidates,
-            tree,
+            tree: Mutex::new(tree),
         })
     }
 }
@@ -72,7 +74,7 @@ fn chain<I: Send + 'static, D: Send + 'static>(
     let mut leaves = members.into_iter().rev().map(|(imp, inner)| {
         Hooked {
             inner,
-            imp: Some(imp),
+            imp,
         }
         .boxed()
     });
@@ -138,25 +140,35 @@ impl<I: Send + 'static, D: Send + 'static> Chunnel<I> for Selection<I, D> {
         &mut self,
         inner: I,
     ) -> impl Future<Output = Result<Self::Connection, chunnel::Error>> + Send {
-        self.tree.connect_wrap(inner)
+        self.tree_mut().connect_wrap(inner)
+    }
+}
+
+impl<I, D> Selection<I, D> {
+    fn tree(&self) -> MutexGuard<'_, BoxChunnel<I, D>> {
+        self.tree.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn tree_mut(&mut self) -> &mut BoxChunnel<I, D> {
+        self.tree.get_mut().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 impl<I, D> Offers for Selection<I, D> {
     fn offers(&self) -> Vec<StackOption> {
-        self.tree.offers()
+        self.tree().offers()
     }
 
     fn offer_tree(&self) -> OfferTree {
-        self.tree.offer_tree()
+        self.tree().offer_tree()
     }
 
     fn available(&self) -> Result<(), chunnel::Error> {
-        self.tree.available()
+        self.tree().available()
     }
 
     fn apply_pick(&mut self, pick: &mut PickReader<'_>) -> Result<(), chunnel::Error> {
-        self.tree.apply_pick(pick)
+        self.tree_mut().apply_pick(pick)
     }
 }
 
@@ -164,12 +176,12 @@ impl<I, D> Offers for Selection<I, D> {
 /// offered or built, and every connection it builds holds the implementation's live count.
 struct Hooked<I, D> {
     inner: BoxChunnel<I, D>,
-    imp: Option<Arc<Implementation<I, D>>>,
+    imp: Arc<Implementation<I, D>>,
 }
 
 impl<I, D> Hooked<I, D> {
     fn imp(&self) -> &Implementation<I, D> {
-        self.imp.as_deref().expect("set at construction")
+        &self.imp
     }
 
     fn resources(&self) -> Result<(), chunnel::Error> {
@@ -191,7 +203,7 @@ impl<I: Send + 'static, D: Send + 'static> Chunnel<I> for Hooked<I, D> {
 
     async fn connect_wrap(&mut self, inner: I) -> Result<Tracked<D>, chunnel::Error> {
         self.resources()?;
-        let imp = self.imp.as_ref().expect("set at construction");
+        let imp = &self.imp;
         let guard = imp.acquire()?;
         let conn = self.inner.connect_wrap(inner).await?;
         Ok(Tracked {
