@@ -203,15 +203,21 @@ impl Datapaths {
                 .requires(Resource::IoUring),
         )?;
         reg.register(
-            Implementation::new(KERNEL_UDP, FUNCTION, || OnBase::new("chunnel/udp/1").boxed())
-                .with_placement(Placement::Base),
+            Implementation::new(KERNEL_UDP, FUNCTION, || {
+                OnBase::new("chunnel/udp/1").boxed()
+            })
+            .with_placement(Placement::Base),
         )
     }
 
     /// The base datapath `hint` makes this end run on under `policy` (what
     /// [`crate::QosPlan::base`] will say), before a registry typed on that base's connection
     /// exists; logs nothing. `None` if the hint names no usable base.
-    pub fn base_for(&self, policy: &crate::Policy, hint: crate::Hint) -> Result<Option<String>, Error> {
+    pub fn base_for(
+        &self,
+        policy: &crate::Policy,
+        hint: crate::Hint,
+    ) -> Result<Option<String>, Error> {
         let reg = Registry::<chunnel::BoxConnection<Bytes>, Bytes>::new();
         reg.set_policy(policy.clone());
         self.register(&reg)?;

@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use chunnel::{BoxChunnel, Offers};
 
+use crate::Error;
 use crate::policy::{Endpoints, Policy, Scope};
 use crate::resource::Resource;
 use crate::selection::Selection;
-use crate::Error;
 
 type Factory<I, D> = Arc<dyn Fn() -> BoxChunnel<I, D> + Send + Sync>;
 type SetupHook = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
@@ -132,7 +132,10 @@ impl<I, D> Implementation<I, D> {
     /// fails that connection ([`Error::Setup`] inside `chunnel::Error::Layer`). It runs
     /// inside `connect_wrap`, on the task building the connection: keep it short, or hand
     /// long work (an orchestrator's API) to a thread.
-    pub fn on_setup(mut self, hook: impl Fn() -> Result<(), String> + Send + Sync + 'static) -> Self {
+    pub fn on_setup(
+        mut self,
+        hook: impl Fn() -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
         self.setup = Some(Arc::new(hook));
         self
     }

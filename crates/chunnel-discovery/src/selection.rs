@@ -14,6 +14,9 @@ use chunnel::{
 use crate::Error;
 use crate::registry::{Candidate, Implementation, LiveGuard};
 
+/// An implementation and its built Chunnel.
+pub(crate) type Member<I, D> = (Arc<Implementation<I, D>>, BoxChunnel<I, D>);
+
 /// The usable implementations of one function as one Chunnel, in policy order; built by
 /// [`crate::Registry::select`].
 ///
@@ -50,7 +53,7 @@ impl<I, D> fmt::Debug for Selection<I, D> {
 impl<I: Send + 'static, D: Send + 'static> Selection<I, D> {
     pub(crate) fn new(
         function: String,
-        members: Vec<(Arc<Implementation<I, D>>, BoxChunnel<I, D>)>,
+        members: Vec<Member<I, D>>,
         candidates: Vec<Candidate>,
     ) -> Result<Self, Error> {
         let names: Vec<_> = members.iter().map(|(e, _)| Arc::clone(e)).collect();
@@ -69,15 +72,12 @@ impl<I: Send + 'static, D: Send + 'static> Selection<I, D> {
 
 /// `select(first, select(second, ... last))`, each leaf hooked; `None` if there is none.
 fn chain<I: Send + 'static, D: Send + 'static>(
-    members: Vec<(Arc<Implementation<I, D>>, BoxChunnel<I, D>)>,
+    members: Vec<Member<I, D>>,
 ) -> Option<BoxChunnel<I, D>> {
-    let mut leaves = members.into_iter().rev().map(|(imp, inner)| {
-        Hooked {
-            inner,
-            imp,
-        }
-        .boxed()
-    });
+    let mut leaves = members
+        .into_iter()
+        .rev()
+        .map(|(imp, inner)| Hooked { inner, imp }.boxed());
     let mut acc = leaves.next()?;
     for leaf in leaves {
         acc = select(leaf, acc).boxed();

@@ -160,20 +160,34 @@ where
         picked: picked.unwrap_or_default(),
         passed_over: passed.into_iter().map(|m| m.name).collect(),
         negotiation_warned,
-        server_stack: conn.info().server_stack.iter().map(|c| c.id.to_string()).collect(),
+        server_stack: conn
+            .info()
+            .server_stack
+            .iter()
+            .map(|c| c.id.to_string())
+            .collect(),
     })
 }
 
 /// Connects on the base the client's plan names.
-async fn dial(addr: SocketAddr, dp: &Datapaths, policy: &Policy, hint: Hint) -> anyhow::Result<Dialed> {
+async fn dial(
+    addr: SocketAddr,
+    dp: &Datapaths,
+    policy: &Policy,
+    hint: Hint,
+) -> anyhow::Result<Dialed> {
     use chunnel::Chunnel;
     match dp.base_for(policy, hint)?.as_deref() {
         Some(IO_URING) => {
-            let base = chunnel_uring::udp::Connect::new(addr).connect_wrap(()).await?;
+            let base = chunnel_uring::udp::Connect::new(addr)
+                .connect_wrap(())
+                .await?;
             dial_on(base, dp, policy, hint).await
         }
         Some(KERNEL_UDP) => {
-            let base = chunnel_net::udp::Connect::new(addr).connect_wrap(()).await?;
+            let base = chunnel_net::udp::Connect::new(addr)
+                .connect_wrap(())
+                .await?;
             dial_on(base, dp, policy, hint).await
         }
         other => anyhow::bail!("unexpected base {other:?}"),
@@ -205,7 +219,10 @@ async fn latency_sensitive_picks_shared_memory_between_co_located_peers() -> any
     assert_eq!(srv.selected, [SHM, best_base()]);
     // No XDP interface was configured: the server fell back from af-xdp, and said so.
     assert_eq!(srv.fallbacks[0].name, "af-xdp");
-    assert!(srv_warned.iter().any(|w| w.contains("af-xdp")), "{srv_warned:?}");
+    assert!(
+        srv_warned.iter().any(|w| w.contains("af-xdp")),
+        "{srv_warned:?}"
+    );
 
     let cli = dial(addr, &Datapaths::new(End::Client), &policy, hint).await?;
     assert_eq!(cli.report.selected, [SHM, best_base()]);
@@ -225,7 +242,11 @@ async fn latency_sensitive_picks_shared_memory_between_co_located_peers() -> any
         "{:?}",
         cli.report
     );
-    assert!(cli.warned.iter().any(|w| w.contains("af-xdp") && w.contains("not registered")));
+    assert!(
+        cli.warned
+            .iter()
+            .any(|w| w.contains("af-xdp") && w.contains("not registered"))
+    );
     Ok(())
 }
 
@@ -247,7 +268,8 @@ async fn frugal_uses_kernel_udp_even_when_co_located() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn throughput_prefers_io_uring_and_warns_when_it_is_forced_unavailable() -> anyhow::Result<()> {
+async fn throughput_prefers_io_uring_and_warns_when_it_is_forced_unavailable() -> anyhow::Result<()>
+{
     let policy = Policy::default();
     let hint = Hint::Throughput;
     let (addr, srv, _, mut picks) =
@@ -273,14 +295,23 @@ async fn throughput_prefers_io_uring_and_warns_when_it_is_forced_unavailable() -
 
     // Forced unavailable: falls back to kernel UDP, warns and reports why, still talks to the
     // same server (the datapaths are wire-compatible).
-    let forced = Datapaths::new(End::Client).with_uring_config(
-        chunnel_uring::udp::Config::default().with_forced_unavailable(true),
-    );
+    let forced = Datapaths::new(End::Client)
+        .with_uring_config(chunnel_uring::udp::Config::default().with_forced_unavailable(true));
     let cli = dial(addr, &forced, &policy, hint).await?;
     assert_eq!(cli.report.selected, [KERNEL_UDP]);
     assert_eq!(cli.report.base.as_deref(), Some(KERNEL_UDP));
     assert_eq!(cli.picked, KERNEL_UDP);
-    assert_eq!(cli.server_stack, [format!("chunnel/{}/1", if best_base() == IO_URING { "uring-udp" } else { "udp" })]);
+    assert_eq!(
+        cli.server_stack,
+        [format!(
+            "chunnel/{}/1",
+            if best_base() == IO_URING {
+                "uring-udp"
+            } else {
+                "udp"
+            }
+        )]
+    );
     let io = &cli.report.fallbacks[0];
     assert_eq!(io.name, IO_URING);
     match &io.why {
@@ -309,14 +340,19 @@ async fn a_forbidding_policy_is_a_fallback_the_report_names() -> anyhow::Result<
     assert_eq!(cli.picked, best_base());
     assert_eq!(cli.report.fallbacks[0].name, SHM);
     assert_eq!(cli.report.fallbacks[0].why, Skip::Forbidden);
-    assert!(cli.warned[0].contains("shm (forbidden by the operator policy)"), "{:?}", cli.warned);
+    assert!(
+        cli.warned[0].contains("shm (forbidden by the operator policy)"),
+        "{:?}",
+        cli.warned
+    );
     // The server would have taken shared memory; it got the network path.
     assert_eq!(recv_pick(&mut picks).await, best_base());
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_without_the_same_shared_memory_negotiates_the_network_and_warns() -> anyhow::Result<()> {
+async fn a_peer_without_the_same_shared_memory_negotiates_the_network_and_warns()
+-> anyhow::Result<()> {
     let hint = Hint::LatencySensitive;
     // The server's shared-memory directory is not the client's /dev/shm: another host
     // identity, as a container with a private /dev/shm has.
@@ -326,14 +362,19 @@ async fn a_peer_without_the_same_shared_memory_negotiates_the_network_and_warns(
         dir: dir.clone(),
         ..chunnel_shm::Config::default()
     });
-    let (addr, srv, _, mut picks) = serve_on_planned_base(&server_dp, &Policy::default(), hint).await?;
+    let (addr, srv, _, mut picks) =
+        serve_on_planned_base(&server_dp, &Policy::default(), hint).await?;
     assert_eq!(srv.selected[0], SHM, "the server offers shared memory");
     let cli = dial(addr, &Datapaths::new(End::Client), &Policy::default(), hint).await?;
     assert_eq!(cli.report.selected, [SHM, best_base()]);
     assert_eq!(cli.picked, best_base());
     assert_eq!(cli.passed_over, [SHM]);
     assert_eq!(cli.negotiation_warned.len(), 1);
-    assert!(cli.negotiation_warned[0].contains("shm"), "{:?}", cli.negotiation_warned);
+    assert!(
+        cli.negotiation_warned[0].contains("shm"),
+        "{:?}",
+        cli.negotiation_warned
+    );
     assert_eq!(recv_pick(&mut picks).await, best_base());
     std::fs::remove_dir_all(&dir)?;
     Ok(())

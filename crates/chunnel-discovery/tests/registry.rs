@@ -59,8 +59,16 @@ impl<C: ChunnelConnection + Send> Chunnel<C> for Tag {
 
 const NAMES: [&str; 10] = ["i0", "i1", "i2", "i3", "i4", "i5", "i6", "i7", "i8", "i9"];
 const IDS: [&str; 10] = [
-    "test/i0/1", "test/i1/1", "test/i2/1", "test/i3/1", "test/i4/1", "test/i5/1", "test/i6/1",
-    "test/i7/1", "test/i8/1", "test/i9/1",
+    "test/i0/1",
+    "test/i1/1",
+    "test/i2/1",
+    "test/i3/1",
+    "test/i4/1",
+    "test/i5/1",
+    "test/i6/1",
+    "test/i7/1",
+    "test/i8/1",
+    "test/i9/1",
 ];
 
 type Local = BoxConnection<Bytes>;
@@ -114,7 +122,9 @@ fn many_implementations_rank_by_priority_and_report_skips() -> anyhow::Result<()
         .with_priority(100),
     )?;
     // Another function's implementation is not a candidate.
-    reg.register(Implementation::new("other", "secure", || tag("test/o/1", "o").boxed()))?;
+    reg.register(Implementation::new("other", "secure", || {
+        tag("test/o/1", "o").boxed()
+    }))?;
     reg.set_policy(Policy::default().forbid("i7"));
 
     let sel = reg.select("reliable")?;
@@ -127,7 +137,10 @@ fn many_implementations_rank_by_priority_and_report_skips() -> anyhow::Result<()
     assert_eq!(offers.len(), 8);
     for (o, name) in offers.iter().zip(want) {
         assert_eq!(o.chunnels.len(), 1);
-        assert_eq!(o.chunnels[0].capabilities, vec![Capability::exact("impl", [name])]);
+        assert_eq!(
+            o.chunnels[0].capabilities,
+            vec![Capability::exact("impl", [name])]
+        );
     }
     // Every candidate, in policy order, with why it was skipped.
     let by_name = |n: &str| -> Candidate {
@@ -180,7 +193,10 @@ fn policy_changes_at_run_time_reorder_new_selects_only() -> anyhow::Result<()> {
     assert!(matches!(only.offer_tree(), OfferTree::Leaf(_)));
 
     // A select built earlier, and its copies, keep the order their peers were offered.
-    assert_eq!(chain_ids(&before.clone().offer_tree()), ids(&["i2", "i1", "i0"]));
+    assert_eq!(
+        chain_ids(&before.clone().offer_tree()),
+        ids(&["i2", "i1", "i0"])
+    );
 
     reg.set_policy(Policy::default().forbid("i0").forbid("i1").forbid("i2"));
     match reg.select("reliable") {
@@ -243,7 +259,10 @@ async fn negotiation_picks_the_servers_best_implementation_the_client_has() -> a
         server_reg.register(imp(i).with_priority(i as i32))?;
     }
     let server_sel = server_reg.select("reliable")?;
-    assert_eq!(server_sel.names(), ["i7", "i6", "i5", "i4", "i3", "i2", "i1", "i0"]);
+    assert_eq!(
+        server_sel.names(),
+        ["i7", "i6", "i5", "i4", "i3", "i2", "i1", "i0"]
+    );
     let (tx, mut picks) = tokio::sync::mpsc::channel(8);
     let addr = echo_server(server_sel.clone(), tx).await?;
 
@@ -253,15 +272,15 @@ async fn negotiation_picks_the_servers_best_implementation_the_client_has() -> a
     }
     let client_sel = client_reg.select("reliable")?;
     assert_eq!(client_sel.names(), ["i1", "i2", "i4"]);
-    let conn = tokio::time::timeout(
-        WAIT,
-        chunnel_negotiate::connect(addr, client_sel.clone()),
-    )
-    .await??;
+    let conn =
+        tokio::time::timeout(WAIT, chunnel_negotiate::connect(addr, client_sel.clone())).await??;
     conn.send_one(Bytes::from_static(b"ping")).await?;
     assert_eq!(tokio::time::timeout(WAIT, conn.recv_one()).await??, "ping");
     // The server's preference among what both have: i4.
-    assert_eq!(client_sel.picked(conn.info().client_pick.branches()), Some("i4"));
+    assert_eq!(
+        client_sel.picked(conn.info().client_pick.branches()),
+        Some("i4")
+    );
     let server_pick = tokio::time::timeout(WAIT, picks.recv()).await?.unwrap();
     assert_eq!(server_sel.picked(&server_pick), Some("i4"));
     assert_eq!(conn.info().server_stack[0].id, "test/i4/1");
@@ -280,8 +299,11 @@ async fn negotiation_picks_the_servers_best_implementation_the_client_has() -> a
     // Nothing in common: negotiation fails, as with any select.
     let lonely = ClientReg::new();
     lonely.register(imp(9))?;
-    let r = tokio::time::timeout(WAIT, chunnel_negotiate::connect(addr, lonely.select("reliable")?))
-        .await?;
+    let r = tokio::time::timeout(
+        WAIT,
+        chunnel_negotiate::connect(addr, lonely.select("reliable")?),
+    )
+    .await?;
     assert!(
         matches!(r, Err(chunnel_negotiate::Error::Incompatible { .. })),
         "{r:?}"
@@ -312,25 +334,43 @@ async fn hooks_run_on_first_use_and_once_when_the_last_connection_drops() -> any
 
     let mut conns = Vec::new();
     for _ in 0..3 {
-        let c = tokio::time::timeout(WAIT, chunnel_negotiate::connect(addr, reg.select("reliable")?))
-            .await??;
+        let c = tokio::time::timeout(
+            WAIT,
+            chunnel_negotiate::connect(addr, reg.select("reliable")?),
+        )
+        .await??;
         c.send_one(Bytes::from_static(b"x")).await?;
         assert_eq!(tokio::time::timeout(WAIT, c.recv_one()).await??, "x");
         conns.push(c);
     }
-    assert_eq!(setups.load(Ordering::SeqCst), 1, "set-up runs on first use only");
+    assert_eq!(
+        setups.load(Ordering::SeqCst),
+        1,
+        "set-up runs on first use only"
+    );
     assert_eq!(reg.usage("i0").unwrap().live, 3);
     conns.pop();
     conns.pop();
-    assert_eq!(teardowns.load(Ordering::SeqCst), 0, "two connections dropped, one is live");
+    assert_eq!(
+        teardowns.load(Ordering::SeqCst),
+        0,
+        "two connections dropped, one is live"
+    );
     conns.pop();
-    assert_eq!(teardowns.load(Ordering::SeqCst), 1, "the last connection dropped");
+    assert_eq!(
+        teardowns.load(Ordering::SeqCst),
+        1,
+        "the last connection dropped"
+    );
     let u = reg.usage("i0").unwrap();
     assert_eq!((u.live, u.setups, u.teardowns), (0, 1, 1));
 
     // Used again: set up again, torn down again, exactly once each.
-    let c = tokio::time::timeout(WAIT, chunnel_negotiate::connect(addr, reg.select("reliable")?))
-        .await??;
+    let c = tokio::time::timeout(
+        WAIT,
+        chunnel_negotiate::connect(addr, reg.select("reliable")?),
+    )
+    .await??;
     assert_eq!(setups.load(Ordering::SeqCst), 2);
     drop(c);
     assert_eq!(teardowns.load(Ordering::SeqCst), 2);
@@ -367,6 +407,10 @@ async fn a_failing_setup_fails_the_connection() -> anyhow::Result<()> {
     }
     let u = reg.usage("i0").unwrap();
     assert_eq!((u.live, u.setups, u.teardowns), (0, 0, 0));
-    assert_eq!(torn.load(Ordering::SeqCst), 0, "nothing was set up, nothing torn down");
+    assert_eq!(
+        torn.load(Ordering::SeqCst),
+        0,
+        "nothing was set up, nothing torn down"
+    );
     Ok(())
 }
