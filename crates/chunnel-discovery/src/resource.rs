@@ -160,3 +160,64 @@ impl fmt::Debug for Resource {
         write!(f, "Resource({self})")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checks_look_at_the_machine() {
+        // SAFETY: no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        assert_eq!(Resource::Root.check().is_ok(), root);
+        let e = Resource::XdpInterface {
+            interface: "chunnel-none0".into(),
+        }
+        .check()
+        .unwrap_err();
+        assert!(e.contains("no network interface `chunnel-none0`"), "{e}");
+        assert_eq!(
+            Resource::XdpInterface {
+                interface: "lo".into()
+            }
+            .check()
+            .is_ok(),
+            root
+        );
+
+        let dir = std::env::temp_dir().join(format!("chunnel-disc-res-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+        let tls = Resource::TlsIdentity {
+            cert: cert.clone(),
+            key: key.clone(),
+        };
+        assert!(tls.check().unwrap_err().contains("cert.pem"));
+        std::fs::write(&cert, "c").unwrap();
+        assert!(tls.check().unwrap_err().contains("key.pem"));
+        std::fs::write(&key, "k").unwrap();
+        assert_eq!(tls.check(), Ok(()));
+
+        assert_eq!(Resource::CoLocatedPeer { dir: dir.clone() }.check(), Ok(()));
+        let e = Resource::CoLocatedPeer {
+            dir: dir.join("cert.pem"),
+        }
+        .check()
+        .unwrap_err();
+        assert!(e.contains("not a directory"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(Resource::CoLocatedPeer { dir }.check().is_err());
+
+        #[cfg(not(feature = "uring"))]
+        assert_eq!(
+            Resource::IoUring.check(),
+            Err("built without the `uring` feature".into())
+        );
+        #[cfg(feature = "uring")]
+        assert_eq!(
+            Resource::IoUring.check().is_ok(),
+            chunnel_uring::check_available().is_ok()
+        );
+        assert_eq!(Resource::IoUring.to_string(), "io_uring");
+    }
+}
