@@ -27,16 +27,7 @@ use chunnel::{Chunnel, ChunnelConnection, ChunnelExt, End, Negotiate};
 use crate::registry::{Implementation, Placement, Registry};
 use crate::{Error, Resource, Scope};
 
-/// The function every datapath implements.
-pub const FUNCTION: &str = "datapath";
-/// Shared memory between co-located peers (chunnel-shm).
-pub const SHM: &str = "shm";
-/// AF_XDP (chunnel-xdp; a server datapath).
-pub const AF_XDP: &str = "af-xdp";
-/// io_uring UDP (chunnel-uring).
-pub const IO_URING: &str = "io-uring";
-/// Kernel UDP sockets (chunnel-net).
-pub const KERNEL_UDP: &str = "kernel-udp";
+pub use crate::policy::{AF_XDP, FUNCTION, IO_URING, KERNEL_UDP, SHM};
 
 type Check = Arc<dyn Fn() -> Result<(), chunnel::Error> + Send + Sync>;
 

@@ -1,6 +1,6 @@
 //! The crate's one error type.
 
-use crate::registry::Candidate;
+use crate::candidate::Candidate;
 
 /// Errors of the discovery registry.
 #[derive(Debug, thiserror::Error)]

@@ -74,6 +74,7 @@
     rust_2018_idioms
 )]
 
+mod candidate;
 pub mod datapaths;
 mod error;
 mod policy;
@@ -82,9 +83,10 @@ mod registry;
 mod resource;
 mod selection;
 
+pub use crate::candidate::{Candidate, Skip};
 pub use crate::error::Error;
 pub use crate::policy::{Endpoints, Hint, Policy, Scope};
 pub use crate::qos::{Missing, QosPlan, QosReport};
-pub use crate::registry::{Candidate, Implementation, Placement, Registry, Skip, Usage};
+pub use crate::registry::{Implementation, Placement, Registry, Usage};
 pub use crate::resource::Resource;
 pub use crate::selection::Selection;

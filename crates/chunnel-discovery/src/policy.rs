@@ -4,7 +4,16 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 
-use crate::datapaths::{AF_XDP, IO_URING, KERNEL_UDP, SHM};
+/// The function every datapath implements.
+pub const FUNCTION: &str = "datapath";
+/// Shared memory between co-located peers (chunnel-shm).
+pub const SHM: &str = "shm";
+/// AF_XDP (chunnel-xdp; a server datapath).
+pub const AF_XDP: &str = "af-xdp";
+/// io_uring UDP (chunnel-uring).
+pub const IO_URING: &str = "io-uring";
+/// Kernel UDP sockets (chunnel-net).
+pub const KERNEL_UDP: &str = "kernel-udp";
 
 /// Where an implementation runs (HotNets §4.2, `bertha::scope`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -38,8 +38,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::Error;
+use crate::candidate::{Candidate, Skip};
 use crate::policy::Hint;
-use crate::registry::{Candidate, Placement, Registry, Skip, effective_priority, judge};
+use crate::registry::{Placement, Registry, effective_priority, judge};
 use crate::selection::Selection;
 
 /// A preferred datapath that was passed over, and why.

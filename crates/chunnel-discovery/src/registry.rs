@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use chunnel::{BoxChunnel, Offers};
 
 use crate::Error;
+use crate::candidate::Skip;
 use crate::policy::{Endpoints, Policy, Scope};
 use crate::resource::Resource;
-use crate::selection::Selection;
 
 type Factory<I, D> = Arc<dyn Fn() -> BoxChunnel<I, D> + Send + Sync>;
 type SetupHook = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
@@ -253,69 +253,6 @@ impl Drop for LiveGuard {
     }
 }
 
-/// Why a candidate was left out of a select.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Skip {
-    /// The operator policy forbids it.
-    Forbidden,
-    /// A resource it needs is missing here.
-    MissingResource {
-        /// The resource.
-        resource: String,
-        /// Why it is missing.
-        reason: String,
-    },
-    /// Its Chunnel's own availability check failed (`Offers::available`).
-    Unavailable {
-        /// The check's error.
-        reason: String,
-    },
-    /// Not registered at all (a name a QoS hint maps to).
-    NotRegistered,
-    /// A base datapath ranked below the one this end uses (only one base is used).
-    BaseNotUsed {
-        /// The base datapath used instead.
-        used: String,
-    },
-}
-
-impl fmt::Display for Skip {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Skip::Forbidden => f.write_str("forbidden by the operator policy"),
-            Skip::MissingResource { resource, reason } => {
-                write!(f, "missing resource {resource}: {reason}")
-            }
-            Skip::Unavailable { reason } => write!(f, "unavailable: {reason}"),
-            Skip::NotRegistered => f.write_str("not registered"),
-            Skip::BaseNotUsed { used } => write!(f, "this end runs on {used} instead"),
-        }
-    }
-}
-
-/// One candidate of a function, as the registry judged it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Candidate {
-    /// The implementation's name.
-    pub name: String,
-    /// Its priority after the policy's override.
-    pub priority: i32,
-    /// Its scope (`None` if not registered).
-    pub scope: Option<Scope>,
-    /// Its place in the select (0: most preferred), or why it was skipped.
-    pub outcome: Result<usize, Skip>,
-}
-
-impl fmt::Display for Candidate {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.outcome {
-            Ok(rank) => write!(f, "{} (selected, rank {rank})", self.name),
-            Err(skip) => write!(f, "{} skipped: {skip}", self.name),
-        }
-    }
-}
-
 struct State<I, D> {
     entries: Vec<Arc<Implementation<I, D>>>,
     policy: Policy,
@@ -476,34 +413,5 @@ pub(crate) fn judge<I, D>(
         Err(err) => Err(Skip::Unavailable {
             reason: err.to_string(),
         }),
-    }
-}
-
-impl<I: Send + 'static, D: Send + 'static> Registry<I, D> {
-    /// The registered, usable implementations of `function` as one Chunnel, in policy order:
-    /// a chain of nested `select`s of their boxed Chunnels, so it negotiates like any select.
-    /// Each candidate is judged now (policy, resources, the Chunnel's own availability
-    /// check); [`Selection::candidates`] says why each skipped one was. Fails with
-    /// [`Error::NoImplementation`] if none is usable.
-    pub fn select(&self, function: &str) -> Result<Selection<I, D>, Error> {
-        let (ranked, policy) = self.ranked(function);
-        let mut members = Vec::new();
-        let mut candidates = Vec::new();
-        for e in ranked {
-            let outcome = match judge(&policy, &e) {
-                Ok(c) => {
-                    members.push((Arc::clone(&e), c));
-                    Ok(members.len() - 1)
-                }
-                Err(skip) => Err(skip),
-            };
-            candidates.push(Candidate {
-                name: e.name.clone(),
-                priority: effective_priority(&policy, &e),
-                scope: Some(e.scope),
-                outcome,
-            });
-        }
-        Selection::new(function.to_string(), members, candidates)
     }
 }

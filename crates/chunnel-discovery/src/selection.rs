@@ -12,7 +12,8 @@ use chunnel::{
 };
 
 use crate::Error;
-use crate::registry::{Candidate, Implementation, LiveGuard};
+use crate::candidate::Candidate;
+use crate::registry::{Implementation, LiveGuard, Registry, effective_priority, judge};
 
 /// An implementation and its built Chunnel.
 pub(crate) type Member<I, D> = (Arc<Implementation<I, D>>, BoxChunnel<I, D>);
@@ -261,5 +262,34 @@ impl<D: Send + 'static> ChunnelConnection for Tracked<D> {
         slots: &'a mut [Option<D>],
     ) -> impl Future<Output = Result<usize, chunnel::Error>> + Send + 'a {
         self.conn.recv(slots)
+    }
+}
+
+impl<I: Send + 'static, D: Send + 'static> Registry<I, D> {
+    /// The registered, usable implementations of `function` as one Chunnel, in policy order:
+    /// a chain of nested `select`s of their boxed Chunnels, so it negotiates like any select.
+    /// Each candidate is judged now (policy, resources, the Chunnel's own availability
+    /// check); [`Selection::candidates`] says why each skipped one was. Fails with
+    /// [`Error::NoImplementation`] if none is usable.
+    pub fn select(&self, function: &str) -> Result<Selection<I, D>, Error> {
+        let (ranked, policy) = self.ranked(function);
+        let mut members = Vec::new();
+        let mut candidates = Vec::new();
+        for e in ranked {
+            let outcome = match judge(&policy, &e) {
+                Ok(c) => {
+                    members.push((Arc::clone(&e), c));
+                    Ok(members.len() - 1)
+                }
+                Err(skip) => Err(skip),
+            };
+            candidates.push(Candidate {
+                name: e.name().to_string(),
+                priority: effective_priority(&policy, &e),
+                scope: Some(e.scope()),
+                outcome,
+            });
+        }
+        Selection::new(function.to_string(), members, candidates)
     }
 }
