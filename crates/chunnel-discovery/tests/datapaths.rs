@@ -379,3 +379,56 @@ async fn a_peer_without_the_same_shared_memory_negotiates_the_network_and_warns(
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// Set in the child process of [`io_uring_disabled_by_the_environment_falls_back`].
+const CHILD: &str = "CHUNNEL_DISCOVERY_TEST_CHILD";
+
+/// Runs only as the child of the test below (with io_uring disabled for its whole process by
+/// `CHUNNEL_URING_DISABLE`, which would disturb the other tests of this process); a no-op
+/// otherwise, checked by its parent.
+#[test]
+fn child_io_uring_disabled() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let e = chunnel_uring::check_available().unwrap_err();
+    assert!(matches!(e, chunnel::Error::NotAvailable { .. }), "{e:?}");
+    let (plan, warned) = plan::<chunnel_net::udp::Connection>(
+        &Datapaths::new(End::Client),
+        &Policy::default(),
+        Hint::Throughput,
+    );
+    let r = plan.report();
+    assert_eq!(r.selected, [KERNEL_UDP]);
+    assert_eq!(r.fallbacks[0].name, IO_URING);
+    match &r.fallbacks[0].why {
+        Skip::MissingResource { resource, reason } => {
+            assert_eq!(resource, "io_uring");
+            assert!(reason.contains("CHUNNEL_URING_DISABLE=1"), "{reason}");
+        }
+        other => panic!("unexpected reason {other:?}"),
+    }
+    assert_eq!(warned.len(), 1);
+    assert!(warned[0].contains("CHUNNEL_URING_DISABLE"), "{warned:?}");
+    println!("child checked: {}", r.fallbacks[0]);
+}
+
+#[test]
+fn io_uring_disabled_by_the_environment_falls_back() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_io_uring_disabled", "--nocapture"])
+        .env(CHILD, "1")
+        .env(chunnel_uring::DISABLE_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("child checked: io-uring (missing resource io_uring: chunnel chunnel/uring-udp/1 is not available here: disabled by the environment"),
+        "{stdout}"
+    );
+}
