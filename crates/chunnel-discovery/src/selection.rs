@@ -12,8 +12,8 @@ use chunnel::{
 };
 
 use crate::Error;
-use crate::candidate::Candidate;
-use crate::registry::{Implementation, LiveGuard, Registry, effective_priority, judge};
+use crate::candidate::{Candidate, Skip};
+use crate::registry::{Implementation, LiveGuard, Placement, Registry, effective_priority, judge};
 
 /// An implementation and its built Chunnel.
 pub(crate) type Member<I, D> = (Arc<Implementation<I, D>>, BoxChunnel<I, D>);
@@ -269,19 +269,28 @@ impl<I: Send + 'static, D: Send + 'static> Registry<I, D> {
     /// The registered, usable implementations of `function` as one Chunnel, in policy order:
     /// a chain of nested `select`s of their boxed Chunnels, so it negotiates like any select.
     /// Each candidate is judged now (policy, resources, the Chunnel's own availability
-    /// check); [`Selection::candidates`] says why each skipped one was. Fails with
+    /// check); [`Selection::candidates`] says why each skipped one was. Of the
+    /// [`Placement::Base`] implementations only the first usable one is kept (an end runs on
+    /// one socket; the others are [`Skip::BaseNotUsed`]). Fails with
     /// [`Error::NoImplementation`] if none is usable.
     pub fn select(&self, function: &str) -> Result<Selection<I, D>, Error> {
         let (ranked, policy) = self.ranked(function);
         let mut members = Vec::new();
         let mut candidates = Vec::new();
+        let mut base: Option<String> = None;
         for e in ranked {
-            let outcome = match judge(&policy, &e) {
-                Ok(c) => {
-                    members.push((Arc::clone(&e), c));
-                    Ok(members.len() - 1)
-                }
-                Err(skip) => Err(skip),
+            let outcome = match (e.placement(), &base) {
+                (Placement::Base, Some(used)) => Err(Skip::BaseNotUsed { used: used.clone() }),
+                _ => match judge(&policy, &e) {
+                    Ok(c) => {
+                        if e.placement() == Placement::Base {
+                            base = Some(e.name().to_string());
+                        }
+                        members.push((Arc::clone(&e), c));
+                        Ok(members.len() - 1)
+                    }
+                    Err(skip) => Err(skip),
+                },
             };
             candidates.push(Candidate {
                 name: e.name().to_string(),

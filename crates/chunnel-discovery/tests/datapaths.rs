@@ -432,3 +432,25 @@ fn io_uring_disabled_by_the_environment_falls_back() {
         "{stdout}"
     );
 }
+
+#[test]
+fn select_by_priority_keeps_one_base() {
+    let reg = Registry::<Tagged<chunnel_net::udp::Connection>, Bytes>::new();
+    Datapaths::new(End::Client).register(&reg).unwrap();
+    let sel = reg.select(FUNCTION).unwrap();
+    // Priorities: shm 30, io-uring 10, kernel-udp 0 (af-xdp is a server datapath).
+    assert_eq!(sel.names(), [SHM, best_base()]);
+    if best_base() == IO_URING {
+        let k = sel
+            .candidates()
+            .iter()
+            .find(|c| c.name == KERNEL_UDP)
+            .unwrap();
+        assert_eq!(
+            k.outcome,
+            Err(Skip::BaseNotUsed {
+                used: IO_URING.into()
+            })
+        );
+    }
+}
