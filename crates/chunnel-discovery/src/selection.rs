@@ -30,9 +30,10 @@ pub(crate) type Member<I, D> = (Arc<Implementation<I, D>>, BoxChunnel<I, D>);
 ///
 /// `Clone` builds a fresh copy of the same implementations in the same order (a server
 /// copies its stack for each connection; later policy changes do not reorder a copy, so its
-/// options stay those the server announced). The connection is a [`BoxConnection`]: one
-/// boxed future per call and per nesting level down to the picked implementation, the price
-/// of a set known only at run time.
+/// options stay those the server announced). The connection is a [`BoxConnection`]: a
+/// call on the implementation ranked `k` (0 first) goes through at most `k + 3` boxed
+/// futures (one per select level above it, the leaf's wrapper, the implementation's own
+/// `BoxChunnel`), the price of a set known only at run time; typed stacks pay none.
 pub struct Selection<I, D> {
     function: String,
     members: Vec<Arc<Implementation<I, D>>>,
