@@ -414,3 +414,62 @@ async fn a_failing_setup_fails_the_connection() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_copies_share_the_hooks_of_their_implementation() -> anyhow::Result<()> {
+    // The server copies its stack for every connection; the copies count as one
+    // implementation: one set-up for two live connections, one tear-down after both end.
+    let setups = Arc::new(AtomicUsize::new(0));
+    let teardowns = Arc::new(AtomicUsize::new(0));
+    let server_reg = ServerReg::new();
+    let (s, t) = (Arc::clone(&setups), Arc::clone(&teardowns));
+    server_reg.register(
+        imp(0)
+            .on_setup(move || {
+                s.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })
+            .on_teardown(move || {
+                t.fetch_add(1, Ordering::SeqCst);
+            }),
+    )?;
+    let (tx, _picks) = tokio::sync::mpsc::channel(16);
+    let addr = echo_server(server_reg.select("reliable")?, tx).await?;
+    let client_reg = ClientReg::new();
+    client_reg.register(imp(0))?;
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        let c = tokio::time::timeout(
+            WAIT,
+            chunnel_negotiate::connect(addr, client_reg.select("reliable")?),
+        )
+        .await??;
+        c.send_one(Bytes::from_static(b"x")).await?;
+        assert_eq!(tokio::time::timeout(WAIT, c.recv_one()).await??, "x");
+        conns.push(c);
+    }
+    assert_eq!(server_reg.usage("i0").unwrap().live, 2);
+    assert_eq!(setups.load(Ordering::SeqCst), 1);
+    // Each client closes; the server's echo task sees the end and drops its connection.
+    conns.pop().unwrap().close().await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while server_reg.usage("i0").unwrap().live != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "server connection not dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(teardowns.load(Ordering::SeqCst), 0);
+    conns.pop().unwrap().close().await?;
+    while server_reg.usage("i0").unwrap().live != 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "server connection not dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(teardowns.load(Ordering::SeqCst), 1);
+    assert_eq!(setups.load(Ordering::SeqCst), 1);
+    Ok(())
+}
