@@ -21,6 +21,15 @@ pub enum Error {
         /// Every candidate and why it was skipped.
         candidates: Vec<Candidate>,
     },
+    /// An implementation declared for both ends offers no exact capability, so negotiation
+    /// could pick it with a peer that does not run it.
+    #[error(
+        "implementation `{name}` is declared for both ends but its Chunnel offers no exact capability"
+    )]
+    NotBothEnds {
+        /// The implementation.
+        name: String,
+    },
     /// An implementation's set-up hook failed; the connection was not built.
     #[error("set-up of implementation `{name}` failed: {reason}")]
     Setup {

@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use chunnel::{BoxChunnel, Offers};
+use chunnel::{BoxChunnel, Match, Offers};
 
 use crate::Error;
 use crate::candidate::Skip;
@@ -107,8 +107,9 @@ impl<I, D> Implementation<I, D> {
         self
     }
 
-    /// Sets the endpoint constraint. Informational for the ranking: what enforces "both
-    /// ends" is the Chunnel's exact capability, matched by negotiation.
+    /// Sets the endpoint constraint. What enforces "both ends" is the Chunnel's exact
+    /// capability, matched by negotiation; [`Registry::register`] refuses a both-ends
+    /// implementation whose Chunnel offers none.
     pub fn with_endpoints(mut self, endpoints: Endpoints) -> Self {
         self.endpoints = endpoints;
         self
@@ -323,8 +324,22 @@ impl<I, D> Registry<I, D> {
         self.state.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers an implementation; its name must be new.
+    /// Registers an implementation; its name must be new. An implementation declared for
+    /// [`Endpoints::Both`] must say so to negotiation: where its Chunnel is available, its
+    /// options must carry an exact capability (which the peer must match), else
+    /// [`Error::NotBothEnds`].
     pub fn register(&self, imp: Implementation<I, D>) -> Result<(), Error> {
+        if imp.endpoints == Endpoints::Both {
+            let c = imp.build();
+            let exact = c.offers().iter().any(|o| {
+                o.chunnels
+                    .iter()
+                    .any(|ch| ch.capabilities.iter().any(|k| k.matching == Match::Exact))
+            });
+            if c.available().is_ok() && !exact {
+                return Err(Error::NotBothEnds { name: imp.name });
+            }
+        }
         let mut st = self.write();
         if st.entries.iter().any(|e| e.name == imp.name) {
             return Err(Error::Duplicate { name: imp.name });

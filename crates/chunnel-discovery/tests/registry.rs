@@ -218,6 +218,16 @@ fn policy_changes_at_run_time_reorder_new_selects_only() -> anyhow::Result<()> {
         reg.register(imp(0)),
         Err(Error::Duplicate { ref name }) if name == "i0"
     ));
+    // "Both ends" must be visible to negotiation: an exact capability.
+    reg.register(imp(5).with_endpoints(chunnel_discovery::Endpoints::Both))?;
+    let r = reg.register(
+        Implementation::new("plain", "reliable", || chunnel::Noop.boxed())
+            .with_endpoints(chunnel_discovery::Endpoints::Both),
+    );
+    assert!(
+        matches!(r, Err(Error::NotBothEnds { ref name }) if name == "plain"),
+        "{r:?}"
+    );
     Ok(())
 }
 
