@@ -132,7 +132,8 @@ impl<I, D> Implementation<I, D> {
     /// connection of it is live (the first use, or the first after a tear-down). An `Err`
     /// fails that connection ([`Error::Setup`] inside `chunnel::Error::Layer`). It runs
     /// inside `connect_wrap`, on the task building the connection: keep it short, or hand
-    /// long work (an orchestrator's API) to a thread.
+    /// long work (an orchestrator's API) to a thread. The hooks of one implementation run
+    /// under its lock, one at a time: a set-up never overlaps a tear-down.
     pub fn on_setup(
         mut self,
         hook: impl Fn() -> Result<(), String> + Send + Sync + 'static,
