@@ -79,8 +79,9 @@ pub(super) fn render(figure: &'static str, r: &Value, s: &mut Section) {
     };
     s.part("plot", plot(figure, alt));
     let mut t = String::from(
-        "| policy | p50 µs | p99 µs | max µs | p99 / alone | max / alone | periodic lost / sent \
-         | bulk Mbit/s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| policy | p50 µs | p99 µs | p99 of those on time, µs | max µs | p99 / alone | max / \
+         alone | handed over late / sent | lost | bulk Mbit/s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (m, label) in MODES {
         let v = &res[m];
@@ -91,12 +92,14 @@ pub(super) fn render(figure: &'static str, r: &Value, s: &mut Section) {
         };
         let _ = writeln!(
             t,
-            "| {label} | {} | {} | {} | {p99r} | {maxr} | {} / {} | {} |",
+            "| {label} | {} | {} | {} | {} | {p99r} | {maxr} | {} / {} | {} |",
             us_sp(spread(&v["one_way_p50_us"])),
             us_sp(spread(&v["one_way_p99_us"])),
+            us_sp(spread(&v["one_way_p99_on_time_us"])),
             us_sp(spread(&v["one_way_max_us"])),
-            v["periodic_lost"],
+            v["periodic_handed_over_late"],
             v["periodic_sent"],
+            v["periodic_lost"],
             if m == "alone" {
                 "–".to_string()
             } else {
