@@ -92,7 +92,7 @@ pub(super) fn render(figure: &'static str, r: &Value, s: &mut Section) {
         };
         let _ = writeln!(
             t,
-            "| {label} | {} | {} | {} | {} | {p99r} | {maxr} | {} / {} | {} |",
+            "| {label} | {} | {} | {} | {} | {p99r} | {maxr} | {} / {} | {} | {} |",
             us_sp(spread(&v["one_way_p50_us"])),
             us_sp(spread(&v["one_way_p99_us"])),
             us_sp(spread(&v["one_way_p99_on_time_us"])),
