@@ -201,6 +201,23 @@ impl Autopilot {
     pub fn decisions(&self, since: u64) -> Vec<Decision> {
         lock(&self.shared.state).log.since(since, None)
     }
+
+    /// A handle on the decision log (it outlives nothing: once the autopilot is dropped,
+    /// it reads the decisions made until then).
+    pub fn log(&self) -> Log {
+        Log(Arc::clone(&self.shared))
+    }
+}
+
+/// Reads an [`Autopilot`]'s decision log.
+#[derive(Clone, Debug)]
+pub struct Log(Arc<Shared>);
+
+impl Log {
+    /// The decisions after sequence number `since` (0: all the log holds).
+    pub fn decisions(&self, since: u64) -> Vec<Decision> {
+        lock(&self.0.state).log.since(since, None)
+    }
 }
 
 /// Emits the log's records after `*traced` as tracing events.
