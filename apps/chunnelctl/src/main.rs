@@ -328,6 +328,14 @@ fn rate(r: Option<f64>) -> String {
     r.map_or_else(|| "-".into(), |r| format!("{r:.1}/s"))
 }
 
+/// A decision's verdict as on the wire (`within-dwell`...).
+fn verdict(d: &Decision) -> String {
+    serde_json::to_value(d.verdict)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
 fn decisions_table(decisions: &[Decision]) -> Table {
     let mut t = Table::new([
         "SEQ", "AT", "RULE", "ENTRY", "VERDICT", "FROM", "TO", "RATE", "WHY",
@@ -338,10 +346,7 @@ fn decisions_table(decisions: &[Decision]) -> Table {
             format!("{:.1}s", d.at_ms as f64 / 1000.0),
             d.rule.clone(),
             d.entry.map_or_else(|| "-".into(), |e| e.to_string()),
-            serde_json::to_value(d.verdict)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default(),
+            verdict(d),
             dash(Some(&d.from)),
             dash(Some(&d.to)),
             rate(d.rate),
@@ -399,13 +404,9 @@ fn show(e: &EntryView) -> String {
             format!("{} over {} ms", rate(a.rate), a.window_ms),
         ]);
         if let Some(d) = &a.last {
-            let verdict = serde_json::to_value(d.verdict)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default();
             t.row([
                 "autopilot last".into(),
-                format!("#{} {verdict}: {}", d.seq, d.reason),
+                format!("#{} {}: {}", d.seq, verdict(d), d.reason),
             ]);
         }
     }

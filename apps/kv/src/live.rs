@@ -325,6 +325,16 @@ pub async fn ramp(registry: chunnel_ctl::Registry, steps: Ramp) {
     }
 }
 
+/// Validates a `rate` policy value: requests per second, 1 to 100 000.
+pub fn valid_rate(v: &str) -> Result<(), String> {
+    match v.parse::<u32>() {
+        Ok(1..=100_000) => Ok(()),
+        _ => Err(format!(
+            "{v:?} is not a rate in requests per second (1 to 100000)"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -343,15 +353,5 @@ mod tests {
         for bad in ["100", "0:1", "100:x", "100:-1", "100:1,", "fast:1"] {
             assert!(parse_ramp(bad).is_err(), "{bad}");
         }
-    }
-}
-
-/// Validates a `rate` policy value: requests per second, 1 to 100 000.
-pub fn valid_rate(v: &str) -> Result<(), String> {
-    match v.parse::<u32>() {
-        Ok(1..=100_000) => Ok(()),
-        _ => Err(format!(
-            "{v:?} is not a rate in requests per second (1 to 100000)"
-        )),
     }
 }
