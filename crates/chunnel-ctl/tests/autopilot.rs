@@ -214,7 +214,7 @@ async fn served_by_the_endpoint() {
         panic!()
     };
     assert!(!running);
-    let _pilot = Autopilot::start(&registry, cfg(), [("r", RULE)]).unwrap();
+    let pilot = Autopilot::start(&registry, cfg(), [("r", RULE)]).unwrap();
     load.set(10.0);
     let t0 = std::time::Instant::now();
     while fake.current.load(Ordering::SeqCst) != 1 {
@@ -256,6 +256,21 @@ async fn served_by_the_endpoint() {
     assert_eq!(a.rule, "r");
     assert_eq!(a.last.unwrap().seq, decisions[1].seq);
     assert!(a.rate.unwrap() < 50.0);
+    // Dropped, the autopilot no longer runs (its log stays readable through a Log).
+    let log = pilot.log();
+    drop(pilot);
+    let Reply::Autopilot { running, .. } = c
+        .request(&Op::Autopilot {
+            id: None,
+            since: None,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert!(!running);
+    assert_eq!(log.decisions(0).len(), 2);
     // Another entry's decisions are not this one's.
     let Reply::Autopilot { decisions, .. } = c
         .request(&Op::Autopilot {

@@ -13,6 +13,9 @@
 //! endpoint serves (`chunnelctl autopilot`; the latest decision about an entry is in its
 //! `show`).
 //!
+//! Switches run one at a time in the driver's task (each bounded by
+//! [`Config::switch_timeout`]); sampling resumes when they end.
+//!
 //! Rules are policies: `autopilot` (`on` or `off`) and `autopilot.NAME` per rule (its text,
 //! see [`Rule`]), so an operator changes thresholds or turns the autopilot off with
 //! `chunnelctl policy`.
@@ -40,6 +43,7 @@ mod rule;
 mod tests;
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -91,6 +95,8 @@ struct State {
 #[derive(Debug)]
 pub(crate) struct Shared {
     state: Mutex<State>,
+    /// Set when the [`Autopilot`] is dropped (a [`Log`] may keep the log readable).
+    stopped: AtomicBool,
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -102,7 +108,7 @@ impl Shared {
     pub(crate) fn reply(&self, id: Option<u64>, since: Option<u64>) -> Reply {
         let s = lock(&self.state);
         Reply::Autopilot {
-            running: true,
+            running: !self.stopped.load(Ordering::Relaxed),
             enabled: s.on,
             rules: s
                 .machines
@@ -143,6 +149,7 @@ pub struct Autopilot {
 
 impl Drop for Autopilot {
     fn drop(&mut self) {
+        self.shared.stopped.store(true, Ordering::Relaxed);
         self.task.abort();
     }
 }
@@ -185,6 +192,7 @@ impl Autopilot {
                 log: DecisionLog::new(cfg.log_capacity),
                 machines,
             }),
+            stopped: AtomicBool::new(false),
         });
         registry.set_autopilot(&shared);
         let task = tokio::spawn(run(
