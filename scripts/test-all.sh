@@ -53,7 +53,7 @@ for src in crates/*/src; do python3 scripts/module-cycles.py "$src" > /dev/null 
 export CHUNNEL_XDP_REQUIRE=1
 
 # Optional backends that need servers or build tools are features; the suite enables them all.
-FEATURES="chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report,chunnel-pubsub/kafka,chunnel-pubsub/nats,chunnel-pubsub/redis,chunnel-bench/pubsub"
+FEATURES="chunnel-discovery/shm,chunnel-discovery/uring,chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report,chunnel-pubsub/kafka,chunnel-pubsub/nats,chunnel-pubsub/redis,chunnel-bench/pubsub"
 
 log "Kafka 4.1 jars for the pub/sub tests (Maven Central, cached)"
 ./scripts/kafka/fetch.sh
