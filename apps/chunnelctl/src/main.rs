@@ -7,6 +7,7 @@
 //! chunnelctl switch (ID | --all) BRANCH [--commit]
 //! chunnelctl policy [NAME [VALUE]]
 //! chunnelctl watch [ID] [--interval MS] [--count N]
+//! chunnelctl autopilot [--entry ID] [--since SEQ]
 //! ```
 //!
 //! The endpoint is `--socket`, else `$CHUNNEL_CONTROL`. Human output is aligned tables;
@@ -21,7 +22,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use chunnel_ctl::proto::{EntryView, Op, Reply, Target};
+use chunnel_ctl::proto::{Decision, EntryView, Op, Reply, Target};
 use chunnel_ctl::{Client, Error};
 use clap::{Parser, Subcommand};
 use serde_json::json;
@@ -79,6 +80,17 @@ enum Cmd {
         /// Stop after this many refreshes (default: until interrupted).
         #[arg(long)]
         count: Option<u64>,
+    },
+    /// The autopilot: its rules and its decision log (every switch it made or held back,
+    /// and why). Turn it off with `policy autopilot off`, change a rule with `policy
+    /// autopilot.NAME '...'`.
+    Autopilot {
+        /// Only the decisions about this entry.
+        #[arg(long)]
+        entry: Option<u64>,
+        /// Only the decisions after this sequence number.
+        #[arg(long)]
+        since: Option<u64>,
     },
 }
 
@@ -233,6 +245,51 @@ async fn run(cli: Cli) -> Result<()> {
             interval,
             count,
         } => watch(&mut c, json, id, interval, count).await?,
+        Cmd::Autopilot { entry, since } => {
+            let reply = c.request(&Op::Autopilot { id: entry, since }).await?;
+            if json {
+                return print_json(&reply);
+            }
+            let Reply::Autopilot {
+                running,
+                enabled,
+                rules,
+                decisions,
+                dropped,
+            } = reply
+            else {
+                bail!("unexpected answer");
+            };
+            let (pid, name) = c.process();
+            if !running {
+                println!("{name} (pid {pid}) runs no autopilot");
+                return Ok(());
+            }
+            println!(
+                "{name} (pid {pid}): autopilot {}, {} rules",
+                if enabled { "on" } else { "off" },
+                rules.len()
+            );
+            let mut t = Table::new(["RULE", "ENABLED", "ENTRIES", "SPEC"]);
+            for r in rules {
+                let ids: Vec<String> = r.entries.iter().map(u64::to_string).collect();
+                t.row([
+                    r.name,
+                    r.enabled.to_string(),
+                    dash(Some(&ids.join(","))),
+                    r.spec,
+                ]);
+            }
+            print!("{t}");
+            println!();
+            print!("{}", decisions_table(&decisions));
+            if decisions.is_empty() {
+                println!("no decisions yet");
+            }
+            if dropped > 0 {
+                println!("({dropped} older decisions no longer kept)");
+            }
+        }
     }
     Ok(())
 }
@@ -262,6 +319,38 @@ fn ls_table(entries: &[EntryView]) -> Table {
             e.epoch.to_string(),
             dash(Some(&e.stack.join(" | "))),
             age(e.age_ms),
+        ]);
+    }
+    t
+}
+
+fn rate(r: Option<f64>) -> String {
+    r.map_or_else(|| "-".into(), |r| format!("{r:.1}/s"))
+}
+
+/// A decision's verdict as on the wire (`within-dwell`...).
+fn verdict(d: &Decision) -> String {
+    serde_json::to_value(d.verdict)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn decisions_table(decisions: &[Decision]) -> Table {
+    let mut t = Table::new([
+        "SEQ", "AT", "RULE", "ENTRY", "VERDICT", "FROM", "TO", "RATE", "WHY",
+    ]);
+    for d in decisions {
+        t.row([
+            d.seq.to_string(),
+            format!("{:.1}s", d.at_ms as f64 / 1000.0),
+            d.rule.clone(),
+            d.entry.map_or_else(|| "-".into(), |e| e.to_string()),
+            verdict(d),
+            dash(Some(&d.from)),
+            dash(Some(&d.to)),
+            rate(d.rate),
+            d.reason.clone(),
         ]);
     }
     t
@@ -308,6 +397,19 @@ fn show(e: &EntryView) -> String {
         t.row(["hellos sent".into(), n.hellos_sent.to_string()]);
     }
     t.row(["age".into(), age(e.age_ms)]);
+    if let Some(a) = &e.autopilot {
+        t.row(["autopilot rule".into(), a.rule.clone()]);
+        t.row([
+            "autopilot rate".into(),
+            format!("{} over {} ms", rate(a.rate), a.window_ms),
+        ]);
+        if let Some(d) = &a.last {
+            t.row([
+                "autopilot last".into(),
+                format!("#{} {}: {}", d.seq, verdict(d), d.reason),
+            ]);
+        }
+    }
     let mut out = t.to_string();
     if !e.counters.is_empty() {
         out.push('\n');

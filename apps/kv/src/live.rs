@@ -284,6 +284,47 @@ pub async fn load(
     tasks.abort_all();
 }
 
+/// The name [`LiveClient::register`] is given by `chunnel-kv load`, which the autopilot's
+/// rule names.
+pub const ENTRY: &str = "kv client (switchable)";
+
+/// The autopilot rule of `chunnel-kv load --autopilot`: server-side sharding while the
+/// request rate is low, client push (no forwarding hop) once it is above 400 requests/s
+/// over 2 s, back below 200/s; at most one switch per 5 s.
+pub const AUTOPILOT_RULE: &str = r#"entry="kv client (switchable)" counter=kv-client/requests window=2s up=400 down=200 dwell=5s above=client-push below=server-side"#;
+
+/// A load ramp: `RATE:SECONDS` steps, comma separated (`100:10,800:20,100:20`): the `rate`
+/// policy is set to each rate in turn for its seconds, and stays at the last one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ramp(pub Vec<(u32, Duration)>);
+
+/// Parses a [`Ramp`].
+pub fn parse_ramp(s: &str) -> Result<Ramp, String> {
+    s.split(',')
+        .map(|step| {
+            let (r, secs) = step
+                .split_once(':')
+                .ok_or_else(|| format!("{step:?} is not RATE:SECONDS"))?;
+            valid_rate(r)?;
+            let secs: f64 = secs
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s >= 0.0 && *s <= 86_400.0)
+                .ok_or_else(|| format!("{secs:?} is not a number of seconds"))?;
+            Ok((r.parse().unwrap_or(1), Duration::from_secs_f64(secs)))
+        })
+        .collect::<Result<_, String>>()
+        .map(Ramp)
+}
+
+/// Runs a ramp on the `rate` policy of `registry` (see [`parse_ramp`]).
+pub async fn ramp(registry: chunnel_ctl::Registry, steps: Ramp) {
+    for (rate, secs) in steps.0 {
+        let _ = registry.set_policy("rate", &rate.to_string());
+        tokio::time::sleep(secs).await;
+    }
+}
+
 /// Validates a `rate` policy value: requests per second, 1 to 100 000.
 pub fn valid_rate(v: &str) -> Result<(), String> {
     match v.parse::<u32>() {
@@ -291,5 +332,26 @@ pub fn valid_rate(v: &str) -> Result<(), String> {
         _ => Err(format!(
             "{v:?} is not a rate in requests per second (1 to 100000)"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ramps() {
+        let r = parse_ramp("100:10,800:2.5,1:0").unwrap();
+        assert_eq!(
+            r.0,
+            [
+                (100, Duration::from_secs(10)),
+                (800, Duration::from_millis(2500)),
+                (1, Duration::ZERO)
+            ]
+        );
+        for bad in ["100", "0:1", "100:x", "100:-1", "100:1,", "fast:1"] {
+            assert!(parse_ramp(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -3,6 +3,7 @@
 //! ```text
 //! chunnel-kv serve --addr 127.0.0.1:7000 --shards 4 [--no-client-push] [--control PATH]
 //! chunnel-kv load  --addr 127.0.0.1:7000 --control PATH [--rate 200] [--writers 4]
+//!                  [--ramp RATE:SECS,...] [--autopilot] [--autopilot-rule RULE]
 //! chunnel-kv put   --addr 127.0.0.1:7000 KEY VALUE [--offer both|client-push|server-side]
 //! chunnel-kv get   --addr 127.0.0.1:7000 KEY
 //! chunnel-kv delete --addr 127.0.0.1:7000 KEY
@@ -65,6 +66,20 @@ enum Cmd {
         /// Concurrent writers, one key each.
         #[arg(long, default_value_t = 4)]
         writers: usize,
+        /// A load ramp: RATE:SECONDS steps, comma separated (e.g. 100:10,800:20,100:20); the
+        /// `rate` policy follows it and stays at the last step.
+        #[arg(long, value_parser = live::parse_ramp)]
+        ramp: Option<live::Ramp>,
+        /// Run the autopilot: client push as the request rate rises, server-side sharding
+        /// as it falls (the rule `autopilot.sharding`, see --autopilot-rule).
+        #[arg(long)]
+        autopilot: bool,
+        /// The autopilot's rule (implies --autopilot).
+        #[arg(long, default_value = live::AUTOPILOT_RULE)]
+        autopilot_rule: String,
+        /// Milliseconds between the autopilot's samples.
+        #[arg(long, default_value_t = 200)]
+        autopilot_interval: u64,
     },
     /// Reads a key.
     Get {
@@ -127,6 +142,10 @@ fn control_endpoint(
     Ok(Some((registry, endpoint)))
 }
 
+fn cfg_interval(ms: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(ms.max(1))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
@@ -159,6 +178,10 @@ async fn main() -> anyhow::Result<()> {
             control,
             rate,
             writers,
+            ramp,
+            autopilot,
+            autopilot_rule,
+            autopilot_interval,
         } => {
             let Some((registry, endpoint)) = control_endpoint(control, "chunnel-kv load")? else {
                 anyhow::bail!("load needs a control endpoint: --control PATH or $CHUNNEL_CONTROL");
@@ -170,7 +193,46 @@ async fn main() -> anyhow::Result<()> {
                 live::valid_rate,
             )?;
             let client = Arc::new(LiveClient::connect(addr, ClientConfig::default()).await?);
-            let _guard = client.register(&registry, "kv client (switchable)");
+            let _guard = client.register(&registry, live::ENTRY);
+            let autopilot = autopilot || autopilot_rule != live::AUTOPILOT_RULE;
+            let _pilot = if autopilot {
+                let cfg = chunnel_ctl::autopilot::Config {
+                    interval: cfg_interval(autopilot_interval),
+                    ..Default::default()
+                };
+                let p = chunnel_ctl::autopilot::Autopilot::start(
+                    &registry,
+                    cfg,
+                    [("sharding", autopilot_rule.as_str())],
+                )?;
+                println!("autopilot on: {autopilot_rule}");
+                // Its decisions, as they are made (they are also tracing events, and
+                // `chunnelctl autopilot` shows the log).
+                let every = cfg_interval(autopilot_interval);
+                let log = p.log();
+                tokio::spawn(async move {
+                    let mut seen = 0;
+                    loop {
+                        tokio::time::sleep(every).await;
+                        for d in log.decisions(seen) {
+                            seen = d.seq;
+                            eprintln!(
+                                "autopilot #{} {:.1}s {:?}: {}",
+                                d.seq,
+                                d.at_ms as f64 / 1000.0,
+                                d.verdict,
+                                d.reason
+                            );
+                        }
+                    }
+                });
+                Some(p)
+            } else {
+                None
+            };
+            if let Some(steps) = ramp {
+                tokio::spawn(live::ramp(registry.clone(), steps));
+            }
             println!(
                 "loading {addr} at {} requests/s; control endpoint at {}",
                 rate.get(),

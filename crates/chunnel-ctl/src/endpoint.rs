@@ -402,6 +402,16 @@ async fn handle(shared: &Shared, op: Op) -> Response {
             branch,
             commit,
         } => switch(shared, target, &branch, commit).await,
+        Op::Autopilot { id, since } => ok(match registry.autopilot() {
+            Some(a) => a.reply(id, since),
+            None => Reply::Autopilot {
+                running: false,
+                enabled: false,
+                rules: Vec::new(),
+                decisions: Vec::new(),
+                dropped: 0,
+            },
+        }),
         // Streams; handled by the session.
         Op::Watch { .. } => error(Code::Malformed, "watch is a stream"),
     }

@@ -13,7 +13,10 @@
 //!   commit with the peer). [`Registry::register`] returns a [`Guard`]: the entry is listed
 //!   until the guard (kept with the connection) is dropped;
 //! * **policies**: named values with a validator ([`Registry::policy`]); the endpoint reads
-//!   and sets them, the application reads them through its [`Policy`].
+//!   and sets them, the application reads them through its [`Policy`];
+//! * an optional **autopilot** ([`autopilot::Autopilot`]): rules, themselves policies, that
+//!   switch entries by the rate of one of their counters, with hysteresis; its decision log
+//!   is served by the endpoint (the `autopilot` request).
 //!
 //! ```text
 //!  chunnelctl ──JSON lines──> /run/user/1000/app.ctl ──> Endpoint ──> Registry <── the app
@@ -65,6 +68,7 @@
 //! written); drop the client after cancelling one.
 #![warn(missing_docs, missing_debug_implementations, rust_2018_idioms)]
 
+pub mod autopilot;
 mod client;
 mod endpoint;
 mod error;

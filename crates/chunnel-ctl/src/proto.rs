@@ -68,6 +68,16 @@ pub enum Op {
         #[serde(default)]
         count: Option<u64>,
     },
+    /// The autopilot: its rules and its decision log (of one entry, if `id` is given; only
+    /// the decisions after sequence number `since`, if given).
+    Autopilot {
+        /// Only decisions about this entry.
+        #[serde(default)]
+        id: Option<u64>,
+        /// Only decisions with a larger sequence number.
+        #[serde(default)]
+        since: Option<u64>,
+    },
 }
 
 fn default_interval() -> u64 {
@@ -85,7 +95,7 @@ pub enum Target {
 }
 
 /// One response line.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Response {
     /// The endpoint's protocol version.
     pub v: u32,
@@ -98,7 +108,7 @@ pub struct Response {
 }
 
 /// A response's answer or error.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Body {
     /// The request succeeded.
@@ -145,7 +155,7 @@ pub enum Code {
 }
 
 /// A successful answer, by operation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum Reply {
     /// To [`Op::Hello`].
@@ -189,6 +199,22 @@ pub enum Reply {
         /// The entries watched.
         entries: Vec<EntryView>,
     },
+    /// To [`Op::Autopilot`].
+    Autopilot {
+        /// Whether the process runs an autopilot at all (false: the rest is empty).
+        running: bool,
+        /// Whether it acts (its `autopilot` policy is `on`).
+        enabled: bool,
+        /// Its rules.
+        #[serde(default)]
+        rules: Vec<RuleView>,
+        /// Decisions still in its bounded log, oldest first.
+        #[serde(default)]
+        decisions: Vec<Decision>,
+        /// Decisions the log no longer holds (it keeps the latest ones).
+        #[serde(default)]
+        dropped: u64,
+    },
 }
 
 /// Whether an entry is a connection or a listener.
@@ -202,7 +228,7 @@ pub enum Kind {
 }
 
 /// One registered entry as the endpoint reports it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EntryView {
     /// Its id, unique in the process.
     pub id: u64,
@@ -235,6 +261,94 @@ pub struct EntryView {
     pub counters: Vec<LayerCounters>,
     /// Milliseconds since it was registered.
     pub age_ms: u64,
+    /// What the autopilot makes of it, if a rule of the autopilot steers it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autopilot: Option<Steered>,
+}
+
+/// An entry as the autopilot sees it (in `show`, `ls` and `watch` answers).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Steered {
+    /// The rule that steers it.
+    pub rule: String,
+    /// The counter's rate over the rule's window, per second (null until the window is
+    /// covered).
+    pub rate: Option<f64>,
+    /// The rule's window, milliseconds.
+    pub window_ms: u64,
+    /// The latest decision about the entry.
+    pub last: Option<Decision>,
+}
+
+/// One rule of the autopilot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleView {
+    /// Its name; its policy is `autopilot.NAME`.
+    pub name: String,
+    /// Its text (the policy's value).
+    pub spec: String,
+    /// Whether it acts.
+    pub enabled: bool,
+    /// The entries it steers now.
+    #[serde(default)]
+    pub entries: Vec<u64>,
+}
+
+/// What the autopilot decided, or why it did not act.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    /// The rate crossed a threshold: a switch starts.
+    Switch,
+    /// The switch succeeded.
+    Switched,
+    /// The switch failed (`reason` says why); it is tried again after the rule's `retry`.
+    Failed,
+    /// A switch is due but the entry switched less than `dwell` ago.
+    WithinDwell,
+    /// The rate says the branch the entry already runs on.
+    AlreadyThere,
+    /// A switch is due but the last attempt failed less than `retry` ago.
+    RetryWait,
+    /// The entry switched without the autopilot (an operator): the dwell time restarts.
+    External,
+    /// The entry has no branch of that name, or no such counter.
+    Mismatch,
+    /// The autopilot, or this rule, was turned off or on, or the rule changed.
+    Policy,
+}
+
+/// One record of the autopilot's decision log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    /// 1, 2, 3... in the order decided.
+    pub seq: u64,
+    /// Milliseconds since the autopilot started.
+    pub at_ms: u64,
+    /// The rule.
+    pub rule: String,
+    /// The entry (null: about the rule or the autopilot as a whole).
+    pub entry: Option<u64>,
+    /// What was decided.
+    pub verdict: Verdict,
+    /// The branch the entry ran on.
+    #[serde(default)]
+    pub from: String,
+    /// The branch the rate asks for.
+    #[serde(default)]
+    pub to: String,
+    /// The rate over the window, per second.
+    pub rate: Option<f64>,
+    /// The rule's thresholds and window at the time.
+    pub up: f64,
+    /// The lower threshold.
+    pub down: f64,
+    /// The window, milliseconds.
+    pub window_ms: u64,
+    /// The dwell time, milliseconds.
+    pub dwell_ms: u64,
+    /// Why, for a person.
+    pub reason: String,
 }
 
 /// The outcome of negotiation for one connection.
@@ -428,6 +542,14 @@ mod tests {
                 interval_ms: 200,
                 count: Some(3),
             },
+            Op::Autopilot {
+                id: Some(3),
+                since: Some(10),
+            },
+            Op::Autopilot {
+                id: None,
+                since: None,
+            },
         ];
         for op in ops {
             let line = encode_request(&op);
@@ -465,6 +587,18 @@ mod tests {
         assert_eq!(code("{\"v\":1,\"op\":\"frobnicate\"}"), Code::Malformed);
         assert_eq!(code("{\"v\":1,\"op\":\"show\"}"), Code::Malformed);
         assert_eq!(code("{\"v\":1,\"op\":\"ls\",\"x\":1}"), Code::Malformed);
+        assert_eq!(
+            code("{\"v\":1,\"op\":\"autopilot\",\"x\":1}"),
+            Code::Malformed
+        );
+        assert_eq!(
+            code("{\"v\":1,\"op\":\"autopilot\",\"id\":\"3\"}"),
+            Code::Malformed
+        );
+        assert_eq!(
+            code("{\"v\":1,\"op\":\"autopilot\",\"since\":-1}"),
+            Code::Malformed
+        );
         assert_eq!(code("[1,2]"), Code::Malformed);
         assert_eq!(code("{\"v\":1,\"op\":\"ls\""), Code::Malformed);
         assert_eq!(code(&"[".repeat(10_000)), Code::Malformed);

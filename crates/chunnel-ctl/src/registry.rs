@@ -195,6 +195,9 @@ struct Slot {
     since: Instant,
 }
 
+/// What the autopilot reads of a switchable entry: its id, counters and switch handle.
+pub(crate) type Steerable = (u64, Option<Arc<dyn Counters>>, Arc<dyn Switch>);
+
 type Validator = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
 
 struct PolicySlot {
@@ -208,6 +211,7 @@ struct Inner {
     next: AtomicU64,
     entries: Mutex<BTreeMap<u64, Arc<Slot>>>,
     policies: Mutex<BTreeMap<String, Arc<PolicySlot>>>,
+    autopilot: Mutex<Weak<crate::autopilot::Shared>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -240,6 +244,7 @@ impl Registry {
                 next: AtomicU64::new(1),
                 entries: Mutex::default(),
                 policies: Mutex::default(),
+                autopilot: Mutex::new(Weak::new()),
             }),
         }
     }
@@ -307,6 +312,28 @@ impl Registry {
         })
     }
 
+    /// Installs the autopilot whose log the endpoint serves (the latest one started).
+    pub(crate) fn set_autopilot(&self, a: &Arc<crate::autopilot::Shared>) {
+        *lock(&self.inner.autopilot) = Arc::downgrade(a);
+    }
+
+    /// The running autopilot, if any.
+    pub(crate) fn autopilot(&self) -> Option<Arc<crate::autopilot::Shared>> {
+        lock(&self.inner.autopilot).upgrade()
+    }
+
+    /// Switchable entries named `name`: id, counters, switch handle.
+    pub(crate) fn steerable(&self, name: &str) -> Vec<Steerable> {
+        lock(&self.inner.entries)
+            .iter()
+            .filter(|(_, s)| s.entry.name == name)
+            .filter_map(|(id, s)| {
+                let sw = s.entry.switch.clone()?;
+                Some((*id, s.entry.counters.clone(), sw))
+            })
+            .collect()
+    }
+
     pub(crate) fn views(&self, only: Option<u64>) -> Vec<EntryView> {
         let slots: Vec<(u64, Arc<Slot>)> = {
             let entries = lock(&self.inner.entries);
@@ -319,7 +346,15 @@ impl Registry {
                 None => entries.iter().map(|(k, s)| (*k, Arc::clone(s))).collect(),
             }
         };
-        slots.into_iter().map(|(id, s)| view(id, &s)).collect()
+        let pilot = self.autopilot();
+        slots
+            .into_iter()
+            .map(|(id, s)| {
+                let mut v = view(id, &s);
+                v.autopilot = pilot.as_ref().and_then(|p| p.steered(id));
+                v
+            })
+            .collect()
     }
 
     pub(crate) fn switches(&self, only: Option<u64>) -> Vec<(u64, Option<Arc<dyn Switch>>)> {
@@ -386,6 +421,7 @@ fn view(id: u64, s: &Slot) -> EntryView {
             .map(|c| c.counters())
             .unwrap_or_default(),
         age_ms: u64::try_from(s.since.elapsed().as_millis()).unwrap_or(u64::MAX),
+        autopilot: None,
     }
 }
 
