@@ -135,6 +135,25 @@ fn counter(e: &Value, layer: &str, name: &str) -> u64 {
 }
 
 /// Shows entry `id` until `until` holds for it.
+/// `ls` once every entry named in `names` is listed (a process opens its endpoint before it
+/// registers its entries).
+fn ls_until(sock: &Path, names: &[&str]) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let ls = json(sock, &["ls"]);
+        let listed = |n: &&str| {
+            ls["entries"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|e| e["name"] == *n))
+        };
+        if names.iter().all(listed) {
+            return ls;
+        }
+        assert!(t0.elapsed() < WAIT, "waited {WAIT:?} for entries {names:?}: {ls}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn show_until(sock: &Path, id: u64, what: &str, until: impl Fn(&Value) -> bool) -> Value {
     let t0 = Instant::now();
     loop {
@@ -228,7 +247,10 @@ fn check_traffic(e: &Value) -> u64 {
 fn kv_list_show_switch_json() {
     let kv = kv("json");
     // The server: its canonical listener and shards.
-    let ls = json(&kv.server_sock, &["ls"]);
+    let ls = ls_until(
+        &kv.server_sock,
+        &["kv canonical (client push or server-side)", "kv shard 0", "kv shard 1"],
+    );
     assert_eq!(ls["kind"], "ls");
     let canon = entry(&ls, "kv canonical (client push or server-side)");
     assert_eq!(canon["kind"], "listener");
@@ -237,7 +259,7 @@ fn kv_list_show_switch_json() {
     entry(&ls, "kv shard 1");
 
     // The client: negotiated client push, switchable.
-    let ls = json(&kv.load_sock, &["ls"]);
+    let ls = ls_until(&kv.load_sock, &["kv client (switchable)"]);
     let c = entry(&ls, "kv client (switchable)");
     let id = c["id"].as_u64().unwrap();
     assert_eq!(c["branch"], "client-push");
@@ -369,7 +391,7 @@ fn demo_switch_by_two_phase_commit() {
         ],
     );
     wait_socket(&sock, &mut demo);
-    let ls = json(&sock, &["ls"]);
+    let ls = ls_until(&sock, &["demo client", "echo server"]);
     let client = entry(&ls, "demo client")["id"].as_u64().unwrap();
     let server = entry(&ls, "echo server")["id"].as_u64().unwrap();
     assert_eq!(entry(&ls, "demo client")["commit_only"], true);
