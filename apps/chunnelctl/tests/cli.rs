@@ -149,7 +149,10 @@ fn ls_until(sock: &Path, names: &[&str]) -> Value {
         if names.iter().all(listed) {
             return ls;
         }
-        assert!(t0.elapsed() < WAIT, "waited {WAIT:?} for entries {names:?}: {ls}");
+        assert!(
+            t0.elapsed() < WAIT,
+            "waited {WAIT:?} for entries {names:?}: {ls}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -249,7 +252,11 @@ fn kv_list_show_switch_json() {
     // The server: its canonical listener and shards.
     let ls = ls_until(
         &kv.server_sock,
-        &["kv canonical (client push or server-side)", "kv shard 0", "kv shard 1"],
+        &[
+            "kv canonical (client push or server-side)",
+            "kv shard 0",
+            "kv shard 1",
+        ],
     );
     assert_eq!(ls["kind"], "ls");
     let canon = entry(&ls, "kv canonical (client push or server-side)");
