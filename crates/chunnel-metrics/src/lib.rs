@@ -80,6 +80,10 @@ pub mod prometheus;
 mod snapshot;
 mod switch;
 
+/// The `metrics` facade this crate records through (the crates with a `metrics` feature record
+/// through this re-export, so the workspace has one version).
+pub use metrics;
+
 pub use crate::error::Error;
 pub use crate::metered::{Measure, Metered, MeteredState};
 pub use crate::snapshot::{ConnSnapshot, ConnStats, snapshot};

@@ -10,7 +10,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
 use metrics_util::MetricKindMask;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -36,8 +38,19 @@ pub fn recorder() -> (Arc<PrometheusRecorder>, PrometheusHandle) {
     (Arc::new(r), h)
 }
 
+/// Bucket bounds (seconds) of every `*_seconds` histogram: 10 us to 10 s, about 3 per decade.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
 fn builder() -> PrometheusBuilder {
-    PrometheusBuilder::new().idle_timeout(MetricKindMask::ALL, Some(IDLE_TIMEOUT))
+    PrometheusBuilder::new()
+        .idle_timeout(MetricKindMask::ALL, Some(IDLE_TIMEOUT))
+        // Durations as Prometheus histograms (aggregatable across connections and processes);
+        // other distributions stay summaries.
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+        .expect("the bucket list is not empty")
 }
 
 /// A scrape endpoint serving one recorder's metrics over HTTP; stopped when dropped.
