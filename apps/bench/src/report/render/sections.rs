@@ -32,7 +32,7 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
 // ---- formatting --------------------------------------------------------------------------
 
 /// A ratio: `1.062 [1.049–1.301]`; `171 [120–198]` for large ones.
-fn ratio(sp: Option<Spread>) -> String {
+pub(super) fn ratio(sp: Option<Spread>) -> String {
     let f = |x: f64| {
         if x.abs() >= 10.0 {
             format!("{x:.0}")
@@ -98,7 +98,7 @@ fn rate(x: f64) -> String {
     }
 }
 
-fn met(ok: Option<bool>) -> &'static str {
+pub(super) fn met(ok: Option<bool>) -> &'static str {
     match ok {
         Some(true) => "met",
         Some(false) => "**not met**",
@@ -193,6 +193,7 @@ fn overhead(r: &Value, s: &mut Section) {
         );
     }
     s.part("table", t);
+    super::overhead_metrics::render(r, s);
 
     let cg = &r["callgrind"];
     if let Some(per) = cg["instr_per_msg_round_trip"].as_object() {
