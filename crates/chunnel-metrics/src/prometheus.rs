@@ -210,9 +210,10 @@ mod tests {
         assert_eq!(parse(b"GET /metrics HTTP/1.1\r\n"), Request::Incomplete);
         assert_eq!(parse(&[b'a'; MAX_REQUEST]), Request::TooLarge);
         // Arbitrary bytes never panic.
+        let _ = parse(b"\r\n\r\n");
         for i in 0..=255u8 {
             let _ = parse(&[i, b'\r', b'\n', b'\r', b'\n', i]);
-            let _ = parse(&[b'\r', b'\n', b'\r', b'\n']);
+            let _ = parse(&[i, b' ', i, b' ', b'\r', b'\n', b'\r', b'\n']);
         }
     }
 }

@@ -125,7 +125,7 @@ async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> 
         vote_timeout: WAIT,
         ..Policy::default()
     };
-    let cc = Coordinator::start(&mc, &stack(), policy.clone())?;
+    let cc = Coordinator::start(&mc, &stack(), policy)?;
     let _sc = Coordinator::start(&ms, &stack(), policy)?;
     let (mc, ms) = (Arc::new(mc), Arc::new(ms));
     // Both ends keep receiving (the protocol runs in-band).
@@ -198,9 +198,7 @@ async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> 
         3.0
     );
     assert_eq!(
-        n(&format!(
-            r#"chunnel_negotiation_handshake_seconds_bucket{{side="client",mode="0rtt",result="accepted",le="+Inf"}}"#
-        )),
+        n(r#"chunnel_negotiation_handshake_seconds_bucket{side="client",mode="0rtt",result="accepted",le="+Inf"}"#),
         1.0
     );
     let sw = "chunnel_multilateral_switches_total";
