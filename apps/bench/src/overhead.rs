@@ -620,7 +620,9 @@ fn callgrind() -> Result<Value> {
         let i1 = callgrind_run_with(&exe, 0, b1, &extra)?;
         let i2 = callgrind_run_with(&exe, 0, b2, &extra)?;
         let v = (i2 as f64 - i1 as f64) / ((b2 - b1) * 32) as f64;
-        eprintln!("callgrind: metered ({mode} recorder): {v:.1} instructions per message round trip");
+        eprintln!(
+            "callgrind: metered ({mode} recorder): {v:.1} instructions per message round trip"
+        );
         metered.insert(mode.to_string(), json!(v));
         metered_minus_zero.insert(mode.to_string(), json!((v - counts[0]) / 2.0));
     }

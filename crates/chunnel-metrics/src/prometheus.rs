@@ -40,8 +40,8 @@ pub fn recorder() -> (Arc<PrometheusRecorder>, PrometheusHandle) {
 
 /// Bucket bounds (seconds) of every `*_seconds` histogram: 10 us to 10 s, about 3 per decade.
 pub const SECONDS_BUCKETS: &[f64] = &[
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-    0.5, 1.0, 2.5, 5.0, 10.0,
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
 ];
 
 fn builder() -> PrometheusBuilder {

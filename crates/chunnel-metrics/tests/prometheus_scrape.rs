@@ -11,8 +11,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use chunnel::{
-    Chunnel, ChunnelConnection, ChunnelExt, ConnectionExt, Layered, Listener, LockFree, Noop, Shared, Side, select,
-    stack,
+    Chunnel, ChunnelConnection, ChunnelExt, ConnectionExt, Layered, Listener, LockFree, Noop,
+    Shared, Side, select, stack,
 };
 use chunnel_metrics::Metered;
 use chunnel_metrics::prometheus::Exporter;
@@ -37,7 +37,9 @@ fn parse_exposition(text: &str) -> Result<Vec<Sample>> {
         let (series, value) = line
             .rsplit_once(' ')
             .with_context(|| format!("no value in {line:?}"))?;
-        let value: f64 = value.parse().with_context(|| format!("value in {line:?}"))?;
+        let value: f64 = value
+            .parse()
+            .with_context(|| format!("value in {line:?}"))?;
         let (name, labels) = match series.split_once('{') {
             None => (series.to_string(), BTreeMap::new()),
             Some((name, rest)) => {
@@ -224,20 +226,32 @@ async fn scrape() -> Result<()> {
         .collect();
     assert_eq!(conns.len(), 1, "one server connection: {conns:?}");
 
-    let rwant = [("stack", "scrape-reconfig"), ("result", "ok"), ("to", "right")];
+    let rwant = [
+        ("stack", "scrape-reconfig"),
+        ("result", "ok"),
+        ("to", "right"),
+    ];
     assert_eq!(
         total(&samples, "chunnel_reconfig_switches_total", &rwant),
         1.0
     );
     let pause = [("stack", "scrape-reconfig")];
     assert_eq!(
-        total(&samples, "chunnel_reconfig_switch_pause_seconds_count", &pause),
+        total(
+            &samples,
+            "chunnel_reconfig_switch_pause_seconds_count",
+            &pause
+        ),
         1.0
     );
     // A histogram: the +Inf bucket holds the one switch.
     let inf = [("stack", "scrape-reconfig"), ("le", "+Inf")];
     assert_eq!(
-        total(&samples, "chunnel_reconfig_switch_pause_seconds_bucket", &inf),
+        total(
+            &samples,
+            "chunnel_reconfig_switch_pause_seconds_bucket",
+            &inf
+        ),
         1.0
     );
 

@@ -130,10 +130,7 @@ where
 {
     let start = std::time::Instant::now();
     #[cfg(feature = "tracing")]
-    let fut = tracing::Instrument::instrument(
-        fut,
-        tracing::info_span!("chunnel.switch", to = ?to),
-    );
+    let fut = tracing::Instrument::instrument(fut, tracing::info_span!("chunnel.switch", to = ?to));
     #[cfg(not(feature = "tracing"))]
     let _ = to;
     let r = fut.await;
@@ -143,7 +140,11 @@ where
         Err(_) => "error",
     };
     #[cfg(feature = "tracing")]
-    tracing::debug!(outcome, took_us = took.as_micros() as u64, "multilateral switch ended");
+    tracing::debug!(
+        outcome,
+        took_us = took.as_micros() as u64,
+        "multilateral switch ended"
+    );
     #[cfg(feature = "metrics")]
     {
         names::describe();

@@ -60,7 +60,9 @@ fn fast() -> Config {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> {
     let (rec, handle) = recorder();
-    chunnel_metrics::metrics::set_global_recorder(rec).ok().context("global recorder")?;
+    chunnel_metrics::metrics::set_global_recorder(rec)
+        .ok()
+        .context("global recorder")?;
     let spans: &'static Spans = Box::leak(Box::new(Spans {
         names: Mutex::new(Vec::new()),
         next: AtomicU64::new(0),
@@ -98,7 +100,10 @@ async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> 
     let svc = select(Xor(5), Xor(2));
     client.connect("svc", svc.clone(), base().await?).await?;
     // 1-RTT, rejected: no common stack.
-    let e = client.connect("b", Xor(9), base().await?).await.unwrap_err();
+    let e = client
+        .connect("b", Xor(9), base().await?)
+        .await
+        .unwrap_err();
     ensure!(matches!(e, Error::Incompatible { .. }), "{e}");
     // 0-RTT, accepted.
     let c = client
@@ -107,7 +112,11 @@ async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> 
     assert_eq!(timeout(WAIT, c.recv_one()).await??, "early");
     let mut seen = Vec::new();
     for _ in 0..4 {
-        seen.push(timeout(WAIT, results.recv()).await?.context("server ended")?);
+        seen.push(
+            timeout(WAIT, results.recv())
+                .await?
+                .context("server ended")?,
+        );
     }
     assert_eq!(seen.iter().filter(|ok| **ok).count(), 3, "{seen:?}");
 
@@ -141,8 +150,14 @@ async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> 
         let mc = mc.clone();
         tokio::spawn(async move { while mc.recv_one().await.is_ok() {} })
     };
-    assert_eq!(timeout(WAIT, cc.switch(Side::Right)).await??, Outcome::Switched);
-    assert_eq!(timeout(WAIT, cc.switch(Side::Right)).await??, Outcome::Unchanged);
+    assert_eq!(
+        timeout(WAIT, cc.switch(Side::Right)).await??,
+        Outcome::Switched
+    );
+    assert_eq!(
+        timeout(WAIT, cc.switch(Side::Right)).await??,
+        Outcome::Unchanged
+    );
 
     // The follower records its switch point once its marker (the DONE the initiator's
     // outcome waits for) has left: shortly after the outcome. Bounded wait for it.
@@ -194,11 +209,15 @@ async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> 
     );
     let hs = "chunnel_negotiation_handshake_seconds_count";
     assert_eq!(
-        n(&format!(r#"{hs}{{side="client",mode="1rtt",result="accepted"}}"#)),
+        n(&format!(
+            r#"{hs}{{side="client",mode="1rtt",result="accepted"}}"#
+        )),
         3.0
     );
     assert_eq!(
-        n(r#"chunnel_negotiation_handshake_seconds_bucket{side="client",mode="0rtt",result="accepted",le="+Inf"}"#),
+        n(
+            r#"chunnel_negotiation_handshake_seconds_bucket{side="client",mode="0rtt",result="accepted",le="+Inf"}"#
+        ),
         1.0
     );
     let sw = "chunnel_multilateral_switches_total";
@@ -207,7 +226,11 @@ async fn negotiations_and_switches_are_counted_timed_and_traced() -> Result<()> 
     assert_eq!(n(&format!(r#"{sp}{{role="initiator"}}"#)), 1.0);
     assert_eq!(n(&follower), 1.0);
 
-    let names = spans.names.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let names = spans
+        .names
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     let count = |name: &str| names.iter().filter(|n| **n == name).count();
     assert_eq!(count("chunnel.connect"), 5, "{names:?}");
     assert_eq!(count("chunnel.handshake"), 5, "{names:?}");

@@ -47,7 +47,11 @@ async fn drops_and_evictions_are_exported() -> Result<(), Box<dyn std::error::Er
     let (oversize, queue_full, _) = l.dropped();
     assert_eq!(oversize, 1);
     assert!(queue_full > 0, "ten datagrams into a queue of two");
-    assert_eq!(delivered + queue_full, 10, "each datagram delivered or dropped");
+    assert_eq!(
+        delivered + queue_full,
+        10,
+        "each datagram delivered or dropped"
+    );
 
     // Evictions: a cap of two peers, three new peers, none accepted yet.
     let cfg = Config::default().with_max_peers(2);
@@ -67,7 +71,10 @@ async fn drops_and_evictions_are_exported() -> Result<(), Box<dyn std::error::Er
     let text = handle.render();
     eprintln!("{text}");
     let drops = "chunnel_datagram_dropped_total";
-    assert_eq!(value(&text, &format!(r#"{drops}{{reason="oversize"}}"#)), oversize);
+    assert_eq!(
+        value(&text, &format!(r#"{drops}{{reason="oversize"}}"#)),
+        oversize
+    );
     assert_eq!(
         value(&text, &format!(r#"{drops}{{reason="queue_full"}}"#)),
         queue_full

@@ -50,14 +50,20 @@ async fn retransmissions_are_exported() -> Result<(), Box<dyn std::error::Error>
     }
     tokio::time::timeout(Duration::from_secs(30), conn.flush()).await??;
     let s = conn.stats();
-    assert!(faults.stats.dropped_sent() > 0 && s.retransmitted > 0, "{s:?}");
+    assert!(
+        faults.stats.dropped_sent() > 0 && s.retransmitted > 0,
+        "{s:?}"
+    );
 
     // The connection's task exports on its next turn: bounded wait until it has.
     let series = |kind: &str| format!(r#"chunnel_reliable_retransmissions_total{{kind="{kind}"}}"#);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
         let text = handle.render();
-        let (t, f) = (value(&text, &series("timeout")), value(&text, &series("fast")));
+        let (t, f) = (
+            value(&text, &series("timeout")),
+            value(&text, &series("fast")),
+        );
         let s = conn.stats();
         if t + f == s.retransmitted {
             assert_eq!(f, s.fast_retransmits, "{text}");
