@@ -24,14 +24,14 @@
 //! * [`names`] lists the metric names, including those the other crates record under their
 //!   own `metrics` features (negotiation outcomes and handshake time in chunnel-negotiate,
 //!   retransmissions in chunnel-std, drops and evictions in chunnel-net).
-//! * [`prometheus`] (feature `prometheus`): a Prometheus recorder and a scrape endpoint on an
+//! * `prometheus` (module, feature `prometheus`): a Prometheus recorder and a scrape endpoint on an
 //!   address you choose; nothing listens unless you start it.
 //!
 //! Without a recorder installed the `metrics` handles do nothing and the snapshots still
 //! count. `chunnel-bench overhead` measures the layer without and with a recorder.
 //!
 //! ## Feature flags
-//! * `prometheus` (off): [`prometheus::Exporter`] and [`prometheus::recorder`].
+//! * `prometheus` (off): the module `prometheus` (`Exporter`, `recorder`).
 //!
 //! ## Example
 //!
