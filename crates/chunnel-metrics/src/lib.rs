@@ -25,7 +25,8 @@
 //!   own `metrics` features (negotiation outcomes and handshake time in chunnel-negotiate,
 //!   retransmissions in chunnel-std, drops and evictions in chunnel-net).
 //! * `prometheus` (module, feature `prometheus`): a Prometheus recorder and a scrape endpoint on an
-//!   address you choose; nothing listens unless you start it.
+//!   address you choose (`Exporter::install(addr)`, or `Exporter::install_from_env()` reading
+//!   `CHUNNEL_METRICS_ADDR`); nothing listens unless you start it.
 //!
 //! Without a recorder installed the `metrics` handles do nothing and the snapshots still
 //! count. `chunnel-bench overhead` measures the layer without and with a recorder.
@@ -65,6 +66,7 @@
 //! A [`Metered`] connection is the core's `LayerConnection`: its `recv` is cancel safe when
 //! the connection below is, and a received batch is counted once it is returned.
 //! [`reconfigure`] has the cancel safety of `ReconfigHandle::reconfigure`.
+#![forbid(unsafe_code)]
 #![warn(
     missing_docs,
     missing_debug_implementations,

@@ -26,6 +26,9 @@ pub const MAX_REQUEST: usize = 8 * 1024;
 /// Series not updated for this long leave the exposition (a closed connection's counters),
 /// so a long-running server's memory stays bounded by its recent connections.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+/// The environment variable [`Exporter::install_from_env`] reads: the scrape address
+/// (`host:port`); unset, no endpoint.
+pub const ENV_ADDR: &str = "CHUNNEL_METRICS_ADDR";
 /// How often the recorder's upkeep (idle removal, histogram draining) runs.
 const UPKEEP: Duration = Duration::from_secs(5);
 
@@ -70,6 +73,23 @@ impl Exporter {
         let handle = r.handle();
         metrics::set_global_recorder(r).map_err(|_| Error::RecorderInstalled)?;
         Self::serve(handle, addr).await
+    }
+
+    /// The opt-in by environment: if [`ENV_ADDR`] (`CHUNNEL_METRICS_ADDR`) is set, installs
+    /// the global recorder and serves it there ([`Self::install`]); if it is unset or empty,
+    /// nothing is started and `Ok(None)` returned. An unparsable value is an error, not a
+    /// silent default.
+    pub async fn install_from_env() -> Result<Option<Exporter>, Error> {
+        match std::env::var(ENV_ADDR) {
+            Ok(v) if !v.trim().is_empty() => {
+                let addr = v.trim().parse().map_err(|_| Error::BadAddress {
+                    var: ENV_ADDR,
+                    value: v.clone(),
+                })?;
+                Self::install(addr).await.map(Some)
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Serves an existing recorder's `handle` (from [`recorder`]) on `addr`.

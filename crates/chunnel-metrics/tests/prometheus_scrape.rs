@@ -155,7 +155,19 @@ async fn scrape_counts_the_traffic() -> Result<()> {
 }
 
 async fn scrape() -> Result<()> {
-    let exporter = Exporter::install("127.0.0.1:0".parse()?).await?;
+    // The opt-in: nothing without the variable, a refusal for a bad one, the endpoint with one.
+    // SAFETY: this test binary's only test; no other thread reads the environment now.
+    unsafe { std::env::remove_var(chunnel_metrics::prometheus::ENV_ADDR) };
+    assert!(Exporter::install_from_env().await?.is_none());
+    unsafe { std::env::set_var(chunnel_metrics::prometheus::ENV_ADDR, "not-an-address") };
+    assert!(matches!(
+        Exporter::install_from_env().await,
+        Err(chunnel_metrics::Error::BadAddress { .. })
+    ));
+    unsafe { std::env::set_var(chunnel_metrics::prometheus::ENV_ADDR, "127.0.0.1:0") };
+    let exporter = Exporter::install_from_env()
+        .await?
+        .context("CHUNNEL_METRICS_ADDR set")?;
     let url = format!("http://{}/metrics", exporter.local_addr());
 
     // The server: an echo over a metered stack on real UDP.
