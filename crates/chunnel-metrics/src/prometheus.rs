@@ -24,7 +24,10 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest request head read; a longer one is answered 431 and closed.
 pub const MAX_REQUEST: usize = 8 * 1024;
 /// Series not updated for this long leave the exposition (a closed connection's counters),
-/// so a long-running server's memory stays bounded by its recent connections.
+/// so a long-running server's memory stays bounded by its recent connections. A live connection
+/// silent for that long loses its series too: what it counts afterwards reaches its snapshot
+/// ([`crate::snapshot()`]) but not the exposition (its handles were registered once). Use
+/// `Metered::per_connection(false)` for series shared by a stack's connections.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// The environment variable [`Exporter::install_from_env`] reads: the scrape address
 /// (`host:port`); unset, no endpoint.
