@@ -358,7 +358,11 @@ where
                 Side::Left
             };
             let control = &sh.control;
+            // Only observed (features `metrics`, `tracing`): off, no lock is taken for it.
+            #[cfg(any(feature = "metrics", feature = "tracing"))]
             let initiator = lock(&sh.waiters).contains_key(&txn);
+            #[cfg(not(any(feature = "metrics", feature = "tracing")))]
+            let initiator = false;
             let r = crate::obs::switch_point(
                 initiator,
                 txn,
