@@ -99,7 +99,7 @@ fn rate(x: f64) -> String {
     }
 }
 
-fn met(ok: Option<bool>) -> &'static str {
+pub(super) fn met(ok: Option<bool>) -> &'static str {
     match ok {
         Some(true) => "met",
         Some(false) => "**not met**",
@@ -194,6 +194,7 @@ fn overhead(r: &Value, s: &mut Section) {
         );
     }
     s.part("table", t);
+    super::overhead_metrics::render(r, s);
 
     let cg = &r["callgrind"];
     if let Some(per) = cg["instr_per_msg_round_trip"].as_object() {
