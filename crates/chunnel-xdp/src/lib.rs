@@ -77,13 +77,16 @@
 )]
 
 mod bpf;
+mod client;
 mod frame;
 mod listener;
+mod netlink;
 /// For benchmarks: the XSK socket and XDP program without the library's layers (not a
 /// stable API).
 #[doc(hidden)]
 pub mod raw;
 pub mod shard;
+mod tx;
 mod xsk;
 
 use std::net::SocketAddrV4;
@@ -92,6 +95,7 @@ use std::path::PathBuf;
 use chunnel::{Error, Negotiate};
 
 pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
+pub use crate::client::{AfXdpConnect, ClientConnection, RESOLVE_TIMEOUT};
 use crate::listener::not_available;
 pub use crate::listener::{Listener, ServerConnection, Stats, XdpIo, XdpPeer, XdpRx};
 pub use crate::shard::{ShardCounters, ShardOffload, ShardOffloadConfig, XdpShard};
@@ -224,39 +228,44 @@ impl Negotiate for AfXdpUdp {
     }
 
     fn check_available(&self) -> Result<(), Error> {
-        if self.cfg.bpf_object.is_none() && !embedded_program_available() {
-            bpf::object(None).map_err(not_available)?;
+        check_host(&self.cfg)
+    }
+}
+
+/// What both ends need: the XDP program (embedded or `cfg.bpf_object`), the capabilities,
+/// the interface, and a kernel that creates AF_XDP sockets.
+fn check_host(cfg: &Config) -> Result<(), Error> {
+    if cfg.bpf_object.is_none() && !embedded_program_available() {
+        bpf::object(None).map_err(not_available)?;
+    }
+    if let Some(p) = &cfg.bpf_object
+        && !p.is_file()
+    {
+        return Err(not_available(format!(
+            "the XDP object {} does not exist",
+            p.display()
+        )));
+    }
+    if let Some(caps) = effective_caps() {
+        let has = |c: u32| caps & (1u64 << c) != 0;
+        let mut missing = Vec::new();
+        if !has(CAP_NET_ADMIN) {
+            missing.push("CAP_NET_ADMIN");
         }
-        if let Some(p) = &self.cfg.bpf_object
-            && !p.is_file()
-        {
+        if !has(CAP_NET_RAW) {
+            missing.push("CAP_NET_RAW");
+        }
+        if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
+            missing.push("CAP_BPF (or CAP_SYS_ADMIN)");
+        }
+        if !missing.is_empty() {
             return Err(not_available(format!(
-                "the XDP object {} does not exist",
-                p.display()
+                "the process lacks {} (run as root or grant them)",
+                missing.join(", ")
             )));
         }
-        if let Some(caps) = effective_caps() {
-            let has = |c: u32| caps & (1u64 << c) != 0;
-            let mut missing = Vec::new();
-            if !has(CAP_NET_ADMIN) {
-                missing.push("CAP_NET_ADMIN");
-            }
-            if !has(CAP_NET_RAW) {
-                missing.push("CAP_NET_RAW");
-            }
-            if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
-                missing.push("CAP_BPF (or CAP_SYS_ADMIN)");
-            }
-            if !missing.is_empty() {
-                return Err(not_available(format!(
-                    "the process lacks {} (run as root or grant them)",
-                    missing.join(", ")
-                )));
-            }
-        }
-        ifindex(&self.cfg.interface)?;
-        xsk::probe()
-            .map_err(|e| not_available(format!("the kernel refuses AF_XDP sockets: {e}")))?;
-        Ok(())
     }
+    ifindex(&cfg.interface)?;
+    xsk::probe().map_err(|e| not_available(format!("the kernel refuses AF_XDP sockets: {e}")))?;
+    Ok(())
 }
