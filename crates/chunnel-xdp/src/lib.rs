@@ -1,7 +1,9 @@
 //! # chunnel-xdp: an AF_XDP datapath, wire-compatible with kernel UDP
 //!
 //! [`AfXdpUdp`] serves UDP on (interface, IPv4 address, port) from an AF_XDP socket instead of
-//! a kernel socket. A small XDP program (`bpf/xdp_udp_steer.c`, built by `build.rs` with
+//! a kernel socket; [`AfXdpConnect`] is its client, a `Chunnel<()>` like
+//! `chunnel_net::udp::Connect` talking to one peer from an AF_XDP socket (see below and
+//! [`AfXdpConnect`] for how it finds its route, local port and the peer's MAC address). A small XDP program (`bpf/xdp_udp_steer.c`, built by `build.rs` with
 //! clang and embedded in the library) looks at every frame arriving on the interface and
 //! redirects only IPv4/UDP frames for the configured address and port to the socket's queue
 //! through an `XSKMAP`; everything else — ARP, ICMP, other ports, fragments — is passed to the
@@ -29,6 +31,21 @@
 //! # Ok(()) }
 //! ```
 //!
+//! At the client:
+//!
+//! ```no_run
+//! use chunnel::{select, Chunnel, ConnectionExt};
+//! use chunnel_xdp::{AfXdpConnect, Config};
+//! # async fn demo() -> Result<(), chunnel::Error> {
+//! let server: std::net::SocketAddrV4 = "10.77.0.2:7000".parse().unwrap();
+//! // Local address 0.0.0.0: the route's source address; port 0: an ephemeral port.
+//! let xdp = AfXdpConnect::new(Config::new("veth1", "0.0.0.0:0".parse().unwrap()), server);
+//! let mut stack = select(xdp, chunnel_net::udp::Connect::new(server.into()));
+//! let conn = stack.connect_wrap(()).await?;
+//! conn.send_one("hello".into()).await?;
+//! # Ok(()) }
+//! ```
+//!
 //! ## Availability and fallback
 //!
 //! [`AfXdpUdp`] implements [`chunnel::Negotiate`] with id [`ID`] and no capability: the wire
@@ -42,6 +59,14 @@
 //! [`Listen`](chunnel::Listen) then binds the fallback branch, so
 //! `select(AfXdpUdp, chunnel_net::udp::Bind).listen()` yields a working listener whenever
 //! kernel UDP can bind the address.
+//!
+//! [`AfXdpConnect`] has the same id and checks, and two more, since a client's `Select`
+//! decides from availability alone (building a branch consumes its input, so it cannot try
+//! one and fall back): the route to the peer must leave through the interface, and no XDP
+//! program may be attached to it already (one program per interface: a listener's or another
+//! client's). `select(AfXdpConnect, chunnel_net::udp::Connect)` then connects over kernel UDP.
+//! An attach that fails anyway (a race with another program) is `NotAvailable` from
+//! `connect_wrap`.
 //!
 //! ## Datapath
 //!
@@ -67,8 +92,19 @@
 //! * Received UDP checksums are not verified (a kernel sender on veth leaves them to the
 //!   device, `CHECKSUM_PARTIAL`); the IPv4 header checksum is.
 //!
+//! The client finds its path with rtnetlink (`netlink.rs`): the route to the peer (output
+//! interface, gateway, source address), then the next hop's entry in the kernel's neighbour
+//! table, asking the kernel to resolve it when missing (`NTF_USE`: the kernel sends its own
+//! ARP request; the XDP program passes ARP to the kernel, so no static entries are needed at
+//! either end), for at most [`AfXdpConnect::with_resolve_timeout`] (1 s by default), after
+//! which `connect_wrap` fails with an `Io` error of kind `HostUnreachable`. Datagrams from
+//! other sources than the peer are dropped and counted, as a connected UDP socket ignores
+//! them. One AF_XDP socket binds one interface queue, so a host runs one AF_XDP endpoint
+//! (client or server) per interface.
+//!
 //! The unsafe code is in `xsk.rs` (the socket and its rings, written against the kernel ABI
-//! with `libc`; no libxdp) and in the aya loader it calls.
+//! with `libc`; no libxdp), `netlink.rs` (the rtnetlink socket calls) and in the aya loader
+//! it calls.
 #![warn(
     missing_docs,
     missing_debug_implementations,
