@@ -486,16 +486,18 @@ impl RawClient<'_> {
         let mut got = 0;
         let mut wrong = 0;
         while got < n {
-            let k = self.sock.recv_batch(n - got, |f| match raw::parse_reply(f) {
-                Some((r, range)) if r.peer() == server => {
-                    if range.len() == size {
-                        got += 1;
-                    } else {
-                        wrong += 1;
+            let k = self
+                .sock
+                .recv_batch(n - got, |f| match raw::parse_reply(f) {
+                    Some((r, range)) if r.peer() == server => {
+                        if range.len() == size {
+                            got += 1;
+                        } else {
+                            wrong += 1;
+                        }
                     }
-                }
-                _ => self.malformed += 1,
-            });
+                    _ => self.malformed += 1,
+                });
             if self.sock.fill_needs_wakeup() {
                 self.sock.kick_rx();
             }
