@@ -148,7 +148,8 @@ pub struct Config {
     /// The interface to attach to.
     pub interface: String,
     /// The local IPv4 address and UDP port to serve. Address `0.0.0.0` matches any
-    /// destination address on the interface.
+    /// destination address on the interface. For a client ([`AfXdpConnect`]): its own address
+    /// and port, `0.0.0.0` for the route's source address, port 0 for an ephemeral port.
     pub local: SocketAddrV4,
     /// The interface queue to bind (default 0).
     pub queue: u32,
@@ -181,7 +182,7 @@ impl std::ops::DerefMut for Config {
 }
 
 impl Config {
-    /// Defaults for serving `local` on `interface`.
+    /// Defaults for serving `local` on `interface` (or, for a client, sending from it).
     pub fn new(interface: impl Into<String>, local: SocketAddrV4) -> Self {
         Config {
             interface: interface.into(),
