@@ -3,8 +3,9 @@
 //!
 //! `chunnel-bench datapaths` measures [`crate::Listener`] against a hand-written echo loop
 //! built on this module, and [`crate::AfXdpConnect`] against a hand-written client loop
-//! ([`client_path`](crate::raw::client_path) finds the client's frame addressing the way the library does), so that
-//! the difference between the two is the library's layers, not the socket code: [`Socket`](crate::raw::Socket) is the same XSK socket (UMEM, four rings,
+//! ([`client_path`](crate::raw::client_path) finds the client's frame addressing the way
+//! the library does), so that the difference between the two is the library's layers, not
+//! the socket code: [`Socket`](crate::raw::Socket) is the same XSK socket (UMEM, four rings,
 //! copy mode, need-wakeup) and the same XDP program the listener uses, driven directly by the
 //! caller. [`parse_reply`](crate::raw::parse_reply) / [`build_reply`](crate::raw::build_reply)
 //! are the listener's frame parser and builder.
