@@ -9,7 +9,9 @@
 //! 2. a kernel UDP socket is bound to the local address and port (port 0: the kernel picks
 //!    one) and connected to the peer. It receives nothing (the XDP program takes the port's
 //!    datagrams before the kernel sees them); it holds the port, so no kernel socket takes it
-//!    and a taken port fails with [`Error::AddrInUse`] as with kernel UDP;
+//!    and a taken port fails with [`Error::AddrInUse`] as with kernel UDP; and the kernel
+//!    reports on it the ICMP error of a peer whose port is closed (the program passes ICMP to
+//!    the kernel), which `recv` returns as [`Error::PeerClosed`], as a connected UDP socket does;
 //! 3. the next hop's MAC address is read from the kernel's neighbour table; if it is not
 //!    there, the kernel is asked to resolve it (`RTM_NEWNEIGH` with `NTF_USE`: the kernel
 //!    sends its own ARP request, no datagram reaches any application) and the table is read
@@ -285,7 +287,10 @@ pub struct ClientConnection {
     xsk: Mutex<Xsk>,
     /// Received payloads are copied into this block (locked after `xsk`, only by `read`).
     block: Mutex<BytesMut>,
-    _port: std::net::UdpSocket,
+    /// The kernel socket holding the local port, connected to the peer: it receives nothing,
+    /// but the kernel reports an ICMP error from the peer on it (its port closed), which
+    /// `recv` turns into [`Error::PeerClosed`] as kernel UDP does.
+    port: tokio::net::UdpSocket,
     ep: Endpoints,
     cfg: Config,
     ip_id: AtomicU16,
@@ -311,6 +316,13 @@ impl ClientConnection {
         program: Program,
         port: std::net::UdpSocket,
     ) -> Result<Self, Error> {
+        let port = port
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UdpSocket::from_std(port))
+            .map_err(|source| Error::Io {
+                op: "registering the port's socket with tokio",
+                source,
+            })?;
         // SAFETY: the descriptor is the socket's, owned by `xsk`, which drops after `afd`
         // (field order), so it stays open and the same for the registration's lifetime.
         let afd = unsafe { AsyncFd::register_with_interest(Fd(xsk.fd()), Interest::READABLE) }
@@ -323,7 +335,7 @@ impl ClientConnection {
             program: Mutex::new(program),
             xsk: Mutex::new(xsk),
             block: Mutex::new(BytesMut::new()),
-            _port: port,
+            port,
             ep,
             cfg,
             ip_id: AtomicU16::new(0),
@@ -446,6 +458,14 @@ impl ClientConnection {
     }
 }
 
+/// An error on the connection: "refused" means the peer's port is closed.
+fn peer_err(peer: &SocketAddrV4, e: std::io::Error) -> Error {
+    match Error::from_io("recv", peer, e) {
+        Error::ConnectionRefused { .. } => Error::PeerClosed,
+        other => other,
+    }
+}
+
 impl chunnel::PeerHandoff for ClientConnection {
     /// A client talks to one peer: there is nothing to hand off to.
     fn hand_off(&self, _first: Bytes) -> bool {
@@ -503,10 +523,28 @@ impl ChunnelConnection for ClientConnection {
             if n > 0 {
                 continue; // only dropped frames: read again
             }
-            let mut ready = self.afd.readable().await.map_err(|source| Error::Io {
-                op: "waiting on the AF_XDP socket",
-                source,
-            })?;
+            // One wait for both: a frame on the ring, or an ICMP error on the port's socket.
+            let mut ready = tokio::select! {
+                biased;
+                r = self.afd.readable() => r.map_err(|source| Error::Io {
+                    op: "waiting on the AF_XDP socket",
+                    source,
+                })?,
+                r = self.port.ready(Interest::ERROR) => {
+                    r.map_err(|e| peer_err(&self.ep.dst, e))?;
+                    let pending = self.port.try_io(Interest::ERROR, || {
+                        match self.port.take_error() {
+                            Ok(Some(e)) => Ok(e),
+                            Ok(None) => Err(std::io::ErrorKind::WouldBlock.into()),
+                            Err(e) => Ok(e),
+                        }
+                    });
+                    if let Ok(e) = pending {
+                        return Err(peer_err(&self.ep.dst, e));
+                    }
+                    continue;
+                }
+            };
             // Clears the readiness only if no event arrived since it was reported, so a frame
             // landing between this read and the clear still wakes the next wait.
             if let Ok(Ok((_, filled))) = ready.try_io(|_| match self.read(slots) {

@@ -547,3 +547,46 @@ fn unresolvable_or_unrouted_peers() -> Result<()> {
     .join()
     .expect("thread panicked")
 }
+
+/// The server goes away: its namespace's kernel answers the next request with an ICMP port
+/// unreachable, and the client's `recv` reports `PeerClosed`, as a kernel UDP client's does.
+#[test]
+fn a_closed_server_port_is_peer_closed() -> Result<()> {
+    if !privileged() || !program_built() {
+        return Ok(());
+    }
+    let ns = netns()?;
+    let (stop, server) = spawn_server(
+        &ns.b,
+        || async {
+            Ok(AfXdpUdp::new(Config::new("xb", server_addr()))
+                .listen()
+                .await?)
+        },
+        xdp_report,
+    )?;
+    let (served_tx, served_rx) = std_mpsc::sync_channel::<()>(1);
+    let (gone_tx, gone_rx) = std_mpsc::sync_channel::<()>(1);
+    let client = in_netns(&ns.a, move || async move {
+        let conn = Arc::new(
+            AfXdpConnect::new(client_cfg(), server_addr())
+                .connect_wrap(())
+                .await?,
+        );
+        ensure!(concurrent_exchange(conn.clone(), 1, 50).await? == 50);
+        served_tx.send(())?;
+        gone_rx.recv_timeout(Duration::from_secs(20))?;
+        conn.send([payload(0, 0)]).await?;
+        let mut slots = vec![None; 4];
+        match tokio::time::timeout(Duration::from_secs(2), conn.recv(&mut slots)).await {
+            Ok(Err(Error::PeerClosed)) => Ok(()),
+            other => bail!("expected PeerClosed, got {other:?}"),
+        }
+    });
+    served_rx.recv_timeout(Duration::from_secs(30))?;
+    let _ = stop.send(());
+    // The listener, its connection and the program are dropped with the server's runtime.
+    server.join().expect("server thread panicked")?;
+    gone_tx.send(())?;
+    client.join().expect("client thread panicked")
+}
