@@ -196,6 +196,10 @@ assert len(d["figure7"]["results"]) == 16, d["figure7"]
 x = d["datapaths"]["af_xdp"]
 assert x["library"]["rtt_p50_us"]["median"] > 0 and x["raw"]["rtt_p50_us"]["median"] > 0, x
 assert d["checks"]["af_xdp_all_requests_redirected"], d["checks"]
+# AF_XDP at both ends: requests redirected at the server, echoes at the client.
+b = x["both_ends"]
+assert b["library"]["rtt_p50_us"]["median"] > 0 and b["raw"]["rtt_p50_us"]["median"] > 0, b
+assert d["checks"]["af_xdp_both_ends_all_redirected"], d["checks"]
 print("bench JSON ok:", d["checks"])'
 
 log "all tests passed"

@@ -17,7 +17,9 @@
 //! * AF_XDP: `crate::xdp::measure` (a kernel UDP client in one network namespace, the
 //!   `raw_tokio` client loop below, against an AF_XDP server across a veth pair in another:
 //!   a hand-written echo on `chunnel_xdp::raw` vs the `chunnel_xdp::AfXdpUdp` listener;
-//!   `--reps` interleaved repetitions; XDP program counters per run). Recorded as `skipped`
+//!   `--reps` interleaved repetitions; XDP program counters per run; and AF_XDP at both ends,
+//!   `AfXdpConnect` against the listener vs a raw client loop against the raw echo, in
+//!   `af_xdp.both_ends`, both ends' counters per run). Recorded as `skipped`
 //!   when AF_XDP cannot run here (not root, no XDP program...) unless `CHUNNEL_XDP_REQUIRE`
 //!   is set; `--no-xdp` skips it. `chunnel-bench xdp` runs it alone.
 //!
@@ -265,6 +267,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         bar(&io_uring),
         bar(&shared_memory),
         bar(&af_xdp),
+        bar(&af_xdp["both_ends"]),
     ]
     .iter()
     .flatten()
@@ -275,6 +278,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "shm_lib_meets_bar": bar(&shared_memory),
         "af_xdp_lib_meets_bar": bar(&af_xdp),
         "af_xdp_all_requests_redirected": af_xdp["all_requests_redirected"].as_bool(),
+        "af_xdp_both_ends_lib_meets_bar": af_xdp["both_ends"]["meets_bar"].as_bool(),
+        "af_xdp_both_ends_all_redirected": af_xdp["both_ends"]["all_redirected_both_directions"].as_bool(),
         "all_measured_datapaths_meet_bar": all_meet,
         "shm_p50_ratio_udp_over_shm": udp_over_shm,
         "shm_p50_ratio_raw_tokio_udp_over_shm": shm_vs_raw_udp,
@@ -383,7 +388,7 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn summarize(mut ns: Vec<u64>, msgs_per_s: f64) -> Sample {
+pub(crate) fn summarize(mut ns: Vec<u64>, msgs_per_s: f64) -> Sample {
     ns.sort_unstable();
     let us: Vec<f64> = ns.iter().map(|&n| n as f64 / 1000.0).collect();
     Sample {
@@ -618,7 +623,7 @@ async fn recv_exact<C: ChunnelConnection<Data = Bytes>>(
 
 /// Warm-up, `msgs` timed round trips of `size` bytes, optionally 64 B throughput, then the
 /// end message.
-async fn ping<C: ChunnelConnection<Data = Bytes>>(
+pub(crate) async fn ping<C: ChunnelConnection<Data = Bytes>>(
     conn: &C,
     msgs: usize,
     size: usize,
