@@ -98,6 +98,7 @@
 )]
 
 mod conn;
+mod lend;
 mod ring;
 mod sys;
 
@@ -111,6 +112,10 @@ use bytes::{BufMut, Bytes, BytesMut};
 use chunnel::{Capability, Chunnel, ChunnelConnection, ConnectionExt, Error, Negotiate};
 
 pub use crate::conn::ShmConnection;
+pub use crate::lend::{ShmBuf, ShmPayload};
+/// Lent receive payloads and lent send buffers out at once per connection and direction;
+/// past it the datapath copies (receive) or `lend` returns `None` (send).
+pub const LEND_WINDOW: usize = ring::LEND_WINDOW;
 use crate::ring::Region;
 use crate::sys::Mapping;
 

@@ -10,14 +10,28 @@
 //!        4096 + ring_bytes   ring 1 data
 //! ```
 //!
-//! A ring holds records `[len: u32][reserved: u32][payload, padded to 8 bytes]` at 8-byte
-//! aligned offsets; `len = u32::MAX` pads to the end of the ring (a record never wraps).
-//! `head` and `tail` are byte counts that only grow (positions are taken modulo the ring
-//! size). The producer writes records, then publishes `head` (Release); the consumer reads
-//! `head` (Acquire), copies records out and publishes `tail` (Release). Each side keeps its own
-//! position privately and never trusts the peer's copy: every value read from the region is
-//! bounds-checked, so a buggy or hostile peer yields `Error::Malformed`, never a panic or an
-//! out-of-bounds access.
+//! A ring holds records `[len: u32][skip: u32][payload, padded to 8 bytes]` at 8-byte
+//! aligned offsets; `len = u32::MAX` pads to the end of the ring (a record never wraps);
+//! `len = u32::MAX - 1` is a record carrying no message whose payload area is `skip` bytes (a
+//! lent send buffer dropped unsent; `skip` is a multiple of 8). `head` and `tail` are byte
+//! counts that only grow (positions are taken modulo the ring size). The producer writes
+//! records, then publishes `head` (Release); the consumer reads `head` (Acquire), reads
+//! records and publishes `tail` (Release) once it no longer needs their bytes. Each side keeps
+//! its own positions privately and never trusts the peer's copy: every value read from the
+//! region is bounds-checked, so a buggy or hostile peer yields `Error::Malformed`, never a
+//! panic or an out-of-bounds access.
+//!
+//! **Lending** (the layout does not change). Receive: a record lent to the application stays
+//! in the ring; the consumer's private read position moves past it but `tail` does not. Lent
+//! records are tracked in a bounded window of [`LEND_WINDOW`] entries in read order, each the
+//! end position of its record (records copied or skipped after a lent one extend the last
+//! entry); a payload's drop marks its entry released, and `tail` advances over the released
+//! prefix of the window, so release may happen in any order but frees space in ring order.
+//! When the window is full or lending one more record would hold more than half the ring,
+//! the consumer copies instead (the producer always keeps room). Send: the producer reserves
+//! a record (header written, payload area handed to the application) and publishes `head`
+//! only up to the first reservation not yet emitted; a reservation dropped unsent becomes a
+//! skip record. At most [`LEND_WINDOW`] reservations are out at once.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -29,7 +43,8 @@ use crate::sys::{Mapping, futex_wake};
 /// Size of the header page.
 pub(crate) const HEADER: usize = 4096;
 const MAGIC: u64 = u64::from_le_bytes(*b"CHNLSHM1");
-const VERSION: u32 = 1;
+/// 2: skip records (lent send buffers dropped unsent).
+const VERSION: u32 = 2;
 const OFF_MAGIC: usize = 0;
 const OFF_VERSION: usize = 8;
 const OFF_RING_BYTES: usize = 16;
@@ -44,6 +59,9 @@ const CTL_BELL: usize = 384;
 /// Bytes before each record's payload.
 pub(crate) const RECORD_HEADER: usize = 8;
 const PAD: u32 = u32::MAX;
+const SKIP: u32 = u32::MAX - 1;
+/// Lent records (receive) and reservations (send) out at once, per ring end.
+pub(crate) const LEND_WINDOW: usize = 256;
 /// Smallest and largest ring sizes accepted.
 pub(crate) const MIN_RING: usize = 4096;
 pub(crate) const MAX_RING: usize = 1 << 30;
@@ -210,12 +228,126 @@ impl Region {
     }
 }
 
+/// A range of a ring's data lent out: a received record's payload (read only) or a reserved
+/// send record's payload area (written by its one holder). Made only here, never cloned, so
+/// whoever holds it is the only user of its bytes until it is given back.
+#[derive(Debug)]
+pub(crate) struct Span {
+    off: usize,
+    len: usize,
+    seq: u64,
+}
+
+impl Span {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Region {
+    /// The bytes of a lent span.
+    pub(crate) fn span(&self, s: &Span) -> &[u8] {
+        assert!(s.off + s.len <= self.map.len(), "span in range");
+        // SAFETY: `s` lies inside the mapping (checked) and inside one ring's data (made by
+        // the consumer or producer after their bounds checks). It is a published record the
+        // producer does not write again until `tail` passes it, which happens only once the
+        // span's holder gave it back; or a reservation that only its holder writes. The
+        // mapping outlives the borrow of `self`.
+        unsafe { std::slice::from_raw_parts(self.map.ptr().add(s.off), s.len) }
+    }
+
+    /// The bytes of a lent send reservation, writable by its holder.
+    pub(crate) fn span_mut<'a>(&'a self, s: &'a mut Span) -> &'a mut [u8] {
+        assert!(s.off + s.len <= self.map.len(), "span in range");
+        // SAFETY: as in `span`; a reservation is written only through its one `Span` (not
+        // `Clone`), borrowed mutably here, and the consumer reads it only after it was
+        // emitted (published), when no `&mut` to it is left.
+        unsafe { std::slice::from_raw_parts_mut(self.map.ptr().add(s.off), s.len) }
+    }
+}
+
+/// One entry of a lending window: the ring position up to which space is freed once this
+/// entry (and every earlier one) is done.
+#[derive(Clone, Copy, Debug, Default)]
+struct Entry {
+    end: u64,
+    start: u64,
+    done: bool,
+}
+
+/// A bounded window of lent ranges in ring order (sequence numbers `front..back`).
+#[derive(Debug)]
+struct Window {
+    e: Box<[Entry]>,
+    front: u64,
+    back: u64,
+}
+
+impl Window {
+    fn new() -> Self {
+        Window {
+            e: vec![Entry::default(); LEND_WINDOW].into_boxed_slice(),
+            front: 0,
+            back: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        (self.back - self.front) as usize
+    }
+
+    fn full(&self) -> bool {
+        self.len() == self.e.len()
+    }
+
+    fn at(&mut self, seq: u64) -> &mut Entry {
+        let n = self.e.len() as u64;
+        &mut self.e[(seq % n) as usize]
+    }
+
+    fn push(&mut self, start: u64, end: u64) -> u64 {
+        let seq = self.back;
+        *self.at(seq) = Entry {
+            end,
+            start,
+            done: false,
+        };
+        self.back += 1;
+        seq
+    }
+
+    /// Marks `seq` done; false when it is not outstanding (never happens: spans are unique).
+    fn mark(&mut self, seq: u64) -> bool {
+        if seq < self.front || seq >= self.back {
+            return false;
+        }
+        self.at(seq).done = true;
+        true
+    }
+
+    /// Drops the done prefix; returns the last dropped entry.
+    fn advance(&mut self) -> Option<Entry> {
+        let mut last = None;
+        while self.front < self.back {
+            let e = *self.at(self.front);
+            if !e.done {
+                break;
+            }
+            last = Some(e);
+            self.front += 1;
+        }
+        last
+    }
+}
+
 /// The producing end of one ring (kept privately by its side).
 #[derive(Debug)]
 pub(crate) struct Producer {
     ring: usize,
     head: u64,
     tail: u64,
+    /// Send reservations not yet emitted or dropped.
+    resv: Window,
 }
 
 impl Producer {
@@ -224,14 +356,14 @@ impl Producer {
             ring,
             head: 0,
             tail: 0,
+            resv: Window::new(),
         }
     }
 
-    /// Appends one record made of `parts` (concatenated). `Ok(false)` when the ring has no
-    /// room for it now. The caller checked the size against the maximum. Nothing is visible
-    /// to the consumer before [`Producer::publish`].
-    pub(crate) fn push(&mut self, r: &Region, parts: [&[u8]; 2]) -> Result<bool, Error> {
-        let len = parts[0].len() + parts[1].len();
+    /// Claims room for a record of `len` payload bytes and writes its header; returns the
+    /// mapping offset of its payload and the record's start position. `None` when the ring
+    /// has no room for it now.
+    fn claim(&mut self, r: &Region, len: usize) -> Result<Option<(usize, u64)>, Error> {
         debug_assert!(len <= r.max_msg);
         let cap = r.ring_bytes as u64;
         let rec = (RECORD_HEADER + round8(len)) as u64;
@@ -251,7 +383,7 @@ impl Producer {
             }
             self.tail = tail;
             if need > cap - (self.head - self.tail) {
-                return Ok(false);
+                return Ok(None);
             }
         }
         let base = r.data_off(self.ring);
@@ -262,57 +394,135 @@ impl Producer {
             off = 0;
         }
         r.u32_at(base + off).store(len as u32, Ordering::Relaxed);
-        let mut at = base + off + RECORD_HEADER;
+        let start = self.head;
+        self.head += rec;
+        Ok(Some((base + off + RECORD_HEADER, start)))
+    }
+
+    /// Appends one record made of `parts` (concatenated). `Ok(false)` when the ring has no
+    /// room for it now. The caller checked the size against the maximum. Nothing is visible
+    /// to the consumer before [`Producer::publish`].
+    pub(crate) fn push(&mut self, r: &Region, parts: [&[u8]; 2]) -> Result<bool, Error> {
+        let len = parts[0].len() + parts[1].len();
+        let Some((mut at, _)) = self.claim(r, len)? else {
+            return Ok(false);
+        };
         for p in parts {
             debug_assert!(at + p.len() <= r.map.len());
             // SAFETY: `at .. at + p.len()` lies inside this ring's data (the record fits
-            // before the ring's end, checked above) and inside the mapping. The consumer does
-            // not read it before we publish `head`, and we own this range until then (it is
-            // past the consumer's tail). `p` is local memory, so the ranges do not overlap.
+            // before the ring's end, checked by `claim`) and inside the mapping. The consumer
+            // does not read it before we publish `head`, and we own this range until then (it
+            // is past the consumer's tail). `p` is local memory, so the ranges do not overlap.
             unsafe {
                 std::ptr::copy_nonoverlapping(p.as_ptr(), r.map.ptr().add(at), p.len());
             }
             at += p.len();
         }
-        self.head += rec;
         Ok(true)
     }
 
-    /// Makes every pushed record visible and wakes a sleeping consumer.
-    pub(crate) fn publish(&self, r: &Region) {
-        r.head(self.ring).store(self.head, Ordering::Release);
+    /// Reserves a record of `len` payload bytes for the application to fill (a lent send
+    /// buffer). `None` when the ring has no room now or [`LEND_WINDOW`] reservations are out.
+    pub(crate) fn reserve(&mut self, r: &Region, len: usize) -> Result<Option<Span>, Error> {
+        if self.resv.full() {
+            return Ok(None);
+        }
+        let Some((off, start)) = self.claim(r, len)? else {
+            return Ok(None);
+        };
+        let seq = self.resv.push(start, self.head);
+        Ok(Some(Span { off, len, seq }))
+    }
+
+    /// Ends reservation `span`: emitted (its bytes are the message) or, when `!emit`, turned
+    /// into a skip record. Publish afterwards.
+    pub(crate) fn finish(&mut self, r: &Region, span: Span, emit: bool) {
+        if !emit {
+            let Span { off, len, .. } = span;
+            let hdr = off - RECORD_HEADER;
+            r.u32_at(hdr + 4)
+                .store(round8(len) as u32, Ordering::Relaxed);
+            r.u32_at(hdr).store(SKIP, Ordering::Relaxed);
+        }
+        if self.resv.mark(span.seq) {
+            self.resv.advance();
+        }
+    }
+
+    /// Makes every pushed record visible, up to the first reservation not yet finished, and
+    /// wakes a sleeping consumer.
+    pub(crate) fn publish(&mut self, r: &Region) {
+        let visible = if self.resv.len() > 0 {
+            let front = self.resv.front;
+            self.resv.at(front).start
+        } else {
+            self.head
+        };
+        r.head(self.ring).store(visible, Ordering::Release);
         r.ring_bell(self.ring);
     }
+}
+
+/// A record the consumer read: lent (it stays in the ring until [`Consumer::release`]) or
+/// copied out.
+#[derive(Debug)]
+pub(crate) enum Popped {
+    Lent(Span),
+    Copied(Bytes),
 }
 
 /// The consuming end of one ring.
 #[derive(Debug)]
 pub(crate) struct Consumer {
     ring: usize,
+    /// Read position (private).
+    read: u64,
+    /// Freed position (what `tail` says).
     tail: u64,
     block: BytesMut,
+    held: Window,
 }
 
 impl Consumer {
     pub(crate) fn new(ring: usize) -> Self {
         Consumer {
             ring,
+            read: 0,
             tail: 0,
             block: BytesMut::new(),
+            held: Window::new(),
         }
     }
 
-    /// Copies up to `slots.len()` records out into `slots` and releases their space.
-    /// Returns how many were read. This copy (shared memory → the `Bytes` handed to the
-    /// application) is the receive side's one copy; it also means the peer can no longer
-    /// change a message once it was validated and delivered.
+    /// Copies up to `slots.len()` records out into `slots` and releases their space (unless
+    /// records lent earlier hold it). Returns how many were read. This copy (shared memory →
+    /// the `Bytes` handed to the application) is the copying receive's one copy; it also means
+    /// the peer can no longer change a message once it was validated and delivered.
     pub(crate) fn pop(&mut self, r: &Region, slots: &mut [Option<Bytes>]) -> Result<usize, Error> {
-        if slots.is_empty() {
+        let max = slots.len();
+        let mut it = slots.iter_mut();
+        self.pop_with(r, max, false, |p| {
+            if let (Some(s), Popped::Copied(b)) = (it.next(), p) {
+                *s = Some(b);
+            }
+        })
+    }
+
+    /// Reads up to `max` records, handing each to `out`: lent when `lend` and the window and
+    /// the ring allow (see the module docs), else copied. Returns how many were read.
+    pub(crate) fn pop_with(
+        &mut self,
+        r: &Region,
+        max: usize,
+        lend: bool,
+        mut out: impl FnMut(Popped),
+    ) -> Result<usize, Error> {
+        if max == 0 {
             return Ok(0);
         }
         let cap = r.ring_bytes as u64;
         let head = r.head(self.ring).load(Ordering::Acquire);
-        if head < self.tail || head - self.tail > cap {
+        if head < self.read || head - self.read > cap {
             return Err(Error::Malformed {
                 what: "shared-memory ring head out of range",
             });
@@ -320,8 +530,8 @@ impl Consumer {
         let base = r.data_off(self.ring);
         let mut n = 0;
         let start = self.tail;
-        while self.tail < head && n < slots.len() {
-            let off = (self.tail % cap) as usize;
+        while self.read < head && n < max {
+            let off = (self.read % cap) as usize;
             let len = r.u32_at(base + off).load(Ordering::Relaxed);
             if len == PAD {
                 if off == 0 {
@@ -329,20 +539,45 @@ impl Consumer {
                         what: "shared-memory padding record at the ring start",
                     });
                 }
-                self.tail += cap - off as u64;
-                if self.tail > head {
+                let end = self.read + (cap - off as u64);
+                if end > head {
                     return Err(Error::Malformed {
                         what: "shared-memory padding past the ring head",
                     });
                 }
+                self.consumed(end);
+                continue;
+            }
+            if len == SKIP {
+                let skip = r.u32_at(base + off + 4).load(Ordering::Relaxed) as usize;
+                let rec = (RECORD_HEADER + skip) as u64;
+                if !skip.is_multiple_of(8)
+                    || skip > round8(r.max_msg)
+                    || rec > cap - off as u64
+                    || self.read + rec > head
+                {
+                    return Err(Error::Malformed {
+                        what: "shared-memory skip record out of range",
+                    });
+                }
+                self.consumed(self.read + rec);
                 continue;
             }
             let len = len as usize;
             let rec = RECORD_HEADER + round8(len);
-            if len > r.max_msg || rec as u64 > cap - off as u64 || self.tail + rec as u64 > head {
+            if len > r.max_msg || rec as u64 > cap - off as u64 || self.read + rec as u64 > head {
                 return Err(Error::Malformed {
                     what: "shared-memory record length out of range",
                 });
+            }
+            let end = self.read + rec as u64;
+            let at = base + off + RECORD_HEADER;
+            if lend && !self.held.full() && end - self.tail <= cap / 2 {
+                let seq = self.held.push(self.read, end);
+                self.read = end;
+                out(Popped::Lent(Span { off: at, len, seq }));
+                n += 1;
+                continue;
             }
             if self.block.capacity() - self.block.len() < len {
                 // Reclaims the old block in place when every message cut from it is gone.
@@ -356,20 +591,47 @@ impl Consumer {
             // bounds.
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    r.map.ptr().add(base + off + RECORD_HEADER),
+                    r.map.ptr().add(at),
                     dst.as_mut_ptr().cast::<u8>(),
                     len,
                 );
                 self.block.set_len(self.block.len() + len);
             }
-            slots[n] = Some(self.block.split().freeze());
+            out(Popped::Copied(self.block.split().freeze()));
             n += 1;
-            self.tail += rec as u64;
+            self.consumed(end);
         }
         if self.tail != start {
             r.tail(self.ring).store(self.tail, Ordering::Release);
         }
         Ok(n)
+    }
+
+    /// The record(s) up to `end` were read and need no space any more: freed now, or when the
+    /// lent record before them is released.
+    fn consumed(&mut self, end: u64) {
+        self.read = end;
+        if self.held.len() == 0 {
+            self.tail = end;
+        } else {
+            let last = self.held.back - 1;
+            self.held.at(last).end = end;
+        }
+    }
+
+    /// Gives a lent record back; frees the ring's space up to the first record still held.
+    pub(crate) fn release(&mut self, r: &Region, span: Span) {
+        if self.held.mark(span.seq)
+            && let Some(e) = self.held.advance()
+        {
+            self.tail = e.end;
+            r.tail(self.ring).store(self.tail, Ordering::Release);
+        }
+    }
+
+    /// Lent records not yet given back.
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
     }
 }
 
@@ -454,7 +716,8 @@ mod tests {
             r.head(0).store(next() % 8192, Ordering::Relaxed);
             let mut c = Consumer::new(0);
             // Our own positions are private (the peer cannot touch them): always 8-aligned.
-            c.tail = next() % 8192 / 8 * 8;
+            c.read = next() % 8192 / 8 * 8;
+            c.tail = c.read;
             let _ = c.pop(&r, &mut slots);
             let mut p = Producer::new(0);
             p.head = next() % 8192 / 8 * 8;
@@ -462,6 +725,103 @@ mod tests {
             r.tail(0).store(next() % 8192, Ordering::Relaxed);
             let _ = p.push(&r, [&[], &[1u8; 100]]);
         }
+    }
+
+    fn pop_one(c: &mut Consumer, r: &Region, lend: bool) -> Option<Popped> {
+        let mut got = None;
+        c.pop_with(r, 1, lend, |p| got = Some(p)).unwrap();
+        got
+    }
+
+    fn bytes_of(r: &Region, p: &Popped) -> Vec<u8> {
+        match p {
+            Popped::Lent(s) => r.span(s).to_vec(),
+            Popped::Copied(b) => b.to_vec(),
+        }
+    }
+
+    /// Held records keep their bytes while the producer fills the rest of the ring; release
+    /// in any order frees space only up to the first record still held; past half the ring
+    /// the consumer copies instead of lending.
+    #[test]
+    fn lent_records_stay_and_free_in_ring_order() {
+        let r = region(4096, 1024);
+        let mut p = Producer::new(0);
+        let mut c = Consumer::new(0);
+        let mut held = Vec::new();
+        for i in 0..4u8 {
+            assert!(p.push(&r, [&[], &[i; 500]]).unwrap());
+            p.publish(&r);
+            let got = pop_one(&mut c, &r, true).unwrap();
+            assert!(matches!(got, Popped::Lent(_)));
+            held.push(got);
+        }
+        // 4 * 512 bytes held (half the ring); the next one would pass it: copied.
+        assert!(p.push(&r, [&[], &[9; 500]]).unwrap());
+        p.publish(&r);
+        let got = pop_one(&mut c, &r, true).unwrap();
+        assert!(matches!(got, Popped::Copied(_)));
+        assert_eq!(c.held(), 4);
+        assert_eq!(r.tail(0).load(Ordering::Relaxed), 0, "nothing freed yet");
+        // The producer fills the rest of the ring (3 records) and then finds it full.
+        let mut pushed = 0;
+        while p.push(&r, [&[], &[0xee; 500]]).unwrap() {
+            pushed += 1;
+        }
+        assert_eq!(pushed, 3);
+        for (i, h) in held.iter().enumerate() {
+            assert_eq!(bytes_of(&r, h), vec![i as u8; 500], "held record overwritten");
+        }
+        let mut it = held.into_iter();
+        let (a, b, cc, d) = (
+            it.next().unwrap(),
+            it.next().unwrap(),
+            it.next().unwrap(),
+            it.next().unwrap(),
+        );
+        let span = |p: Popped| match p {
+            Popped::Lent(s) => s,
+            Popped::Copied(_) => unreachable!(),
+        };
+        c.release(&r, span(b));
+        assert_eq!(r.tail(0).load(Ordering::Relaxed), 0, "out-of-order release frees nothing");
+        c.release(&r, span(a));
+        assert_eq!(r.tail(0).load(Ordering::Relaxed), 1024, "a and b freed");
+        c.release(&r, span(cc));
+        assert_eq!(r.tail(0).load(Ordering::Relaxed), 1536);
+        c.release(&r, span(d));
+        // d and the copied record after it.
+        assert_eq!(r.tail(0).load(Ordering::Relaxed), 2560);
+        assert_eq!(c.held(), 0);
+    }
+
+    /// A reservation holds back what is pushed after it; dropped unsent it becomes a skip
+    /// record the consumer steps over; emitted, its bytes are the message.
+    #[test]
+    fn reservations_publish_in_order_and_skip() {
+        let r = region(4096, 1024);
+        let mut p = Producer::new(0);
+        let mut c = Consumer::new(0);
+        let mut a = p.reserve(&r, 10).unwrap().unwrap();
+        r.span_mut(&mut a).copy_from_slice(b"0123456789");
+        let b = p.reserve(&r, 100).unwrap().unwrap();
+        assert!(p.push(&r, [b"x", b"yz"]).unwrap());
+        p.publish(&r);
+        assert!(pop_one(&mut c, &r, false).is_none(), "nothing visible before a is emitted");
+        p.finish(&r, a, true);
+        p.publish(&r);
+        assert_eq!(bytes_of(&r, &pop_one(&mut c, &r, true).unwrap()), b"0123456789");
+        assert!(pop_one(&mut c, &r, false).is_none(), "b holds back xyz");
+        p.finish(&r, b, false);
+        p.publish(&r);
+        assert_eq!(bytes_of(&r, &pop_one(&mut c, &r, false).unwrap()), b"xyz");
+        assert!(pop_one(&mut c, &r, false).is_none());
+        // The window bounds reservations.
+        let mut spans = Vec::new();
+        while let Some(s) = p.reserve(&r, 0).unwrap() {
+            spans.push(s);
+        }
+        assert!(spans.len() <= LEND_WINDOW);
     }
 
     #[test]
