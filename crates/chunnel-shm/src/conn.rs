@@ -9,8 +9,8 @@ use chunnel::{ChunnelConnection, Emit, Error, LendBuffer, LendRecv, LendStats, S
 
 use crate::lend::{ShmBuf, ShmPayload};
 use crate::ring::{ATTACHED, CLOSED, Consumer, Popped, Producer, Region};
-use chunnel::util::lock;
 use crate::{Role, WaitPolicy};
+use chunnel::util::lock;
 
 /// How long a receiver spins in place before giving the runtime a turn (when it spins longer
 /// than this in total, other tasks of its runtime still run every this often).

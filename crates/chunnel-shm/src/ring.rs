@@ -364,10 +364,7 @@ impl Window {
 
     fn push(&mut self, start: u64) -> u64 {
         let seq = self.back;
-        *self.at(seq) = Entry {
-            start,
-            done: false,
-        };
+        *self.at(seq) = Entry { start, done: false };
         self.back += 1;
         seq
     }
@@ -931,7 +928,11 @@ mod tests {
                 }
             }
         }
-        assert!(copied >= 2 && spans.len() <= 5, "{copied} copied, {} held", spans.len());
+        assert!(
+            copied >= 2 && spans.len() <= 5,
+            "{copied} copied, {} held",
+            spans.len()
+        );
         assert_eq!(c.held(), spans.len());
         spans.reverse();
         for s in spans {
@@ -953,10 +954,16 @@ mod tests {
         let b = p.reserve(&r, 100).unwrap().unwrap();
         assert!(p.push(&r, [b"x", b"yz"]).unwrap());
         p.publish(&r);
-        assert!(pop_one(&mut c, &r, false).is_none(), "nothing visible before a is emitted");
+        assert!(
+            pop_one(&mut c, &r, false).is_none(),
+            "nothing visible before a is emitted"
+        );
         p.finish(&r, a, true);
         p.publish(&r);
-        assert_eq!(bytes_of(&r, &pop_one(&mut c, &r, true).unwrap()), b"0123456789");
+        assert_eq!(
+            bytes_of(&r, &pop_one(&mut c, &r, true).unwrap()),
+            b"0123456789"
+        );
         assert!(pop_one(&mut c, &r, false).is_none(), "b holds back xyz");
         p.finish(&r, b, false);
         p.publish(&r);

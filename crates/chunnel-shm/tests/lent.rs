@@ -100,7 +100,9 @@ async fn lent_burst<C1: Send + Sync, C2: Send + Sync>(
     for (i, s) in slots.iter_mut().enumerate() {
         let p = s.take().context("slot")?;
         anyhow::ensure!(p.is_lent(), "message {i} was copied");
-        anyhow::ensure!(p.len() == SIZE && checksum(&p) == SIZE as u64 * u64::from((round + i) as u8));
+        anyhow::ensure!(
+            p.len() == SIZE && checksum(&p) == SIZE as u64 * u64::from((round + i) as u8)
+        );
     }
     Ok(())
 }
@@ -201,7 +203,10 @@ fn holding_payloads_falls_back_to_copying_without_stalling() -> Result<()> {
         let lent = held.iter().filter(|p| p.is_lent()).count() as u64;
         assert_eq!(st.rx_lent, lent);
         assert_eq!(st.rx_lent + st.rx_copied, u64::from(N));
-        assert!(st.rx_lent >= 1 && st.rx_copied >= u64::from(N) - 64, "{st:?}");
+        assert!(
+            st.rx_lent >= 1 && st.rx_copied >= u64::from(N) - 64,
+            "{st:?}"
+        );
         assert_eq!(srv.held() as u64, lent);
         drop(held);
         assert_eq!(srv.held(), 0);
@@ -340,7 +345,11 @@ fn peer_killed_while_payloads_are_held() -> Result<()> {
         let end = tokio::time::timeout(WAIT, srv.recv_lent(&mut one)).await?;
         assert!(matches!(end, Err(Error::PeerClosed)), "got {end:?}");
         for (i, p) in held.iter().enumerate() {
-            assert_eq!(p.as_ref(), &[i as u8; 1000][..], "message {i} after the kill");
+            assert_eq!(
+                p.as_ref(),
+                &[i as u8; 1000][..],
+                "message {i} after the kill"
+            );
         }
         assert!(held.iter().all(ShmPayload::is_lent));
         drop(conn);

@@ -149,6 +149,8 @@ mod driver;
 mod probe;
 pub mod udp;
 
+pub use crate::driver::{UringBuf, UringPayload};
+
 /// The stable negotiation id of this datapath.
 pub const ID: &str = "chunnel/uring-udp/1";
 

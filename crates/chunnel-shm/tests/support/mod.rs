@@ -277,7 +277,7 @@ pub fn child_main() -> Result<()> {
             "client-lend-hang" => {
                 // Sends 10 messages from lent buffers (message i: 1000 bytes of i), then
                 // hangs until killed.
-                use chunnel::{Emit, Either, LendBuffer};
+                use chunnel::{Either, Emit, LendBuffer};
                 let addr: SocketAddr = std::env::var("CHUNNEL_SHM_ADDR")?.parse()?;
                 let base = udp::Connect::new(addr).connect_wrap(()).await?;
                 let conn = Client::new(Config::default())
