@@ -116,6 +116,9 @@ impl Shared {
 ///
 /// `recv` is cancel safe. Many tasks may send and receive at once (each ring end is behind a
 /// short lock held only while copying).
+///
+/// It also lends the rings (no copy): [`LendRecv`], [`LendBuffer`] and [`Emit`]; see the
+/// crate docs ("Lent buffers").
 #[derive(Debug)]
 pub struct ShmConnection<C> {
     sh: Arc<Shared>,
@@ -475,7 +478,7 @@ impl<C: Send + Sync> Emit for ShmConnection<C> {
 }
 
 /// Received messages as views of the receive ring (see [`ShmPayload`]); copied instead when
-/// the application holds [`crate::LEND_WINDOW`] of them or half the ring.
+/// the application holds [`crate::RX_HOLES`] of them or half the ring.
 ///
 /// A lent payload is memory the peer process mapped too: a peer that writes a record after
 /// publishing it (a bug, or a hostile peer) changes bytes the application is reading. Lengths
