@@ -399,6 +399,9 @@ pub(crate) struct Producer {
     ring: usize,
     head: u64,
     tail: u64,
+    /// The hole hint read with `tail`: only holes behind that tail can be in the way until
+    /// `tail` is read again (a later hole lies at least a lap past what we may write).
+    hint: u64,
     /// Send reservations not yet emitted or dropped.
     resv: Window,
 }
@@ -409,6 +412,7 @@ impl Producer {
             ring,
             head: 0,
             tail: 0,
+            hint: NO_HOLE,
             resv: Window::new(),
         }
     }
@@ -479,6 +483,9 @@ impl Producer {
             });
         }
         self.tail = tail;
+        // After `tail` (Acquire): the consumer stores the hint before publishing a tail past
+        // a new hole, so this is at most as old as that.
+        self.hint = r.hole_hint(self.ring).load(Ordering::Acquire);
         Ok(self.head - self.tail + n <= limit)
     }
 
@@ -487,7 +494,7 @@ impl Producer {
     /// released; their bytes must not be written until then.
     fn hole_in(&self, r: &Region, until: u64) -> Result<Option<u64>, Error> {
         let cap = r.ring_bytes as u64;
-        let oldest = r.hole_hint(self.ring).load(Ordering::Acquire);
+        let oldest = self.hint;
         // Images of a hole lie at least one lap after it.
         if oldest == NO_HOLE || oldest.saturating_add(cap) >= until {
             return Ok(None);
