@@ -2,7 +2,9 @@
 //! the copying path of the same datapath, in the same run, for shared memory (`chunnel-shm`)
 //! and io_uring (`chunnel-uring`) at 1460 B and 8 KiB.
 //!
-//! * Throughput, one direction, bursts of 32 for 300 ms. The sender produces each message's
+//! * Throughput, one direction, bursts of 32 for 300 ms (io_uring: bursts of 16, each
+//!   acknowledged by the receiver before the next, or after 20 ms if the ack was lost, so the
+//!   receiving socket's buffer does not overflow). The sender produces each message's
 //!   bytes once (`fill`): copying path into a reused `BytesMut` whose `Bytes` it sends
 //!   (shared memory copies them into the ring; io_uring hands them to the kernel), lent path
 //!   into buffers from `LendBuffer::lend`, sent with `Emit::emit` (a `None` from `lend` falls
@@ -43,6 +45,9 @@ const BURST: usize = 32;
 const TPUT_MILLIS: u64 = 300;
 const WARMUP: usize = 1000;
 const STALL: Duration = Duration::from_secs(60);
+/// Over UDP the sender waits for an ack every this many messages (16 x 8 KiB stays inside a
+/// default socket receive buffer), or 20 ms if the ack was lost.
+const UDP_WINDOW: usize = 16;
 
 #[derive(clap::Args, Clone)]
 pub(crate) struct Args {
@@ -265,8 +270,9 @@ enum Serve {
     /// The copying library echo, until an empty message (echoed too).
     Echo,
     /// Count messages (reading their first and last byte), lent or copied, until an empty
-    /// one; answer `count | rx_lent | rx_copied`.
-    Count { lent: bool },
+    /// one; answer `count | rx_lent | rx_copied`. With `ack`, also send a 1-byte ack after
+    /// every [`UDP_WINDOW`] messages (flow control over UDP).
+    Count { lent: bool, ack: bool },
 }
 
 async fn serve<C: Lending>(c: &C, how: Serve) -> Result<()> {
@@ -283,13 +289,18 @@ async fn serve<C: Lending>(c: &C, how: Serve) -> Result<()> {
                 }
             }
         }
-        Serve::Count { lent } => {
+        Serve::Count { lent, ack } => {
             let mut count = 0u64;
+            let mut acked = 0u64;
             let mut sum = 0u64;
             let mut slots: Vec<Option<Bytes>> = vec![None; BURST];
             let mut lslots: Vec<Option<C::Lent>> = (0..BURST).map(|_| None).collect();
             let mut end = false;
             while !end {
+                if ack && count - acked >= UDP_WINDOW as u64 {
+                    acked = count;
+                    c.send_one(Bytes::from_static(b"a")).await?;
+                }
                 let mut seen = |m: &[u8]| {
                     if m.is_empty() {
                         end = true;
@@ -356,14 +367,21 @@ async fn lent_pings<C: Lending>(c: &C, msgs: usize, size: usize) -> Result<(f64,
 }
 
 /// Streams for [`TPUT_MILLIS`]; returns (messages/s the receiver got, both ends' counters).
-async fn stream<C: Lending>(c: &C, size: usize, lent: bool) -> Result<(f64, LendStats)> {
+async fn stream<C: Lending>(
+    c: &C,
+    size: usize,
+    lent: bool,
+    window: Option<usize>,
+) -> Result<(f64, LendStats)> {
+    let burst_len = window.unwrap_or(BURST);
     let mut bm = BytesMut::with_capacity(2 * BURST * size);
     let mut burst: Vec<Bytes> = Vec::with_capacity(BURST);
     let mut bufs = Vec::with_capacity(BURST);
     let start = Instant::now();
     let deadline = start + Duration::from_millis(TPUT_MILLIS);
+    let mut ack: Vec<Option<Bytes>> = vec![None];
     while Instant::now() < deadline {
-        for i in 0..BURST {
+        for i in 0..burst_len {
             let v = (i as u8) | 1;
             if lent && let Some(mut b) = c.lend(size) {
                 b.as_mut().fill(v);
@@ -378,6 +396,9 @@ async fn stream<C: Lending>(c: &C, size: usize, lent: bool) -> Result<(f64, Lend
         }
         if !burst.is_empty() {
             c.send(burst.drain(..)).await?;
+        }
+        if window.is_some() {
+            let _ = tokio::time::timeout(Duration::from_millis(20), c.recv(&mut ack)).await;
         }
     }
     // The end marker, again until answered (a datagram may be dropped).
@@ -407,8 +428,15 @@ async fn stream<C: Lending>(c: &C, size: usize, lent: bool) -> Result<(f64, Lend
 
 #[derive(Clone, Copy, Debug)]
 enum Job {
-    Pings { msgs: usize, size: usize },
-    Stream { size: usize, lent: bool },
+    Pings {
+        msgs: usize,
+        size: usize,
+    },
+    Stream {
+        size: usize,
+        lent: bool,
+        window: Option<usize>,
+    },
 }
 
 enum Out {
@@ -422,8 +450,8 @@ async fn job<C: Lending>(c: &C, j: Job) -> Result<Out> {
             let (a, b) = lent_pings(c, msgs, size).await?;
             Out::Latency(a, b)
         }
-        Job::Stream { size, lent } => {
-            let (a, b) = stream(c, size, lent).await?;
+        Job::Stream { size, lent, window } => {
+            let (a, b) = stream(c, size, lent, window).await?;
             Out::Throughput(a, b)
         }
     })
@@ -450,7 +478,13 @@ fn latency(t: Tech, msgs: usize, size: usize) -> Result<(f64, f64)> {
 }
 
 fn throughput(t: Tech, size: usize, lent: bool) -> Result<(f64, LendStats)> {
-    match run_job(t, Serve::Count { lent }, Job::Stream { size, lent })? {
+    let ack = t == Tech::Uring;
+    let window = ack.then_some(UDP_WINDOW);
+    match run_job(
+        t,
+        Serve::Count { lent, ack },
+        Job::Stream { size, lent, window },
+    )? {
         Out::Throughput(a, b) => Ok((a, b)),
         Out::Latency(..) => bail!("unexpected result"),
     }
