@@ -102,7 +102,10 @@
 //! it. Neither copies nor allocates per message. Held payloads do not stop the ring: a lent
 //! record becomes a hole the sender steps over (see `ring.rs`), and past [`RX_HOLES`] held
 //! records or half the ring held, `recv_lent` copies instead (counted in
-//! [`LendStats`](chunnel::LendStats)), so the sender always has room. `lend` returns `None`
+//! [`LendStats`](chunnel::LendStats)), so the sender always has room in total. One limit:
+//! the room must be contiguous for a message, so payloads held long and scattered over the
+//! ring (up to 56 of them) can leave no gap as large as a big message; its sender then waits
+//! until one is dropped (small messages, and the tests' patterns, keep flowing). `lend` returns `None`
 //! when the ring has no room or [`LEND_WINDOW`] buffers are out (send the `Bytes` then);
 //! messages leave in the order they were lent or sent, so a buffer lent and not yet emitted
 //! holds back later ones. A payload keeps the mapping alive: it stays readable after the
