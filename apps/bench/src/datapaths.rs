@@ -23,6 +23,10 @@
 //!   when AF_XDP cannot run here (not root, no XDP program...) unless `CHUNNEL_XDP_REQUIRE`
 //!   is set; `--no-xdp` skips it. `chunnel-bench xdp` runs it alone.
 //!
+//! * lent buffers: `crate::lent::measure` (lent vs copying throughput at 1460 B and 8 KiB for
+//!   shared memory and io_uring, and the lent echo's p50 against the raw technology at the same
+//!   size; `--reps` interleaved repetitions); `--no-lent` skips it.
+//!
 //! Figure 7: the negotiated shared-memory connection with 0, 1, 3, 5 `Noop` layers stacked on
 //! it at both ends (`stack![Noop, .., Noop].connect_wrap(negotiated)`), at 64, 128, 512 and
 //! 1460 B; p50/p99 and the p50 ratio to 0 layers per repetition; 64 B also throughput.
@@ -72,6 +76,9 @@ pub(crate) struct Args {
     /// Skip the AF_XDP datapath (needs root; see `chunnel-bench xdp`).
     #[arg(long)]
     no_xdp: bool,
+    /// Skip the lent-buffer variants (see `chunnel-bench lent`).
+    #[arg(long)]
+    no_lent: bool,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -260,6 +267,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
                   library throughput is the Figure 7 0-layer 64 B run",
     });
 
+    // Lent buffers vs the copying path (shared memory, io_uring; 1460 B and 8 KiB).
+    let lent = if a.no_lent {
+        json!({ "skipped": "--no-lent" })
+    } else {
+        crate::lent::measure(a.msgs, a.reps, !a.no_uring)?
+    };
+
     let bar = |v: &Value| v["meets_bar"].as_bool();
     let shm_vs_raw_udp = med(&udp[0].iter().map(|s| s.p50_us).collect::<Vec<_>>()) / shm_lib_p50;
     let all_meet = [
@@ -284,6 +298,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "shm_p50_ratio_udp_over_shm": udp_over_shm,
         "shm_p50_ratio_raw_tokio_udp_over_shm": shm_vs_raw_udp,
         "shm_at_least_5x_lower_p50_than_udp": udp_over_shm >= 5.0,
+        "lent_p50_meets_bar": lent["all_lent_p50_meet_bar"].as_bool(),
     });
     eprintln!("\nchecks: {checks}");
     let mut out = run_header("datapaths", a.msgs, a.reps);
@@ -299,6 +314,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 "shared_memory": shared_memory,
                 "af_xdp": af_xdp,
             },
+            "lent": lent,
             "figure7": {
                 "datapath": "shared memory (chunnel-shm negotiated, busy-poll) + N Noop layers at both ends",
                 "layers": LAYERS,

@@ -8,6 +8,8 @@ use serde_json::Value;
 use super::super::Figure;
 use super::{Section, Spread, spread, thousands};
 
+mod lent;
+
 pub(super) fn render(f: &Figure, env: &Value) -> Section {
     let r = &env["result"];
     let mut s = Section::default();
@@ -923,6 +925,7 @@ fn datapaths(r: &Value, s: &mut Section) {
             rate(med(spread(&x["library"]["msgs_per_s_64b"]))),
         );
     }
+    lent::lent(r, s);
     let shm = spread(&d["shared_memory"]["p50_ratio_udp_over_shm"]);
     let all = r["checks"]["all_measured_datapaths_meet_bar"].as_bool();
     s.part(
