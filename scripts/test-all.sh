@@ -21,6 +21,10 @@ command -v protoc >/dev/null 2>&1 || need_pkgs+=(protobuf-compiler)
 command -v clang >/dev/null 2>&1 || need_pkgs+=(clang)
 command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
 command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)  # chunnel-secure's interop tests
+# chunnelctl's tests drive it in a real terminal (a detached tmux session, capture-pane);
+# its permission test runs it as nobody with setpriv (util-linux, always installed).
+command -v tmux >/dev/null 2>&1 || need_pkgs+=(tmux)
+command -v promtool >/dev/null 2>&1 || need_pkgs+=(prometheus)  # chunnel-metrics' scrape test: promtool check metrics
 # chunnel-pubsub's tests and `chunnel-bench pubsub` start nats-server (JetStream) and Kafka 4.1
 # (jars from Maven Central through scripts/kafka/fetch.sh, cached under ~/.cache/chunnel).
 command -v nats-server >/dev/null 2>&1 || need_pkgs+=(nats-server)
@@ -50,7 +54,7 @@ for src in crates/*/src; do python3 scripts/module-cycles.py "$src" > /dev/null 
 export CHUNNEL_XDP_REQUIRE=1
 
 # Optional backends that need servers or build tools are features; the suite enables them all.
-FEATURES="chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report,chunnel-pubsub/kafka,chunnel-pubsub/nats,chunnel-pubsub/redis,chunnel-bench/pubsub"
+FEATURES="chunnel-metrics/prometheus,chunnel-negotiate/metrics,chunnel-negotiate/tracing,chunnel-std/metrics,chunnel-net/metrics,chunnel-discovery/shm,chunnel-discovery/uring,chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report,chunnel-pubsub/kafka,chunnel-pubsub/nats,chunnel-pubsub/redis,chunnel-bench/pubsub"
 
 log "Kafka 4.1 jars for the pub/sub tests (Maven Central, cached)"
 ./scripts/kafka/fetch.sh
@@ -192,6 +196,10 @@ assert len(d["figure7"]["results"]) == 16, d["figure7"]
 x = d["datapaths"]["af_xdp"]
 assert x["library"]["rtt_p50_us"]["median"] > 0 and x["raw"]["rtt_p50_us"]["median"] > 0, x
 assert d["checks"]["af_xdp_all_requests_redirected"], d["checks"]
+# AF_XDP at both ends: requests redirected at the server, echoes at the client.
+b = x["both_ends"]
+assert b["library"]["rtt_p50_us"]["median"] > 0 and b["raw"]["rtt_p50_us"]["median"] > 0, b
+assert d["checks"]["af_xdp_both_ends_all_redirected"], d["checks"]
 print("bench JSON ok:", d["checks"])'
 
 log "all tests passed"

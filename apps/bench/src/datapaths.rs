@@ -17,9 +17,15 @@
 //! * AF_XDP: `crate::xdp::measure` (a kernel UDP client in one network namespace, the
 //!   `raw_tokio` client loop below, against an AF_XDP server across a veth pair in another:
 //!   a hand-written echo on `chunnel_xdp::raw` vs the `chunnel_xdp::AfXdpUdp` listener;
-//!   `--reps` interleaved repetitions; XDP program counters per run). Recorded as `skipped`
+//!   `--reps` interleaved repetitions; XDP program counters per run; and AF_XDP at both ends,
+//!   `AfXdpConnect` against the listener vs a raw client loop against the raw echo, in
+//!   `af_xdp.both_ends`, both ends' counters per run). Recorded as `skipped`
 //!   when AF_XDP cannot run here (not root, no XDP program...) unless `CHUNNEL_XDP_REQUIRE`
 //!   is set; `--no-xdp` skips it. `chunnel-bench xdp` runs it alone.
+//!
+//! * lent buffers: `crate::lent::measure` (lent vs copying throughput at 1460 B and 8 KiB for
+//!   shared memory and io_uring, and the lent echo's p50 against the raw technology at the same
+//!   size; `--reps` interleaved repetitions); `--no-lent` skips it.
 //!
 //! Figure 7: the negotiated shared-memory connection with 0, 1, 3, 5 `Noop` layers stacked on
 //! it at both ends (`stack![Noop, .., Noop].connect_wrap(negotiated)`), at 64, 128, 512 and
@@ -70,6 +76,9 @@ pub(crate) struct Args {
     /// Skip the AF_XDP datapath (needs root; see `chunnel-bench xdp`).
     #[arg(long)]
     no_xdp: bool,
+    /// Skip the lent-buffer variants (see `chunnel-bench lent`).
+    #[arg(long)]
+    no_lent: bool,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -258,6 +267,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
                   library throughput is the Figure 7 0-layer 64 B run",
     });
 
+    // Lent buffers vs the copying path (shared memory, io_uring; 1460 B and 8 KiB).
+    let lent = if a.no_lent {
+        json!({ "skipped": "--no-lent" })
+    } else {
+        crate::lent::measure(a.msgs, a.reps, !a.no_uring)?
+    };
+
     let bar = |v: &Value| v["meets_bar"].as_bool();
     let shm_vs_raw_udp = med(&udp[0].iter().map(|s| s.p50_us).collect::<Vec<_>>()) / shm_lib_p50;
     let all_meet = [
@@ -265,6 +281,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         bar(&io_uring),
         bar(&shared_memory),
         bar(&af_xdp),
+        bar(&af_xdp["both_ends"]),
     ]
     .iter()
     .flatten()
@@ -275,10 +292,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "shm_lib_meets_bar": bar(&shared_memory),
         "af_xdp_lib_meets_bar": bar(&af_xdp),
         "af_xdp_all_requests_redirected": af_xdp["all_requests_redirected"].as_bool(),
+        "af_xdp_both_ends_lib_meets_bar": af_xdp["both_ends"]["meets_bar"].as_bool(),
+        "af_xdp_both_ends_all_redirected": af_xdp["both_ends"]["all_redirected_both_directions"].as_bool(),
         "all_measured_datapaths_meet_bar": all_meet,
         "shm_p50_ratio_udp_over_shm": udp_over_shm,
         "shm_p50_ratio_raw_tokio_udp_over_shm": shm_vs_raw_udp,
         "shm_at_least_5x_lower_p50_than_udp": udp_over_shm >= 5.0,
+        "lent_p50_meets_bar": lent["all_lent_p50_meet_bar"].as_bool(),
     });
     eprintln!("\nchecks: {checks}");
     let mut out = run_header("datapaths", a.msgs, a.reps);
@@ -294,6 +314,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 "shared_memory": shared_memory,
                 "af_xdp": af_xdp,
             },
+            "lent": lent,
             "figure7": {
                 "datapath": "shared memory (chunnel-shm negotiated, busy-poll) + N Noop layers at both ends",
                 "layers": LAYERS,
@@ -383,7 +404,7 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn summarize(mut ns: Vec<u64>, msgs_per_s: f64) -> Sample {
+pub(crate) fn summarize(mut ns: Vec<u64>, msgs_per_s: f64) -> Sample {
     ns.sort_unstable();
     let us: Vec<f64> = ns.iter().map(|&n| n as f64 / 1000.0).collect();
     Sample {
@@ -618,7 +639,7 @@ async fn recv_exact<C: ChunnelConnection<Data = Bytes>>(
 
 /// Warm-up, `msgs` timed round trips of `size` bytes, optionally 64 B throughput, then the
 /// end message.
-async fn ping<C: ChunnelConnection<Data = Bytes>>(
+pub(crate) async fn ping<C: ChunnelConnection<Data = Bytes>>(
     conn: &C,
     msgs: usize,
     size: usize,

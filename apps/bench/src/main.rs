@@ -13,6 +13,7 @@
 mod alloc;
 mod datapaths;
 mod kv;
+mod lent;
 mod negotiate;
 mod negotiate_flood;
 mod overhead;
@@ -63,6 +64,9 @@ enum Cmd {
     Uring(uring::Args),
     /// Every datapath through the library vs its raw baseline, and Figure 7 on shared memory.
     Datapaths(datapaths::Args),
+    /// Lent (zero-copy) buffers vs the copying path, shared memory and io_uring, 1460 B and
+    /// 8 KiB (as in `datapaths`).
+    Lent(lent::Args),
     /// AF_XDP alone (as in `datapaths`): kernel UDP client vs raw and library AF_XDP echo.
     Xdp(xdp::Args),
     /// TLS over TCP and QUIC: chunnel-secure vs tokio-rustls and quinn used directly.
@@ -90,6 +94,7 @@ fn main() -> Result<()> {
         Cmd::Shm(a) => shm::run(a),
         Cmd::Uring(a) => uring::run(a),
         Cmd::Datapaths(a) => datapaths::run(a),
+        Cmd::Lent(a) => lent::run(a),
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
         Cmd::Pubsub(a) => pubsub::run(a),

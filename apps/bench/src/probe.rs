@@ -11,7 +11,8 @@ use std::net::UdpSocket as StdUdp;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use chunnel::{Chunnel, ChunnelConnection, Identity, Noop, stack};
+use chunnel::{Chunnel, ChunnelConnection, Identity, Layered, Noop, stack};
+use chunnel_metrics::Metered;
 use chunnel_net::udp;
 use serde_json::json;
 
@@ -29,6 +30,10 @@ pub(crate) struct Args {
     /// Message size in bytes.
     #[arg(long, default_value_t = 64)]
     size: usize,
+    /// A `Metered` layer instead of the no-op ones (with `--layers 0`): its handles with no
+    /// recorder (`noop`) or in a Prometheus recorder (`prometheus`).
+    #[arg(long)]
+    metered: Option<String>,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -39,6 +44,16 @@ pub(crate) fn run(a: Args) -> Result<()> {
         let reflector = StdUdp::bind("127.0.0.1:0")?;
         let addr = reflector.local_addr()?;
         let base = udp::Connect::new(addr);
+        if let Some(mode) = &a.metered {
+            anyhow::ensure!(a.layers == 0, "--metered goes with --layers 0");
+            let m = Metered::new("probe").layer("udp");
+            let m = match mode.as_str() {
+                "noop" => m,
+                "prometheus" => m.with_recorder(chunnel_metrics::prometheus::recorder().0),
+                other => anyhow::bail!("--metered must be noop or prometheus, not {other}"),
+            };
+            return drive(stack![Layered(m), base], &reflector, &a).await;
+        }
         match a.layers {
             0 => drive(stack![Identity, base], &reflector, &a).await,
             1 => drive(stack![Noop, base], &reflector, &a).await,

@@ -118,10 +118,15 @@ impl Mode {
 struct Run {
     p50_us: f64,
     p99_us: f64,
+    /// p99 over the messages handed over in time.
+    p99_on_time_us: f64,
     max_us: f64,
     sent: u64,
     lost: u64,
     missed: u64,
+    /// Periodic messages the producer handed over more than a window after it meant to
+    /// (with the shaper: after its window closed, so it waits a cycle).
+    late: u64,
     bulk_mbps: f64,
 }
 
@@ -144,15 +149,17 @@ fn measure(a: &Args) -> Result<Value> {
         for (i, &m) in MODES.iter().enumerate() {
             let r = one(a, m).with_context(|| format!("{} rep {rep}", m.name()))?;
             eprintln!(
-                "rep {rep} {:>10}: one-way p50 {:>8.1} us  p99 {:>8.1} us  max {:>8.1} us  \
-                 lost {}/{} (missed {})  bulk {:>7.1} Mbit/s",
+                "rep {rep} {:>10}: one-way p50 {:>8.1} us  p99 {:>8.1} us (on time {:>8.1})  max {:>8.1} us  \
+                 lost {}/{} (missed {}, late {})  bulk {:>7.1} Mbit/s",
                 m.name(),
                 r.p50_us,
                 r.p99_us,
+                r.p99_on_time_us,
                 r.max_us,
                 r.lost,
                 r.sent,
                 r.missed,
+                r.late,
                 r.bulk_mbps
             );
             figs[i].push(r);
@@ -167,10 +174,12 @@ fn measure(a: &Args) -> Result<Value> {
             json!({
                 "one_way_p50_us": spread(&col(i, |r| r.p50_us)),
                 "one_way_p99_us": spread(&col(i, |r| r.p99_us)),
+                "one_way_p99_on_time_us": spread(&col(i, |r| r.p99_on_time_us)),
                 "one_way_max_us": spread(&col(i, |r| r.max_us)),
                 "periodic_sent": figs[i].iter().map(|r| r.sent).sum::<u64>(),
                 "periodic_lost": figs[i].iter().map(|r| r.lost).sum::<u64>(),
                 "periodic_missed_by_sender": figs[i].iter().map(|r| r.missed).sum::<u64>(),
+                "periodic_handed_over_late": figs[i].iter().map(|r| r.late).sum::<u64>(),
                 "bulk_mbps": spread(&col(i, |r| r.bulk_mbps)),
             }),
         );
@@ -233,6 +242,8 @@ fn pin(cpu: usize) {
 /// What the receiver learned.
 struct Received {
     latencies_ns: Vec<u64>,
+    /// The same for the messages the producer handed over in time.
+    on_time_ns: Vec<u64>,
     periodic: u64,
     bulk_bytes: u64,
     window: Duration,
@@ -262,6 +273,7 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
         let mut buf = vec![0u8; 2048];
         let mut r = Received {
             latencies_ns: Vec::new(),
+            on_time_ns: Vec::new(),
             periodic: 0,
             bulk_bytes: 0,
             window: Duration::ZERO,
@@ -270,10 +282,13 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
         let mut last_bulk = Instant::now();
         loop {
             match recv_stamped(&sock, &mut buf) {
-                Ok((n, kernel)) if n >= 13 && buf[0] == 0 => {
+                Ok((n, kernel)) if n >= 14 && buf[0] == 0 => {
                     let arrived = kernel.unwrap_or_else(realtime_ns);
                     let stamp = u64::from_be_bytes(buf[5..13].try_into().unwrap_or([0; 8]));
                     r.latencies_ns.push(arrived.saturating_sub(stamp));
+                    if buf[13] == 0 {
+                        r.on_time_ns.push(arrived.saturating_sub(stamp));
+                    }
                     r.periodic += 1;
                 }
                 Ok((n, _)) => {
@@ -292,7 +307,7 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
         r
     });
     let count = (a.secs * 1000.0).round() as u64;
-    let sent = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let sent = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
     let sent_tx = Arc::clone(&sent);
     let args = a.clone();
     let sender = std::thread::spawn(move || -> Result<()> {
@@ -311,9 +326,10 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
         .join()
         .map_err(|_| anyhow::anyhow!("receiver panicked"))?;
     r?;
-    let (sent, missed) = (
+    let (sent, missed, late) = (
         sent[0].load(Ordering::Relaxed),
         sent[1].load(Ordering::Relaxed),
+        sent[2].load(Ordering::Relaxed),
     );
     let mut us: Vec<f64> = got.latencies_ns.iter().map(|&n| n as f64 / 1e3).collect();
     us.sort_by(f64::total_cmp);
@@ -324,10 +340,20 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
     Ok(Run {
         p50_us: quantile(&us, 0.5),
         p99_us: quantile(&us, 0.99),
+        p99_on_time_us: {
+            let mut v: Vec<f64> = got.on_time_ns.iter().map(|&n| n as f64 / 1e3).collect();
+            v.sort_by(f64::total_cmp);
+            if v.is_empty() {
+                f64::NAN
+            } else {
+                quantile(&v, 0.99)
+            }
+        },
         max_us: us.last().copied().unwrap_or(f64::NAN),
         sent,
         lost: sent.saturating_sub(got.periodic),
         missed,
+        late,
         bulk_mbps: if secs > 0.0 {
             got.bulk_bytes as f64 * 8.0 / secs / 1e6
         } else {
@@ -341,7 +367,7 @@ async fn send_side(
     mode: Mode,
     addr: std::net::SocketAddr,
     count: u64,
-    sent: Arc<[AtomicU64; 2]>,
+    sent: Arc<[AtomicU64; 3]>,
 ) -> Result<()> {
     let base = Instant::now() + Duration::from_millis(5);
     let window = Duration::from_micros(a.window_us);
@@ -383,6 +409,7 @@ async fn send_side(
             Duration::from_micros(a.phase_us),
             Duration::from_micros(a.lead_us),
         );
+        let window = Duration::from_micros(a.window_us);
         std::thread::spawn(move || -> Result<()> {
             pin(SENDER_CPU);
             // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects this thread.
@@ -412,6 +439,11 @@ async fn send_side(
                     buf[1..5].copy_from_slice(&(k as u32).to_be_bytes());
                     // The scheduled transmission time, on the realtime clock.
                     let (real, mono) = (realtime_ns(), Instant::now());
+                    let late = mono > scheduled.max(target) + window;
+                    if late {
+                        sent[2].fetch_add(1, Ordering::Relaxed);
+                    }
+                    buf[13] = u8::from(late);
                     let stamp = if scheduled >= mono {
                         real + (scheduled - mono).as_nanos() as u64
                     } else {

@@ -297,7 +297,8 @@ impl RawRing {
     }
 }
 
-fn raw_ring(msgs: usize, size: usize) -> Result<Vec<u64>> {
+/// Round trips (ns) over the raw ring (also `lent.rs`'s baseline).
+pub(crate) fn raw_ring(msgs: usize, size: usize) -> Result<Vec<u64>> {
     const SLOTS: u64 = 64;
     let slot = (8 + size).div_ceil(64) * 64;
     let ring_len = RawRing::DATA + SLOTS as usize * slot;

@@ -193,6 +193,12 @@ fn measure_reps(msgs: usize, size: usize, reps: usize) -> Result<Value> {
     }))
 }
 
+/// The raw io_uring echo's p50 (µs) at `size` (`lent.rs`'s baseline).
+pub(crate) fn raw_p50(msgs: usize, size: usize) -> Result<f64> {
+    let (c, s) = cpus();
+    Ok(run_variant(Variant::RawUring, msgs, size, c, s)?.p50_us)
+}
+
 fn udp_max() -> usize {
     chunnel_uring::udp::MAX_PAYLOAD
 }

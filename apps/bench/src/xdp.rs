@@ -1,6 +1,7 @@
 //! The AF_XDP datapath of `chunnel-bench datapaths` (also runnable alone: `chunnel-bench
 //! xdp`): echo round trips from a kernel UDP client to an AF_XDP server, through the library
-//! vs a hand-written echo loop on the same socket code.
+//! vs a hand-written echo loop on the same socket code; and AF_XDP at both ends, the library's
+//! client and server vs a hand-written client loop against the hand-written echo.
 //!
 //! Topology: two fresh network namespaces joined by a single-queue veth pair
 //! (`chunnel_test::netns::VethPair`, as `crates/chunnel-xdp/tests/netns.rs`): `xa`
@@ -19,8 +20,17 @@
 //! * `af_xdp_lib` (namespace B, CPU 1): `chunnel_xdp::AfXdpUdp::listen` in a current-thread
 //!   tokio runtime, `accept`, then the shared `echo_until_empty` loop.
 //!
-//! The two variants are interleaved per repetition. Each run loads the program afresh, so its
-//! counters (redirected frames in particular) are that run's alone.
+//! * `raw_af_xdp_pair` (`both_ends` in the JSON): AF_XDP at both ends without the library.
+//!   Client (namespace A, CPU 0): `chunnel_xdp::raw::client_path` (the library's route and
+//!   neighbour lookup) and a `raw::Socket` on `xa` steering its port, the same round trips,
+//!   bursts and end message as the kernel client, each frame built into a TX chunk, one
+//!   `sendto` kick, `poll(POLLIN)` when the RX ring is empty; server: `raw_af_xdp`.
+//! * `af_xdp_lib_pair`: `chunnel_xdp::AfXdpConnect` (the shared `ping` loop of the other
+//!   datapaths, current-thread tokio) against the `af_xdp_lib` server.
+//!
+//! The four variants are interleaved per repetition. Each run loads the programs afresh, so
+//! their counters (redirected frames in particular) are that run's alone; with AF_XDP at both
+//! ends the client's program counts the echoes it redirected, the server's the requests.
 //!
 //! If AF_XDP cannot run here (not root, no `ip`, the program not built, the kernel refusing),
 //! the result is `{"skipped": reason}`, unless `CHUNNEL_XDP_REQUIRE` is set (as CI does):
@@ -31,14 +41,14 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail, ensure};
-use chunnel::{Listen as _, Listener as _, Negotiate};
+use chunnel::{Chunnel as _, Listen as _, Listener as _, Negotiate};
 use chunnel_test::netns::{self, VethPair};
-use chunnel_xdp::{AfXdpUdp, Config, Counters, raw};
+use chunnel_xdp::{AfXdpConnect, AfXdpUdp, Config, Counters, raw};
 use serde_json::{Value, json};
 
 use crate::datapaths::{
-    Sample, TPUT_SIZE, WARMUP, compare, echo_until_empty, merge, pair, raw_tokio_client,
-    run_header, runtime, side_stats,
+    BURST, Sample, TPUT_MILLIS, TPUT_SIZE, WARMUP, compare, echo_until_empty, merge, pair, ping,
+    raw_tokio_client, run_header, runtime, side_stats,
 };
 use crate::stats::spread;
 
@@ -71,6 +81,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let checks = json!({
         "af_xdp_lib_meets_bar": af_xdp["meets_bar"].as_bool(),
         "af_xdp_all_requests_redirected": af_xdp["all_requests_redirected"].as_bool(),
+        "af_xdp_both_ends_lib_meets_bar": af_xdp["both_ends"]["meets_bar"].as_bool(),
+        "af_xdp_both_ends_all_redirected": af_xdp["both_ends"]["all_redirected_both_directions"].as_bool(),
     });
     eprintln!("\nchecks: {checks}");
     let mut out = run_header("xdp", a.msgs, a.reps);
@@ -103,8 +115,14 @@ fn skip(why: String) -> Result<Value> {
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Variant {
+    /// Kernel UDP client, raw echo loop.
     Raw,
+    /// Kernel UDP client, the library's listener.
     Lib,
+    /// Raw client loop, raw echo loop: AF_XDP at both ends.
+    RawPair,
+    /// The library's client and listener.
+    LibPair,
 }
 
 impl Variant {
@@ -112,6 +130,8 @@ impl Variant {
         match self {
             Variant::Raw => "raw_af_xdp",
             Variant::Lib => "af_xdp_lib",
+            Variant::RawPair => "raw_af_xdp_pair",
+            Variant::LibPair => "af_xdp_lib_pair",
         }
     }
 }
@@ -121,16 +141,20 @@ impl Variant {
 struct Report {
     counters: Counters,
     attach_mode: &'static str,
-    /// Datagrams echoed (raw) or delivered to connections (library).
+    /// Datagrams echoed (raw) or delivered to connections (library); at a client, echoes
+    /// received.
     echoed: u64,
     /// Frames that were not a datagram for us (dropped).
     malformed: u64,
     tx_kicks: u64,
     /// The kernel's drop counts (rx_dropped, rx_ring_full, fill_ring_empty).
     kernel: (u64, u64, u64),
-    /// The server thread's CPU time (user + system) from ready to the end message.
+    /// The thread's CPU time (user + system) from ready to the end message.
     cpu_ns: u64,
 }
+
+/// One run: the client's sample, the server's report, and the client's when it is AF_XDP.
+type Run = (Sample, Report, Option<Report>);
 
 /// The calling thread's CPU time (user + system) in nanoseconds.
 fn thread_cpu_ns() -> u64 {
@@ -180,13 +204,18 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
         ns.a, ns.b
     );
 
-    let variants = [Variant::Raw, Variant::Lib];
-    let mut res: Vec<Vec<(Sample, Report)>> = vec![Vec::new(); variants.len()];
+    let variants = [
+        Variant::Raw,
+        Variant::Lib,
+        Variant::RawPair,
+        Variant::LibPair,
+    ];
+    let mut res: Vec<Vec<Run>> = vec![Vec::new(); variants.len()];
     for rep in 0..reps {
         for (i, &v) in variants.iter().enumerate() {
             // A failure here (the program cannot be attached, no echo...) is reported like
             // an unavailable datapath: an error under CHUNNEL_XDP_REQUIRE, `skipped` otherwise.
-            let (s, r) = match run_once(v, &ns, msgs) {
+            let (s, r, c) = match run_once(v, &ns, msgs) {
                 Ok(x) => x,
                 Err(e) => {
                     drop(ns);
@@ -195,7 +224,7 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
             };
             eprintln!(
                 "rep {rep} af_xdp {:<10} 64 B: p50 {:>7.2} us  p99 {:>7.2} us  {:>9.0} msg/s  \
-                 ({} mode; redirected {}, passed {}, echoed {}, kicks {}, server cpu {:.0} ns/echo)",
+                 ({} mode; redirected {}, passed {}, echoed {}, kicks {}, server cpu {:.0} ns/echo{})",
                 v.name(),
                 s.p50_us,
                 s.p99_us,
@@ -206,28 +235,36 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
                 r.echoed,
                 r.tx_kicks,
                 cpu_per_echo(&r),
+                c.map(|c| format!(
+                    "; client redirected {}, passed {}, cpu {:.0} ns/echo",
+                    c.counters.redirected,
+                    c.counters.passed,
+                    cpu_per_echo(&c)
+                ))
+                .unwrap_or_default(),
             );
-            res[i].push((s, r));
+            res[i].push((s, r, c));
         }
     }
     drop(ns);
 
     let samples: Vec<Vec<Sample>> = res
         .iter()
-        .map(|r| r.iter().map(|(s, _)| *s).collect())
+        .map(|r| r.iter().map(|(s, _, _)| *s).collect())
         .collect();
     // Every timed and warm-up request, and the end message, went through the socket (the
     // throughput phase adds more).
     let expected = (WARMUP + msgs + 1) as u64;
-    let all_redirected = res
+    let all_redirected = res[..2]
         .iter()
         .flatten()
-        .all(|(_, r)| r.counters.redirected >= expected);
-    let side = |i: usize, what: &str| {
-        let runs: Vec<Value> = res[i]
-            .iter()
-            .map(|(_, r)| {
-                json!({
+        .all(|(_, r, _)| r.counters.redirected >= expected);
+    // Both ends: the requests at the server, the echoes at the client.
+    let both_redirected = res[2..].iter().flatten().all(|(_, r, c)| {
+        r.counters.redirected >= expected && c.is_some_and(|c| c.counters.redirected >= expected)
+    });
+    let run_json = |r: &Report, cpu_key: &str| {
+        let mut v = json!({
                     "attach_mode": r.attach_mode,
                     "xdp_rx_total": r.counters.rx_total,
                     "xdp_redirected": r.counters.redirected,
@@ -239,19 +276,35 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
                     "kernel_rx_dropped": r.kernel.0,
                     "kernel_rx_ring_full": r.kernel.1,
                     "kernel_fill_ring_empty": r.kernel.2,
-                    "server_cpu_ns_per_echo": cpu_per_echo(r),
-                })
-            })
+        });
+        v[cpu_key] = json!(cpu_per_echo(r));
+        v
+    };
+    let side = |i: usize, what: &str| {
+        let runs: Vec<Value> = res[i]
+            .iter()
+            .map(|(_, r, _)| run_json(r, "server_cpu_ns_per_echo"))
             .collect();
         let mut v = side_stats(&samples[i], what);
         merge(
             &mut v,
             json!({
-            "xdp_redirected": spread(&res[i].iter().map(|(_, r)| r.counters.redirected as f64).collect::<Vec<_>>()),
-            "server_cpu_ns_per_echo": spread(&res[i].iter().map(|(_, r)| cpu_per_echo(r)).collect::<Vec<_>>()),
+            "xdp_redirected": spread(&res[i].iter().map(|(_, r, _)| r.counters.redirected as f64).collect::<Vec<_>>()),
+            "server_cpu_ns_per_echo": spread(&res[i].iter().map(|(_, r, _)| cpu_per_echo(r)).collect::<Vec<_>>()),
             "runs": runs,
             }),
         );
+        let clients: Vec<&Report> = res[i].iter().filter_map(|(_, _, c)| c.as_ref()).collect();
+        if !clients.is_empty() {
+            merge(
+                &mut v,
+                json!({
+                "client_xdp_redirected": spread(&clients.iter().map(|c| c.counters.redirected as f64).collect::<Vec<_>>()),
+                "client_cpu_ns_per_echo": spread(&clients.iter().map(|c| cpu_per_echo(c)).collect::<Vec<_>>()),
+                "client_runs": clients.iter().map(|c| run_json(c, "client_cpu_ns_per_echo")).collect::<Vec<_>>(),
+                }),
+            );
+        }
         v
     };
     let mut out = json!({
@@ -267,6 +320,18 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
         "reps": reps,
     });
     merge(&mut out, compare(&samples[0], &samples[1]));
+    let mut both = json!({
+        "raw": side(2, "raw_af_xdp_pair: chunnel_xdp::raw client loop (poll() wait) against the \
+                        raw_af_xdp echo loop, no Chunnel/listener/tokio at either end"),
+        "library": side(3, "af_xdp_lib_pair: chunnel_xdp::AfXdpConnect client (ping loop) against \
+                            the AfXdpUdp listener echo, current-thread tokio at both ends"),
+        "client": format!("AF_XDP on {DEV_A} in namespace A (the route's source address, an \
+                           ephemeral port held by a kernel UDP socket)"),
+        "min_redirected_per_run_expected": expected,
+        "all_redirected_both_directions": both_redirected,
+    });
+    merge(&mut both, compare(&samples[2], &samples[3]));
+    out["both_ends"] = both;
     Ok(out)
 }
 
@@ -281,16 +346,26 @@ fn config() -> Result<Config> {
 }
 
 /// One run of `v`: server in namespace B, client in namespace A.
-fn run_once(v: Variant, ns: &VethPair, msgs: usize) -> Result<(Sample, Report)> {
+fn run_once(v: Variant, ns: &VethPair, msgs: usize) -> Result<Run> {
     let (report_tx, report_rx) = mpsc::sync_channel(1);
+    let (client_tx, client_rx) = mpsc::sync_channel(1);
     let (nsa, nsb) = (ns.a.clone(), ns.b.clone());
-    let client = move |addr: SocketAddr| {
+    let kernel_client = move |addr: SocketAddr| {
         netns::enter(&nsa)?;
         raw_tokio_client(addr, msgs, TPUT_SIZE)
     };
+    let nsa = ns.a.clone();
     let sample = match v {
-        Variant::Raw => pair(move |tx| raw_server(&nsb, tx, report_tx), client)?,
-        Variant::Lib => pair(move |tx| lib_server(&nsb, tx, report_tx), client)?,
+        Variant::Raw => pair(move |tx| raw_server(&nsb, tx, report_tx), kernel_client)?,
+        Variant::Lib => pair(move |tx| lib_server(&nsb, tx, report_tx), kernel_client)?,
+        Variant::RawPair => pair(
+            move |tx| raw_server(&nsb, tx, report_tx),
+            move |_| raw_client(&nsa, msgs, client_tx),
+        )?,
+        Variant::LibPair => pair(
+            move |tx| lib_server(&nsb, tx, report_tx),
+            move |_| lib_client(&nsa, msgs, client_tx),
+        )?,
     };
     let report = report_rx
         .recv_timeout(Duration::from_secs(5))
@@ -299,7 +374,181 @@ fn run_once(v: Variant, ns: &VethPair, msgs: usize) -> Result<(Sample, Report)> 
         report.counters.redirected > 0,
         "no frame went through the AF_XDP socket: {report:?}"
     );
-    Ok((sample, report))
+    let client = match v {
+        Variant::Raw | Variant::Lib => None,
+        Variant::RawPair | Variant::LibPair => {
+            let c = client_rx
+                .recv_timeout(Duration::from_secs(5))
+                .map_err(|_| anyhow!("the client sent no report"))?;
+            ensure!(
+                c.counters.redirected > 0,
+                "no echo went through the client's AF_XDP socket: {c:?}"
+            );
+            Some(c)
+        }
+    };
+    Ok((sample, report, client))
+}
+
+fn client_config() -> Result<Config> {
+    Ok(Config::new(DEV_A, "0.0.0.0:0".parse()?))
+}
+
+/// The hand-written AF_XDP client: the kernel client loop's round trips, bursts and end
+/// message, on a `raw::Socket`; `poll()` when waiting.
+fn raw_client(ns: &str, msgs: usize, report_tx: mpsc::SyncSender<Report>) -> Result<Sample> {
+    netns::enter(ns)?;
+    let mut cfg = client_config()?;
+    let server: SocketAddrV4 = SERVER.parse()?;
+    let (path, _port) = raw::client_path(&cfg, server, Duration::from_secs(1))?;
+    cfg.local = path.local();
+    let mut sock = raw::Socket::open(&cfg)?;
+    let cpu0 = thread_cpu_ns();
+    let mut c = RawClient {
+        sock: &mut sock,
+        path,
+        ip_id: 0,
+        received: 0,
+        malformed: 0,
+    };
+    let msg = [0xabu8; TPUT_SIZE];
+    let mut rtts = Vec::with_capacity(msgs);
+    for i in 0..WARMUP + msgs {
+        let t = Instant::now();
+        c.send(&msg, 1)?;
+        c.recv(1, TPUT_SIZE)?;
+        if i >= WARMUP {
+            rtts.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    let start = Instant::now();
+    let deadline = start + Duration::from_millis(TPUT_MILLIS);
+    let mut done = 0u64;
+    while Instant::now() < deadline {
+        c.send(&msg, BURST)?;
+        c.recv(BURST, TPUT_SIZE)?;
+        done += BURST as u64;
+    }
+    let tput = done as f64 / start.elapsed().as_secs_f64();
+    c.send(&[], 1)?;
+    let _ = c.recv(1, 0);
+    let (received, malformed) = (c.received, c.malformed);
+    let _ = report_tx.send(Report {
+        counters: sock.counters()?,
+        attach_mode: sock.attach_mode(),
+        echoed: received,
+        malformed,
+        tx_kicks: sock.tx_kicks(),
+        kernel: sock.kernel_stats().unwrap_or_default(),
+        cpu_ns: thread_cpu_ns().saturating_sub(cpu0),
+    });
+    Ok(crate::datapaths::summarize(rtts, tput))
+}
+
+struct RawClient<'a> {
+    sock: &'a mut raw::Socket,
+    path: raw::Reply,
+    ip_id: u16,
+    received: u64,
+    malformed: u64,
+}
+
+impl RawClient<'_> {
+    /// Sends `n` copies of `payload`.
+    fn send(&mut self, payload: &[u8], n: usize) -> Result<()> {
+        let mut sent = 0;
+        let mut stuck = 0u32;
+        while sent < n {
+            let (path, ip_id) = (&self.path, &mut self.ip_id);
+            let q = self.sock.send_batch(|buf| {
+                if sent == n {
+                    return None;
+                }
+                let len = raw::build_reply(buf, path, *ip_id, payload)?;
+                *ip_id = ip_id.wrapping_add(1);
+                sent += 1;
+                Some(len)
+            });
+            self.sock.flush_tx();
+            if q == 0 {
+                stuck += 1;
+                ensure!(stuck < 100_000, "TX ring stuck");
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for `n` echoes of `size` bytes from the server (5 s at most).
+    fn recv(&mut self, n: usize, size: usize) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let server = self.path.peer();
+        let mut got = 0;
+        let mut wrong = 0;
+        while got < n {
+            let k = self
+                .sock
+                .recv_batch(n - got, |f| match raw::parse_reply(f) {
+                    Some((r, range)) if r.peer() == server => {
+                        if range.len() == size {
+                            got += 1;
+                        } else {
+                            wrong += 1;
+                        }
+                    }
+                    _ => self.malformed += 1,
+                });
+            if self.sock.fill_needs_wakeup() {
+                self.sock.kick_rx();
+            }
+            ensure!(wrong == 0, "an echo of the wrong size");
+            if k > 0 {
+                continue;
+            }
+            ensure!(Instant::now() < deadline, "no echo for 5 s ({got} of {n})");
+            let mut pfd = libc::pollfd {
+                fd: self.sock.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call; the socket outlives it.
+            let r = unsafe { libc::poll(&mut pfd, 1, 100) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                ensure!(e.kind() == std::io::ErrorKind::Interrupted, "poll: {e}");
+            }
+        }
+        self.received += n as u64;
+        Ok(())
+    }
+}
+
+/// The library's client: `AfXdpConnect`, the shared `ping` loop.
+fn lib_client(ns: &str, msgs: usize, report_tx: mpsc::SyncSender<Report>) -> Result<Sample> {
+    netns::enter(ns)?;
+    runtime()?.block_on(async move {
+        let conn = AfXdpConnect::new(client_config()?, SERVER.parse()?)
+            .connect_wrap(())
+            .await?;
+        let cpu0 = thread_cpu_ns();
+        let sample = ping(&conn, msgs, TPUT_SIZE, true).await?;
+        let cpu_ns = thread_cpu_ns().saturating_sub(cpu0);
+        let stats = conn.stats();
+        let _ = report_tx.send(Report {
+            counters: conn.counters()?,
+            attach_mode: conn.attach_mode(),
+            echoed: stats.delivered,
+            malformed: stats.malformed,
+            tx_kicks: stats.tx_kicks,
+            kernel: (
+                stats.kernel_rx_dropped,
+                stats.kernel_rx_ring_full,
+                stats.kernel_fill_ring_empty,
+            ),
+            cpu_ns,
+        });
+        Ok(sample)
+    })
 }
 
 /// The hand-written echo: no Chunnel, listener or tokio; `poll()` when idle. Ends after

@@ -130,7 +130,7 @@ fn table() -> String {
         row(
             &chunnel_xdp::AfXdpUdp::new(chunnel_xdp::Config::new("veth0", v4)),
             "chunnel-xdp",
-            "datapath: UDP server through AF_XDP",
+            "datapath: UDP through AF_XDP (client and server; same wire as kernel UDP)",
             &[],
         ),
         row(

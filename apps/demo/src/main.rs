@@ -30,11 +30,15 @@ use chunnel_net::{udp, uds};
 mod negotiation;
 mod reconfiguration;
 mod rendezvous;
+mod serve;
 
 const MSG_LEN: usize = 64;
 const BURST: usize = 16;
 
 fn main() -> Result<()> {
+    if std::env::args().nth(1).as_deref() == Some("serve") {
+        return serve_main();
+    }
     let messages = parse_messages()?;
     // One thread: client and server share a core, the stable way to time loopback here.
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -46,6 +50,33 @@ fn main() -> Result<()> {
         reconfiguration::tour().await?;
         rendezvous::tour().await
     })
+}
+
+/// `chunnel-demo serve [--control PATH] [--rate N]` (see [`serve`]).
+fn serve_main() -> Result<()> {
+    let mut args = std::env::args().skip(2);
+    let (mut control, mut rate) = (None, 1000);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--control" => control = Some(args.next().context("--control needs a path")?.into()),
+            "--rate" => {
+                rate = args
+                    .next()
+                    .context("--rate needs a number")?
+                    .parse()
+                    .context("--rate needs a number")?
+            }
+            "-h" | "--help" => {
+                println!("usage: chunnel-demo serve [--control PATH] [--rate MESSAGES_PER_SEC]");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?} (try --help)"),
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(serve::serve(control, rate))
 }
 
 fn parse_messages() -> Result<usize> {
@@ -61,7 +92,7 @@ fn parse_messages() -> Result<usize> {
                     .context("--messages needs a number")?
             }
             "-h" | "--help" => {
-                println!("usage: chunnel-demo [--messages N]");
+                println!("usage: chunnel-demo [--messages N] | chunnel-demo serve --control PATH");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other:?} (try --help)"),

@@ -26,9 +26,9 @@ impl<C: ChunnelConnection<Data = Bytes>> Handover for ChecksumConn<C> {
     fn import(&self, _: &mut chunnel::Handoff<Self::Data>) {}
 }
 
-type Stack = Reconfigurable<Checksum, Checksum, LockFree>;
+pub(crate) type Stack = Reconfigurable<Checksum, Checksum, LockFree>;
 
-fn stack() -> Stack {
+pub(crate) fn stack() -> Stack {
     select(Checksum(Algo::Crc32), Checksum(Algo::Fnv1a)).reconfigurable::<LockFree>()
 }
 

@@ -71,6 +71,8 @@ use chunnel_std::shard::{self, ClientShard, Keyed, ShardServer, ViaCanonical};
 use serde::{Deserialize, Serialize as SerdeSerialize};
 use tokio::sync::{Semaphore, oneshot};
 
+pub mod control;
+pub mod live;
 pub mod ycsb;
 
 /// Replies each shard remembers for retried requests.
@@ -420,6 +422,8 @@ pub struct KvServer {
     shards: ShardServer<Msg>,
     counts: Arc<ServerCounts>,
     task: tokio::task::JoinHandle<()>,
+    /// Control entries of the listener and the shards (none without a registry).
+    _control: Vec<chunnel_ctl::Guard>,
 }
 
 impl Drop for KvServer {
@@ -432,14 +436,43 @@ impl KvServer {
     /// Binds the canonical address `addr` and one shard socket per shard on the same IP
     /// (ports picked by the system); serves until dropped. Must run in a tokio runtime.
     pub async fn start(addr: SocketAddr, cfg: ServerConfig) -> Result<Self, KvError> {
+        KvServer::start_inner(addr, cfg, None).await
+    }
+
+    /// As [`KvServer::start`], and registers the canonical listener, each shard (with its
+    /// request and key counts) and each negotiated client connection in `registry`, the
+    /// registry of a control endpoint (`chunnel-ctl`; see [`control`]).
+    pub async fn start_with_control(
+        addr: SocketAddr,
+        cfg: ServerConfig,
+        registry: chunnel_ctl::Registry,
+    ) -> Result<Self, KvError> {
+        KvServer::start_inner(addr, cfg, Some(registry)).await
+    }
+
+    async fn start_inner(
+        addr: SocketAddr,
+        cfg: ServerConfig,
+        registry: Option<chunnel_ctl::Registry>,
+    ) -> Result<Self, KvError> {
         let shard_binds = vec![udp::Bind::new(SocketAddr::new(addr.ip(), 0)); cfg.shards];
+        let shard_counts = registry
+            .as_ref()
+            .map(|_| control::ShardCounts::new(cfg.shards));
         let shards = ShardServer::spawn(
             shard_binds,
             shard_addr,
             Ser::default(),
-            |_| {
+            |i| {
                 let mut store = Store::new();
-                move |m| store.handle(m)
+                let counts = shard_counts.clone();
+                move |m| {
+                    let reply = store.handle(m);
+                    if let Some(c) = &counts {
+                        c.record(i, store.len());
+                    }
+                    reply
+                }
             },
             cfg.shard,
         )?;
@@ -453,11 +486,18 @@ impl KvServer {
             shards.forward()
         };
         let stack = chunnel::stack![select(first, shards.forward()), Ser::default()];
-        let mut nl = chunnel_negotiate::listen(stack, listener, cfg.negotiate);
         let counts = Arc::new(ServerCounts::default());
+        let control = match (&registry, &shard_counts) {
+            (Some(r), Some(sc)) => {
+                control::register_server(r, addr, &stack, &shards, &counts, sc, cfg.client_push)
+            }
+            _ => Vec::new(),
+        };
+        let mut nl = chunnel_negotiate::listen(stack, listener, cfg.negotiate);
         let task = tokio::spawn({
             let counts = Arc::clone(&counts);
             let client_push = cfg.client_push;
+            let registry = registry.clone();
             async move {
                 // Dropped with the task: aborts every connection's forwarding.
                 let mut conns = tokio::task::JoinSet::new();
@@ -473,7 +513,11 @@ impl KvServer {
                                 &counts.server_side
                             };
                             c.fetch_add(1, Ordering::Relaxed);
+                            let guard = registry
+                                .as_ref()
+                                .map(|r| control::register_conn(r, conn.info(), pushed));
                             conns.spawn(async move {
+                                let _guard = guard;
                                 // Drives the forwarding until the client goes away.
                                 let mut slot = [None];
                                 let _ = conn.recv(&mut slot).await;
@@ -492,6 +536,7 @@ impl KvServer {
             shards,
             counts,
             task,
+            _control: control,
         })
     }
 

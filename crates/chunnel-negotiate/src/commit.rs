@@ -95,6 +95,18 @@ pub enum Outcome {
     Aborted(AbortReason),
 }
 
+impl Outcome {
+    /// The outcome as a metric label.
+    fn label(&self) -> &'static str {
+        match self {
+            Outcome::Switched => "switched",
+            Outcome::Unchanged => "unchanged",
+            Outcome::Contended(_) => "contended",
+            Outcome::Aborted(_) => "aborted",
+        }
+    }
+}
+
 /// Runs multilateral reconfiguration on one negotiated connection whose stack is a
 /// reconfigurable select ([`chunnel::Select::reconfigurable`]) over the negotiated base.
 /// Start one at each end (the end that does not propose follows its peer's switches); an end
@@ -211,6 +223,10 @@ impl Coordinator {
     /// switch point this waited for, so its `side()` (`ReconfigConnection::side`) already
     /// returns `to`, as this end's does. There is nothing further to wait for.
     pub async fn switch(&self, to: Side) -> Result<Outcome, Error> {
+        crate::obs::switch(to, Outcome::label, self.switch_inner(to)).await
+    }
+
+    async fn switch_inner(&self, to: Side) -> Result<Outcome, Error> {
         let sh = &*self.shared;
         if (sh.side)() == to {
             return Ok(Outcome::Unchanged);
@@ -333,6 +349,7 @@ where
     L::Data: 'static,
     M: Mechanism,
 {
+    crate::obs::commit_event(&e);
     match e {
         Event::Switch { txn, pick, marker } => {
             let to = if pick.branches().first() == Some(&1) {
@@ -341,7 +358,17 @@ where
                 Side::Left
             };
             let control = &sh.control;
-            let r = conn.switch_with_marker(to, || control.0.send(marker)).await;
+            // Only observed (features `metrics`, `tracing`): off, no lock is taken for it.
+            #[cfg(any(feature = "metrics", feature = "tracing"))]
+            let initiator = lock(&sh.waiters).contains_key(&txn);
+            #[cfg(not(any(feature = "metrics", feature = "tracing")))]
+            let initiator = false;
+            let r = crate::obs::switch_point(
+                initiator,
+                txn,
+                conn.switch_with_marker(to, || control.0.send(marker)),
+            )
+            .await;
             match r {
                 // The proposer learns the outcome when the peer's switch point arrives.
                 Ok(()) => {}

@@ -96,6 +96,11 @@ pub struct Negotiated<C> {
     on_drop: CloseOnDrop,
 }
 
+/// What happened to 0-RTT on a negotiated connection (for the observation hooks).
+pub(crate) fn zero_rtt_of<C>(n: &Negotiated<C>) -> crate::wire::ZeroRtt {
+    n.info.zero_rtt
+}
+
 /// The two messages that decided a 1-RTT negotiated connection, exactly as this end sent or
 /// received them (tag byte included), for binding them to a secure channel (docs/wire.md
 /// §16). Both are empty where the driver does not record them: a 0-RTT or dictated
@@ -458,7 +463,12 @@ impl Client {
         C: SendHeader + PeerHandoff + 'static,
         S: Chunnel<Tagged<C>> + Offers + Send + 'a,
     {
-        self.connect_inner(server, stack, base)
+        crate::obs::negotiation(
+            crate::obs::Side::Client,
+            "1rtt",
+            zero_rtt_of::<S::Connection>,
+            self.connect_inner(server, stack, base),
+        )
     }
 
     async fn connect_inner<S, C>(
@@ -523,7 +533,12 @@ impl Client {
         <S::Connection as ChunnelConnection>::Data: Clone,
     {
         let early: Vec<_> = early.into_iter().collect();
-        self.connect_0rtt_inner(server, stack, base, early)
+        crate::obs::negotiation(
+            crate::obs::Side::Client,
+            "0rtt",
+            zero_rtt_of::<S::Connection>,
+            self.connect_0rtt_inner(server, stack, base, early),
+        )
     }
 
     async fn connect_0rtt_inner<S, C>(

@@ -91,6 +91,7 @@ mod driver;
 mod error;
 mod facade;
 mod multilateral;
+mod obs;
 mod plane;
 pub mod proto;
 mod tagged;

@@ -19,6 +19,16 @@
 //! Datagram listeners demultiplex one socket into a connection per peer; see [`datagram`] for
 //! the queues, their bounds and how peer state is freed.
 //!
+//! ## Copies
+//!
+//! Kernel sockets keep their copy: they do not implement `chunnel::LendRecv` or
+//! `chunnel::LendBuffer`, because there is no datapath memory to lend — the kernel copies each
+//! message into its socket buffer on send and out of it on receive. Sending adds no copy in
+//! user space (`sendmmsg` iovecs point at the caller's `Bytes`); receiving copies each datagram
+//! once more, from the reused `recvmmsg` scratch into a block that hands out `Bytes` (no
+//! allocation per message); streams copy frames into one write buffer. The shared-memory
+//! (`chunnel-shm`) and io_uring (`chunnel-uring`) datapaths lend their buffers instead.
+//!
 //! ## Cancel safety
 //!
 //! `recv` is cancel safe on every connection. A cancelled `send` never tears a frame; on

@@ -1,23 +1,34 @@
 //! The connection over the two rings, and how a receiver waits for an empty ring.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use chunnel::{ChunnelConnection, Error, SendHeader};
+use chunnel::{ChunnelConnection, Emit, Error, LendBuffer, LendRecv, LendStats, SendHeader};
 
-use crate::ring::{ATTACHED, CLOSED, Consumer, Producer, Region};
+use crate::lend::{ShmBuf, ShmPayload};
+use crate::ring::{ATTACHED, CLOSED, Consumer, Popped, Producer, Region};
 use crate::{Role, WaitPolicy};
+use chunnel::util::lock;
 
 /// How long a receiver spins in place before giving the runtime a turn (when it spins longer
 /// than this in total, other tasks of its runtime still run every this often).
 const SPIN_SLICE: Duration = Duration::from_micros(20);
 
-/// State shared by a connection and its waiter thread.
+/// State shared by a connection, its waiter thread and the payloads and buffers it lent.
 #[derive(Debug)]
-struct Shared {
-    region: Region,
+pub(crate) struct Shared {
+    pub(crate) region: Region,
+    /// The send ring's end (each ring end is behind a short lock held only while copying or
+    /// reserving; lent buffers and payloads take it to give their space back).
+    pub(crate) tx: Mutex<Producer>,
+    /// The receive ring's end.
+    pub(crate) rx: Mutex<Consumer>,
+    pub(crate) rx_lent: AtomicU64,
+    pub(crate) rx_copied: AtomicU64,
+    pub(crate) tx_lent: AtomicU64,
+    pub(crate) tx_copied: AtomicU64,
     role: Role,
     wait: WaitPolicy,
     /// Receivers parked on an empty ring.
@@ -105,30 +116,39 @@ impl Shared {
 ///
 /// `recv` is cancel safe. Many tasks may send and receive at once (each ring end is behind a
 /// short lock held only while copying).
+///
+/// It also lends the rings (no copy): [`LendRecv`], [`LendBuffer`] and [`Emit`]; see the
+/// crate docs ("Lent buffers").
 #[derive(Debug)]
 pub struct ShmConnection<C> {
     sh: Arc<Shared>,
-    tx: Mutex<Producer>,
-    rx: Mutex<Consumer>,
     waiter: OnceLock<std::thread::Thread>,
     inner: C,
 }
 
 impl<C> ShmConnection<C> {
     pub(crate) fn new(region: Region, role: Role, wait: WaitPolicy, inner: C) -> Self {
+        let (txr, rxr) = match role {
+            Role::Client => (0, 1),
+            Role::Server => (1, 0),
+        };
         let sh = Arc::new(Shared {
             region,
+            tx: Mutex::new(Producer::new(txr)),
+            rx: Mutex::new(Consumer::new(rxr)),
+            rx_lent: AtomicU64::new(0),
+            rx_copied: AtomicU64::new(0),
+            tx_lent: AtomicU64::new(0),
+            tx_copied: AtomicU64::new(0),
             role,
             wait,
             notify: tokio::sync::Notify::new(),
             armed: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
         });
-        let (tx, rx) = (sh.tx_ring(), sh.rx_ring());
+        debug_assert_eq!((txr, rxr), (sh.tx_ring(), sh.rx_ring()));
         ShmConnection {
             sh,
-            tx: Mutex::new(Producer::new(tx)),
-            rx: Mutex::new(Consumer::new(rx)),
             waiter: OnceLock::new(),
             inner,
         }
@@ -146,17 +166,40 @@ impl<C> ShmConnection<C> {
     }
 
     fn try_recv(&self, slots: &mut [Option<Bytes>]) -> Result<usize, Error> {
-        let mut rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
-        rx.pop(&self.sh.region, slots)
+        let n = lock(&self.sh.rx).pop(&self.sh.region, slots)?;
+        self.sh.rx_copied.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
     }
 
-    /// Nothing to read and the peer is gone: the end of the stream. Re-checks the ring after
-    /// seeing the peer's close, since records published before it must still be delivered.
-    fn end_of_stream(&self, slots: &mut [Option<Bytes>]) -> Result<usize, Error> {
-        match self.try_recv(slots)? {
-            0 => Err(Error::PeerClosed),
-            n => Ok(n),
-        }
+    /// As `try_recv`, lending records where the window allows.
+    fn try_recv_lent(&self, slots: &mut [Option<ShmPayload>]) -> Result<usize, Error> {
+        let sh = &self.sh;
+        let (mut lent, mut copied) = (0u64, 0u64);
+        let max = slots.len();
+        let mut it = slots.iter_mut();
+        let n = lock(&sh.rx).pop_with(&sh.region, max, true, |p| {
+            let msg = match p {
+                Popped::Lent(span) => {
+                    lent += 1;
+                    ShmPayload::lent(Arc::clone(sh), span)
+                }
+                Popped::Copied(b) => {
+                    copied += 1;
+                    ShmPayload::copied(b)
+                }
+            };
+            if let Some(s) = it.next() {
+                *s = Some(msg);
+            }
+        })?;
+        sh.rx_lent.fetch_add(lent, Ordering::Relaxed);
+        sh.rx_copied.fetch_add(copied, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Received messages the application still holds as lent payloads.
+    pub fn held(&self) -> usize {
+        lock(&self.sh.rx).held()
     }
 
     fn waiter(&self) -> Result<&std::thread::Thread, Error> {
@@ -176,17 +219,28 @@ impl<C> ShmConnection<C> {
         Ok(self.waiter.get_or_init(|| handle.thread().clone()))
     }
 
-    async fn recv_inner(&self, slots: &mut [Option<Bytes>]) -> Result<usize, Error> {
+    async fn recv_inner<T>(
+        &self,
+        slots: &mut [Option<T>],
+        try_recv: impl Fn(&Self, &mut [Option<T>]) -> Result<usize, Error>,
+    ) -> Result<usize, Error> {
         if slots.is_empty() {
             return Ok(0);
         }
+        // Nothing to read and the peer is gone: the end of the stream. Re-checks the ring
+        // after seeing the peer's close, since records published before it must still be
+        // delivered.
+        let end_of_stream = |slots: &mut [Option<T>]| match try_recv(self, slots)? {
+            0 => Err(Error::PeerClosed),
+            n => Ok(n),
+        };
         let sh = &*self.sh;
         let ring = sh.rx_ring();
         let started = Instant::now();
         let mut last_check = started;
         let mut parked = false;
         loop {
-            let n = self.try_recv(slots)?;
+            let n = try_recv(self, slots)?;
             if n > 0 {
                 if parked {
                     sh.region.sleeping(ring).store(0, Ordering::Relaxed);
@@ -194,13 +248,13 @@ impl<C> ShmConnection<C> {
                 return Ok(n);
             }
             if sh.peer_closed() {
-                return self.end_of_stream(slots);
+                return end_of_stream(slots);
             }
             let now = Instant::now();
             if now.duration_since(last_check) >= sh.wait.liveness {
                 last_check = now;
                 if sh.peer_gone() {
-                    return self.end_of_stream(slots);
+                    return end_of_stream(slots);
                 }
             }
             let spent = now.duration_since(started);
@@ -252,7 +306,7 @@ impl<C> ShmConnection<C> {
                 return Err(Error::PeerClosed);
             }
             {
-                let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+                let mut tx = lock(&sh.tx);
                 let mut pushed = 0usize;
                 let mut full = false;
                 while let Some(m) = burst.peek() {
@@ -260,6 +314,7 @@ impl<C> ShmConnection<C> {
                     if len > max {
                         if pushed > 0 {
                             tx.publish(&sh.region);
+                            sh.tx_copied.fetch_add(pushed as u64, Ordering::Relaxed);
                         }
                         return Err(Error::MessageTooLarge { len, max });
                     }
@@ -272,6 +327,7 @@ impl<C> ShmConnection<C> {
                 }
                 if pushed > 0 {
                     tx.publish(&sh.region);
+                    sh.tx_copied.fetch_add(pushed as u64, Ordering::Relaxed);
                 }
                 if !full {
                     return Ok(());
@@ -357,7 +413,7 @@ impl<C: Send + Sync> ChunnelConnection for ShmConnection<C> {
         &'a self,
         slots: &'a mut [Option<Bytes>],
     ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
-        self.recv_inner(slots)
+        self.recv_inner(slots, Self::try_recv)
     }
 }
 
@@ -374,5 +430,77 @@ impl<C: Send + Sync> SendHeader for ShmConnection<C> {
         B::IntoIter: Send,
     {
         self.send_parts(header, burst)
+    }
+}
+
+/// Lent send buffers: space reserved in the send ring, filled by the application and
+/// published by [`Emit::emit`] without a copy. `None` when the ring has no room now, `len` is
+/// over [`ShmConnection::max_message`], or [`crate::LEND_WINDOW`] buffers are out: then send
+/// the message with the copying `send` (which waits for room). A lent buffer not yet emitted
+/// holds back the messages sent after it (they leave in order).
+impl<C: Send + Sync> LendBuffer for ShmConnection<C> {
+    type Buf = ShmBuf;
+
+    fn lend(&self, len: usize) -> Option<ShmBuf> {
+        let sh = &self.sh;
+        if len > sh.region.max_msg() || sh.peer_closed() {
+            return None;
+        }
+        let span = lock(&sh.tx).reserve(&sh.region, len).ok()??;
+        Some(ShmBuf::new(Arc::clone(sh), span))
+    }
+}
+
+impl<C: Send + Sync> Emit for ShmConnection<C> {
+    async fn emit<B>(&self, bufs: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = ShmBuf> + Send,
+        B::IntoIter: Send,
+    {
+        let sh = &self.sh;
+        if sh.peer_closed() {
+            // The buffers go back unsent as they drop.
+            return Err(Error::PeerClosed);
+        }
+        let mut n = 0u64;
+        let mut tx = lock(&sh.tx);
+        for b in bufs {
+            if let Some(span) = b.into_span(sh) {
+                tx.finish(&sh.region, span, true);
+                n += 1;
+            }
+        }
+        tx.publish(&sh.region);
+        drop(tx);
+        sh.tx_lent.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Received messages as views of the receive ring (see [`ShmPayload`]); copied instead when
+/// the application holds [`crate::RX_HOLES`] of them or half the ring.
+///
+/// A lent payload is memory the peer process mapped too: a peer that writes a record after
+/// publishing it (a bug, or a hostile peer) changes bytes the application is reading. Lengths
+/// and positions stay bounds-checked either way; use the copying `recv` when the peer is not
+/// trusted with that.
+impl<C: Send + Sync> LendRecv for ShmConnection<C> {
+    type Lent = ShmPayload;
+
+    fn recv_lent<'a>(
+        &'a self,
+        slots: &'a mut [Option<ShmPayload>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        self.recv_inner(slots, Self::try_recv_lent)
+    }
+
+    fn lend_stats(&self) -> LendStats {
+        let sh = &self.sh;
+        LendStats {
+            rx_lent: sh.rx_lent.load(Ordering::Relaxed),
+            rx_copied: sh.rx_copied.load(Ordering::Relaxed),
+            tx_lent: sh.tx_lent.load(Ordering::Relaxed),
+            tx_copied: sh.tx_copied.load(Ordering::Relaxed),
+        }
     }
 }

@@ -82,14 +82,36 @@
 //!
 //! ## Copies and allocation
 //!
-//! Data is `bytes::Bytes`. Sending copies each message into the ring; receiving copies it out
-//! into a block that hands out `Bytes` slices and is reused in place once the application has
-//! dropped them (so steady-state receiving allocates nothing). Copying out, rather than
-//! handing the application a view of shared memory, means a peer cannot change a message
-//! after it was validated. Every length and position read from shared memory is
-//! bounds-checked; a misbehaving peer causes [`chunnel::Error::Malformed`], never a panic.
-//! A peer that *truncates* the file could still make accesses fault (`SIGBUS`): the region
-//! is trusted not to shrink (a sealed memfd would close this, but needs descriptor passing).
+//! Data is `bytes::Bytes` on the `ChunnelConnection` path: sending copies each message into the
+//! ring; receiving copies it out into a block that hands out `Bytes` slices and is reused in
+//! place once the application has dropped them (so steady-state receiving allocates nothing).
+//! Copying out, rather than handing the application a view of shared memory, means a peer
+//! cannot change a message after it was validated. Every length and position read from shared
+//! memory is bounds-checked; a misbehaving peer causes [`chunnel::Error::Malformed`], never a
+//! panic. A peer that *truncates* the file could still make accesses fault (`SIGBUS`): the
+//! region is trusted not to shrink (a sealed memfd would close this, but needs descriptor
+//! passing).
+//!
+//! ## Lent buffers (zero copies)
+//!
+//! [`ShmConnection`] also lends the rings themselves:
+//! [`LendRecv::recv_lent`](chunnel::LendRecv::recv_lent) gives [`ShmPayload`]s, views of the
+//! records in the receive ring, whose space the peer reuses only once they are dropped (from
+//! any thread, in any order); [`LendBuffer::lend`](chunnel::LendBuffer::lend) reserves a record
+//! in the send ring as a [`ShmBuf`] to fill, and [`Emit::emit`](chunnel::Emit::emit) publishes
+//! it. Neither copies nor allocates per message. Held payloads do not stop the ring: a lent
+//! record becomes a hole the sender steps over (see `ring.rs`), and past [`RX_HOLES`] held
+//! records or half the ring held, `recv_lent` copies instead (counted in
+//! [`LendStats`](chunnel::LendStats)), so the sender always has room in total. One limit:
+//! the room must be contiguous for a message, so payloads held long and scattered over the
+//! ring (up to 56 of them) can leave no gap as large as a big message; its sender then waits
+//! until one is dropped (small messages, and the tests' patterns, keep flowing). `lend` returns `None`
+//! when the ring has no room or [`LEND_WINDOW`] buffers are out (send the `Bytes` then);
+//! messages leave in the order they were lent or sent, so a buffer lent and not yet emitted
+//! holds back later ones. A payload keeps the mapping alive: it stays readable after the
+//! connection is dropped or the peer died. A lent payload is memory the peer maps too: a peer
+//! that writes a record after publishing it (a bug, or a hostile peer) changes what the
+//! application reads; use `recv` when the peer is not trusted that far.
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -98,6 +120,7 @@
 )]
 
 mod conn;
+mod lend;
 mod ring;
 mod sys;
 
@@ -111,6 +134,11 @@ use bytes::{BufMut, Bytes, BytesMut};
 use chunnel::{Capability, Chunnel, ChunnelConnection, ConnectionExt, Error, Negotiate};
 
 pub use crate::conn::ShmConnection;
+pub use crate::lend::{ShmBuf, ShmPayload};
+/// Lent send buffers out at once per connection; past it `lend` returns `None`.
+pub const LEND_WINDOW: usize = ring::LEND_WINDOW;
+/// Received records lent out at once per connection; past it `recv_lent` copies.
+pub const RX_HOLES: usize = ring::RX_HOLES;
 use crate::ring::Region;
 use crate::sys::Mapping;
 

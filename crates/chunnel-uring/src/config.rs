@@ -24,6 +24,10 @@ pub struct Config {
     /// Each holds one datagram of `max_payload` bytes (+ 44 bytes of header); memory is
     /// reserved for all of them but only touched where datagrams land.
     pub recv_buffers: usize,
+    /// Send buffers a client connection lends (`chunnel::LendBuffer`), each of
+    /// `max_payload` bytes, allocated (zeroed, pages touched only when used) on the first
+    /// `lend`. Default 64.
+    pub send_buffers: usize,
     /// Report the datapath unavailable whatever the host supports (tests the fallback of a
     /// `Select`).
     pub forced_unavailable: bool,
@@ -43,6 +47,7 @@ impl Default for Config {
         Config {
             datagram: chunnel_net::udp::Config::default(),
             recv_buffers: 64,
+            send_buffers: 64,
             forced_unavailable: false,
             single_thread: None,
         }
@@ -72,6 +77,12 @@ impl Config {
     /// Sets [`Config::recv_buffers`] (clamped to 1..=32768).
     pub fn with_recv_buffers(mut self, n: usize) -> Self {
         self.recv_buffers = n.clamp(1, 32768);
+        self
+    }
+
+    /// Sets [`Config::send_buffers`] (clamped to 1..=32768).
+    pub fn with_send_buffers(mut self, n: usize) -> Self {
+        self.send_buffers = n.clamp(1, 32768);
         self
     }
 

@@ -85,6 +85,17 @@
 //!   never leaves the kernel reading freed memory). A burst of up to `batch` ([`udp::Config::datagram`])
 //!   messages is one `io_uring_enter`; the entries are linked so they leave in order even when
 //!   the socket buffer is full, and (like `sendmmsg`) the first failure stops the rest.
+//! * **Lent buffers** (client [`udp::Connection`]): `chunnel::LendRecv::recv_lent` hands out
+//!   the kernel's provided receive buffer itself as a [`UringPayload`] (no copy), given back
+//!   to the buffer ring when dropped (any thread; the next reap publishes it); while half the
+//!   buffers are lent, further datagrams are copied instead, so the kernel always has buffers
+//!   and the connection never stalls. `chunnel::LendBuffer::lend` gives a [`UringBuf`] from a
+//!   pool of [`udp::Config::send_buffers`] blocks (allocated on first use) that
+//!   `chunnel::Emit::emit` sends from directly, free again once its send completed; `None`
+//!   when all are out. Both counted (`chunnel::LendStats`). The kernel still copies a UDP
+//!   datagram into and out of its socket buffers (no `SEND_ZC` here); what lending removes is
+//!   the datapath's copy and the application's allocation. A listener's connections do not
+//!   lend (chunnel-net's datagram listener queues `Bytes` per peer).
 //! * **Threads**: io_uring completes socket I/O in the context of the thread that submitted
 //!   the request (task work). On a current-thread tokio runtime (or with
 //!   [`udp::Config::single_thread`] set) the ring is created disabled and bound, on first use,
@@ -148,6 +159,8 @@ mod config;
 mod driver;
 mod probe;
 pub mod udp;
+
+pub use crate::driver::{UringBuf, UringPayload};
 
 /// The stable negotiation id of this datapath.
 pub const ID: &str = "chunnel/uring-udp/1";

@@ -16,10 +16,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use chunnel::{Chunnel, ChunnelConnection, Error, Negotiate, SendHeader};
+use std::sync::{Arc, OnceLock};
+
+use chunnel::{
+    Chunnel, ChunnelConnection, Emit, Error, LendBuffer, LendRecv, Negotiate, SendHeader,
+};
 use chunnel_net::datagram::{self, Config as DatagramConfig, DatagramIo, RxBatch};
 
-use crate::driver::{ClientRx, Driver, Rx, Stats, conn_err};
+use crate::driver::{ClientRx, Driver, Rx, SendPool, Stats, UringBuf, UringPayload, conn_err};
 
 mod bind;
 pub use crate::config::{Config, MAX_PAYLOAD};
@@ -114,6 +118,7 @@ impl Chunnel<()> for Connect {
             driver: Driver::new(sock, self.cfg.clone(), rx)?,
             peer: self.addr,
             closed: AtomicBool::new(false),
+            send_pool: OnceLock::new(),
         })
     }
 }
@@ -124,6 +129,8 @@ pub struct Connection {
     driver: Driver<ClientRx>,
     peer: SocketAddr,
     closed: AtomicBool,
+    /// Lent send buffers, allocated on the first `lend` (`None` if that failed).
+    send_pool: OnceLock<Option<Arc<SendPool>>>,
 }
 
 impl Connection {
@@ -201,6 +208,17 @@ impl ChunnelConnection for Connection {
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
+        self.recv_with(slots, false, ClientRx::drain).await
+    }
+}
+
+impl Connection {
+    async fn recv_with<T>(
+        &self,
+        slots: &mut [Option<T>],
+        lend: bool,
+        drain: fn(&mut ClientRx, &mut [Option<T>]) -> usize,
+    ) -> Result<usize, Error> {
         if slots.is_empty() {
             return Ok(0);
         }
@@ -209,11 +227,14 @@ impl ChunnelConnection for Connection {
             self.check_open()?;
             {
                 let mut g = d.lock();
+                if lend {
+                    g.rx.lend = true;
+                }
                 if g.rx.queue.is_empty() {
                     d.pump(&mut g)
                         .map_err(|e| conn_err("recv", &self.peer, e))?;
                 }
-                let n = g.rx.drain(slots);
+                let n = drain(&mut g.rx, slots);
                 if n > 0 {
                     let more = !g.rx.queue.is_empty();
                     drop(g);
@@ -236,12 +257,66 @@ impl ChunnelConnection for Connection {
     }
 }
 
+/// Received datagrams in the kernel's provided receive buffers, handed back to the buffer
+/// ring when dropped ([`UringPayload`]). From the first `recv_lent` on, the connection lends
+/// every datagram while at most half its [`Config::recv_buffers`] are lent, and copies past
+/// that (so the kernel always has buffers to receive into); `recv` on a lent datagram copies
+/// it into `Bytes` (mixing the two is allowed, not free).
+impl LendRecv for Connection {
+    type Lent = UringPayload;
+
+    fn recv_lent<'a>(
+        &'a self,
+        slots: &'a mut [Option<UringPayload>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        self.recv_with(slots, true, ClientRx::drain_lent)
+    }
+
+    fn lend_stats(&self) -> chunnel::LendStats {
+        self.driver.stats.lend_stats()
+    }
+}
+
+/// Send buffers from a pool of [`Config::send_buffers`] blocks of `max_payload` bytes,
+/// allocated on the first `lend`; a buffer is free again once its send completed (or when
+/// dropped unsent). `None` when all are out (or `len` is over `max_payload`): send the
+/// message as `Bytes` then.
+impl LendBuffer for Connection {
+    type Buf = UringBuf;
+
+    fn lend(&self, len: usize) -> Option<UringBuf> {
+        let pool = self.send_pool.get_or_init(|| {
+            let n = self.driver.cfg.send_buffers.clamp(1, 32768) as u16;
+            SendPool::new(n, self.driver.cfg.max_payload.max(1)).ok()
+        });
+        pool.as_ref()?.lend(len)
+    }
+}
+
+impl Emit for Connection {
+    async fn emit<B>(&self, bufs: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = UringBuf> + Send,
+        B::IntoIter: Send,
+    {
+        self.check_open()?;
+        self.driver.send(None, &self.peer, &[], bufs).await
+    }
+}
+
 /// Datagrams the ring already reaped for this connection but no `recv` took yet are handed
 /// over (as buffered messages, delivered first by a reconfigurable select); those still in the
 /// kernel's socket queue go with the socket.
 impl chunnel::Handover for Connection {
     fn export(&self, state: &mut chunnel::Handoff<Bytes>) {
-        state.buffered.extend(self.driver.lock().rx.queue.drain(..));
+        state.buffered.extend(
+            self.driver
+                .lock()
+                .rx
+                .queue
+                .drain(..)
+                .map(UringPayload::into_bytes),
+        );
     }
 
     fn import(&self, _: &mut chunnel::Handoff<Bytes>) {}

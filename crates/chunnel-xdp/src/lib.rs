@@ -1,7 +1,9 @@
 //! # chunnel-xdp: an AF_XDP datapath, wire-compatible with kernel UDP
 //!
 //! [`AfXdpUdp`] serves UDP on (interface, IPv4 address, port) from an AF_XDP socket instead of
-//! a kernel socket. A small XDP program (`bpf/xdp_udp_steer.c`, built by `build.rs` with
+//! a kernel socket; [`AfXdpConnect`] is its client, a `Chunnel<()>` like
+//! `chunnel_net::udp::Connect` talking to one peer from an AF_XDP socket (see below and
+//! [`AfXdpConnect`] for how it finds its route, local port and the peer's MAC address). A small XDP program (`bpf/xdp_udp_steer.c`, built by `build.rs` with
 //! clang and embedded in the library) looks at every frame arriving on the interface and
 //! redirects only IPv4/UDP frames for the configured address and port to the socket's queue
 //! through an `XSKMAP`; everything else — ARP, ICMP, other ports, fragments — is passed to the
@@ -29,6 +31,21 @@
 //! # Ok(()) }
 //! ```
 //!
+//! At the client:
+//!
+//! ```no_run
+//! use chunnel::{select, Chunnel, ConnectionExt};
+//! use chunnel_xdp::{AfXdpConnect, Config};
+//! # async fn demo() -> Result<(), chunnel::Error> {
+//! let server: std::net::SocketAddrV4 = "10.77.0.2:7000".parse().unwrap();
+//! // Local address 0.0.0.0: the route's source address; port 0: an ephemeral port.
+//! let xdp = AfXdpConnect::new(Config::new("veth1", "0.0.0.0:0".parse().unwrap()), server);
+//! let mut stack = select(xdp, chunnel_net::udp::Connect::new(server.into()));
+//! let conn = stack.connect_wrap(()).await?;
+//! conn.send_one("hello".into()).await?;
+//! # Ok(()) }
+//! ```
+//!
 //! ## Availability and fallback
 //!
 //! [`AfXdpUdp`] implements [`chunnel::Negotiate`] with id [`ID`] and no capability: the wire
@@ -42,6 +59,14 @@
 //! [`Listen`](chunnel::Listen) then binds the fallback branch, so
 //! `select(AfXdpUdp, chunnel_net::udp::Bind).listen()` yields a working listener whenever
 //! kernel UDP can bind the address.
+//!
+//! [`AfXdpConnect`] has the same id and checks, and two more, since a client's `Select`
+//! decides from availability alone (building a branch consumes its input, so it cannot try
+//! one and fall back): the route to the peer must leave through the interface, and no XDP
+//! program may be attached to it already (one program per interface: a listener's or another
+//! client's). `select(AfXdpConnect, chunnel_net::udp::Connect)` then connects over kernel UDP.
+//! An attach that fails anyway (a race with another program) is `NotAvailable` from
+//! `connect_wrap`.
 //!
 //! ## Datapath
 //!
@@ -67,8 +92,19 @@
 //! * Received UDP checksums are not verified (a kernel sender on veth leaves them to the
 //!   device, `CHECKSUM_PARTIAL`); the IPv4 header checksum is.
 //!
+//! The client finds its path with rtnetlink (`netlink.rs`): the route to the peer (output
+//! interface, gateway, source address), then the next hop's entry in the kernel's neighbour
+//! table, asking the kernel to resolve it when missing (`NTF_USE`: the kernel sends its own
+//! ARP request; the XDP program passes ARP to the kernel, so no static entries are needed at
+//! either end), for at most [`AfXdpConnect::with_resolve_timeout`] (1 s by default), after
+//! which `connect_wrap` fails with an `Io` error of kind `HostUnreachable`. Datagrams from
+//! other sources than the peer are dropped and counted, as a connected UDP socket ignores
+//! them. One AF_XDP socket binds one interface queue, so a host runs one AF_XDP endpoint
+//! (client or server) per interface.
+//!
 //! The unsafe code is in `xsk.rs` (the socket and its rings, written against the kernel ABI
-//! with `libc`; no libxdp) and in the aya loader it calls.
+//! with `libc`; no libxdp), `netlink.rs` (the rtnetlink socket calls) and in the aya loader
+//! it calls.
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -77,13 +113,16 @@
 )]
 
 mod bpf;
+mod client;
 mod frame;
 mod listener;
+mod netlink;
 /// For benchmarks: the XSK socket and XDP program without the library's layers (not a
 /// stable API).
 #[doc(hidden)]
 pub mod raw;
 pub mod shard;
+mod tx;
 mod xsk;
 
 use std::net::SocketAddrV4;
@@ -92,6 +131,7 @@ use std::path::PathBuf;
 use chunnel::{Error, Negotiate};
 
 pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
+pub use crate::client::{AfXdpConnect, ClientConnection, RESOLVE_TIMEOUT};
 use crate::listener::not_available;
 pub use crate::listener::{Listener, ServerConnection, Stats, XdpIo, XdpPeer, XdpRx};
 pub use crate::shard::{ShardCounters, ShardOffload, ShardOffloadConfig, XdpShard};
@@ -108,7 +148,8 @@ pub struct Config {
     /// The interface to attach to.
     pub interface: String,
     /// The local IPv4 address and UDP port to serve. Address `0.0.0.0` matches any
-    /// destination address on the interface.
+    /// destination address on the interface. For a client ([`AfXdpConnect`]): its own address
+    /// and port, `0.0.0.0` for the route's source address, port 0 for an ephemeral port.
     pub local: SocketAddrV4,
     /// The interface queue to bind (default 0).
     pub queue: u32,
@@ -141,7 +182,7 @@ impl std::ops::DerefMut for Config {
 }
 
 impl Config {
-    /// Defaults for serving `local` on `interface`.
+    /// Defaults for serving `local` on `interface` (or, for a client, sending from it).
     pub fn new(interface: impl Into<String>, local: SocketAddrV4) -> Self {
         Config {
             interface: interface.into(),
@@ -224,39 +265,44 @@ impl Negotiate for AfXdpUdp {
     }
 
     fn check_available(&self) -> Result<(), Error> {
-        if self.cfg.bpf_object.is_none() && !embedded_program_available() {
-            bpf::object(None).map_err(not_available)?;
+        check_host(&self.cfg)
+    }
+}
+
+/// What both ends need: the XDP program (embedded or `cfg.bpf_object`), the capabilities,
+/// the interface, and a kernel that creates AF_XDP sockets.
+fn check_host(cfg: &Config) -> Result<(), Error> {
+    if cfg.bpf_object.is_none() && !embedded_program_available() {
+        bpf::object(None).map_err(not_available)?;
+    }
+    if let Some(p) = &cfg.bpf_object
+        && !p.is_file()
+    {
+        return Err(not_available(format!(
+            "the XDP object {} does not exist",
+            p.display()
+        )));
+    }
+    if let Some(caps) = effective_caps() {
+        let has = |c: u32| caps & (1u64 << c) != 0;
+        let mut missing = Vec::new();
+        if !has(CAP_NET_ADMIN) {
+            missing.push("CAP_NET_ADMIN");
         }
-        if let Some(p) = &self.cfg.bpf_object
-            && !p.is_file()
-        {
+        if !has(CAP_NET_RAW) {
+            missing.push("CAP_NET_RAW");
+        }
+        if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
+            missing.push("CAP_BPF (or CAP_SYS_ADMIN)");
+        }
+        if !missing.is_empty() {
             return Err(not_available(format!(
-                "the XDP object {} does not exist",
-                p.display()
+                "the process lacks {} (run as root or grant them)",
+                missing.join(", ")
             )));
         }
-        if let Some(caps) = effective_caps() {
-            let has = |c: u32| caps & (1u64 << c) != 0;
-            let mut missing = Vec::new();
-            if !has(CAP_NET_ADMIN) {
-                missing.push("CAP_NET_ADMIN");
-            }
-            if !has(CAP_NET_RAW) {
-                missing.push("CAP_NET_RAW");
-            }
-            if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
-                missing.push("CAP_BPF (or CAP_SYS_ADMIN)");
-            }
-            if !missing.is_empty() {
-                return Err(not_available(format!(
-                    "the process lacks {} (run as root or grant them)",
-                    missing.join(", ")
-                )));
-            }
-        }
-        ifindex(&self.cfg.interface)?;
-        xsk::probe()
-            .map_err(|e| not_available(format!("the kernel refuses AF_XDP sockets: {e}")))?;
-        Ok(())
     }
+    ifindex(&cfg.interface)?;
+    xsk::probe().map_err(|e| not_available(format!("the kernel refuses AF_XDP sockets: {e}")))?;
+    Ok(())
 }

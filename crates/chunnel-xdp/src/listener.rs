@@ -8,7 +8,6 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use chunnel::Error;
@@ -23,7 +22,7 @@ use crate::xsk::{Xsk, XskSizes};
 use crate::{Config, ID};
 
 #[derive(Debug)]
-struct Fd(RawFd);
+pub(crate) struct Fd(pub(crate) RawFd);
 
 impl AsRawFd for Fd {
     fn as_raw_fd(&self) -> RawFd {
@@ -147,7 +146,7 @@ pub(crate) fn open_socket(cfg: &Config, obj: &[u8], ifindex: u32) -> Result<(Xsk
             Ok(x) => break x,
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5 => {
                 tries += 1;
-                std::thread::sleep(Duration::from_millis(10 * tries));
+                std::thread::sleep(std::time::Duration::from_millis(10 * tries));
             }
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                 return Err(not_available(format!(
@@ -273,48 +272,16 @@ impl DatagramIo for XdpIo {
         if closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        let mut it = burst.into_iter().peekable();
-        let mut spins = 0u32;
-        loop {
-            let mut err = None;
-            let queued = {
-                let mut x = lock(&self.xsk);
-                let max = cfg.max_payload.min(x.frame_size() - frame::HEADERS);
-                let ip_id = &self.ip_id;
-                let n = x.send_batch(|buf| {
-                    let m = it.peek()?;
-                    let len = header.len() + m.len();
-                    if len > max {
-                        err = Some(Error::MessageTooLarge { len, max });
-                        return None;
-                    }
-                    let id = ip_id.fetch_add(1, Ordering::Relaxed);
-                    let l = frame::build(buf, &dest.ep, id, &[header, m]);
-                    it.next();
-                    Some(l)
-                });
-                x.flush_tx();
-                n
-            };
-            self.sent.fetch_add(queued as u64, Ordering::Relaxed);
-            if let Some(e) = err {
-                return Err(e);
-            }
-            if it.peek().is_none() {
-                return Ok(());
-            }
-            // TX ring or pool full: let the kernel complete some frames.
-            if queued == 0 {
-                spins += 1;
-                if spins > 10 {
-                    tokio::time::sleep(Duration::from_micros(100)).await;
-                } else {
-                    tokio::task::yield_now().await;
-                }
-            } else {
-                spins = 0;
-            }
-        }
+        crate::tx::send_frames(
+            &self.xsk,
+            &self.ip_id,
+            &self.sent,
+            cfg.max_payload,
+            &dest.ep,
+            header,
+            burst,
+        )
+        .await
     }
 }
 

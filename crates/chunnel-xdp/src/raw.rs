@@ -2,7 +2,9 @@
 //! Chunnel, listener and tokio layers.
 //!
 //! `chunnel-bench datapaths` measures [`crate::Listener`] against a hand-written echo loop
-//! built on this module, so that the difference between the two is the library's layers, not
+//! built on this module, and [`crate::AfXdpConnect`] against a hand-written client loop
+//! ([`client_path`](crate::raw::client_path) finds the client's frame addressing the way
+//! the library does), so that the difference between the two is the library's layers, not
 //! the socket code: [`Socket`](crate::raw::Socket) is the same XSK socket (UMEM, four rings,
 //! copy mode, need-wakeup) and the same XDP program the listener uses, driven directly by the
 //! caller. [`parse_reply`](crate::raw::parse_reply) / [`build_reply`](crate::raw::build_reply)
@@ -124,7 +126,8 @@ impl Socket {
     }
 }
 
-/// Where a reply to a received datagram goes: its endpoints, swapped.
+/// Where a reply to a received datagram goes: its endpoints, swapped. Also a client's
+/// addressing of its requests ([`client_path`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reply(Endpoints);
 
@@ -133,6 +136,33 @@ impl Reply {
     pub fn peer(&self) -> SocketAddrV4 {
         self.0.dst
     }
+
+    /// The local end (the address and port frames are sent from).
+    pub fn local(&self) -> SocketAddrV4 {
+        self.0.src
+    }
+}
+
+/// A client's frame addressing to `peer` through `cfg.interface`, found as
+/// [`crate::AfXdpConnect`] finds it (route, local address and port, the next hop's MAC
+/// address, resolved by the kernel within `timeout`), and the kernel UDP socket holding the
+/// local port (keep it while the socket is used). Open the [`Socket`] with `cfg.local` set to
+/// [`Reply::local`] so the program steers the replies to it. Runs its own short-lived tokio
+/// runtime (for the resolution's timer); call it outside one.
+pub fn client_path(
+    cfg: &Config,
+    peer: SocketAddrV4,
+    timeout: std::time::Duration,
+) -> Result<(Reply, std::net::UdpSocket), Error> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|source| Error::Io {
+            op: "starting a runtime",
+            source,
+        })?;
+    let (ep, hold) = rt.block_on(crate::client::resolve_path(cfg, peer, timeout))?;
+    Ok((Reply(ep), hold))
 }
 
 /// Parses a received Ethernet/IPv4/UDP frame (the listener's parser): the reply's endpoints

@@ -411,12 +411,18 @@ impl Xsk {
         }
     }
 
+    /// Whether TX descriptors wait in the ring for the kernel to take them (a kick that met a
+    /// busy device leaves them there).
+    pub(crate) fn tx_pending(&self) -> bool {
+        self.tx.consumer().load(Ordering::Acquire) != self.tx.producer().load(Ordering::Relaxed)
+    }
+
     /// TX chunks handed to the kernel and not completed yet.
     pub(crate) fn tx_in_flight(&self) -> usize {
         (self.umem_len / self.frame_size as usize / 2) - self.free_tx.len()
     }
 
-    fn kick_tx(&mut self) {
+    pub(crate) fn kick_tx(&mut self) {
         self.kicks += 1;
         // SAFETY: zero-length sendto on our socket.
         unsafe {

@@ -34,7 +34,8 @@
 //!   [`ReconfigHandle`] moves live connections to the other branch (mechanism [`Lock`] or
 //!   [`LockFree`]), handing state over through [`Handover`].
 //! * [`ChunnelExt::boxed`] erases a stack's type behind [`BoxChunnel`]/[`BoxConnection`].
-//! * [`Payload`] and [`LendBuffer`]: how datapaths lend their own buffers.
+//! * [`Payload`], [`LendBuffer`], [`Emit`], [`LendRecv`] and [`LendStats`]: how datapaths lend
+//!   their own buffers.
 //!
 //! ## Example
 //!
@@ -115,7 +116,7 @@ pub use crate::negotiate::{
 };
 pub use crate::noop::{Identity, Noop, NoopConnection};
 pub use crate::offer_tree::OfferTree;
-pub use crate::payload::{LendBuffer, Payload};
+pub use crate::payload::{Emit, LendBuffer, LendRecv, LendStats, Payload};
 pub use crate::reconfig::{
     Handoff, Handover, Lock, LockFree, Mechanism, PreparedSwitch, ReconfigConnection,
     ReconfigHandle, Reconfigurable, Shared,

@@ -64,7 +64,7 @@ pub(crate) fn all(dir: &Path, figures: &Loaded, soak: Option<&Soak>) -> Result<V
             .map(|(_, e)| &e["result"])
     };
     type Draw = fn(&Path, &Value) -> Result<()>;
-    let plots: [(&str, &str, Draw); 9] = [
+    let plots: [(&str, &str, Draw); 11] = [
         ("overhead", "overhead", overhead),
         ("negotiate", "negotiate", negotiate),
         ("reconfig", "reconfig", reconfig),
@@ -74,6 +74,8 @@ pub(crate) fn all(dir: &Path, figures: &Loaded, soak: Option<&Soak>) -> Result<V
         ("datapaths", "figure7", figure7),
         ("secure", "secure", secure),
         ("uring", "uring", uring),
+        ("sched", "sched", sched),
+        ("sched_heavy", "sched_heavy", sched),
     ];
     for (figure, file, draw) in plots {
         if let Some(r) = get(figure) {
@@ -692,6 +694,39 @@ fn uring(path: &Path, r: &Value) -> Result<()> {
                 .map(|n| spread(&v[n]["rtt_p99_us"]))
                 .collect(),
         )],
+        &[],
+        false,
+    )?;
+    finish(root)
+}
+
+/// The determinism experiment: the periodic flow's one-way p50 and p99 per policy.
+fn sched(path: &Path, r: &Value) -> Result<()> {
+    let res = &r["results"];
+    let modes = [
+        ("alone", "alone"),
+        ("fifo", "FIFO"),
+        ("priority", "priority"),
+        ("time_aware", "time-aware"),
+    ];
+    let groups: Vec<String> = modes.iter().map(|m| m.1.to_string()).collect();
+    let col =
+        |q: &str| -> Vec<Option<Spread>> { modes.iter().map(|m| spread(&res[m.0][q])).collect() };
+    let c = &r["config"];
+    let title = format!(
+        "1 ms flow one-way latency (µs), bulk {}×{} B every {} µs",
+        c["bulk_burst"], r["bulk_size"], c["bulk_every_us"]
+    );
+    let root = canvas(path, (900, 420))?;
+    bars(
+        &root,
+        &title,
+        "µs",
+        &groups,
+        &[
+            ("p50".into(), col("one_way_p50_us")),
+            ("p99".into(), col("one_way_p99_us")),
+        ],
         &[],
         false,
     )?;

@@ -11,6 +11,8 @@ use serde_json::Value;
 use super::soak::Soak;
 use super::{Figure, Loaded};
 
+mod overhead_metrics;
+mod sched;
 mod sections;
 
 const TEMPLATE: &str = include_str!("evaluation.md.in");

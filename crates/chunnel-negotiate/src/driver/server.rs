@@ -243,13 +243,18 @@ where
             };
             // Written straight from `serve_one` (not an `async move` around it, which would
             // hold its arguments twice) into the spare box, or a new one.
-            let one = serve_one(
-                base,
-                Arc::clone(&server),
-                stack.clone(),
-                cfg,
-                Arc::clone(&held),
-                Arc::clone(&infos),
+            let one = crate::obs::negotiation(
+                crate::obs::Side::Server,
+                "hello",
+                super::zero_rtt_of::<S::Connection>,
+                serve_one(
+                    base,
+                    Arc::clone(&server),
+                    stack.clone(),
+                    cfg,
+                    Arc::clone(&held),
+                    Arc::clone(&infos),
+                ),
             );
             let mut handshake = boxed_in(&mut spare, one);
             // The hello usually arrived with the datagram that made this connection: then the

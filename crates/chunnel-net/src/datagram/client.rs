@@ -158,7 +158,7 @@ impl<S: DgramSocket> ChunnelConnection for Connection<S> {
                                 },
                                 // Dropped and counted.
                                 |_, _, _| {
-                                    self.stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
+                                    self.stats.drop_oversize();
                                 },
                             )
                         })

@@ -340,9 +340,7 @@ impl<S: DatagramIo> Shared<S> {
     /// connections are never evicted here.
     pub(super) fn admit_new(&self, d: &mut Demux<S::Addr>) -> bool {
         if !self.listener_open.load(Ordering::Acquire) {
-            self.stats
-                .dropped_backlog_full
-                .fetch_add(1, Ordering::Relaxed);
+            self.stats.drop_backlog_full();
             return false;
         }
         let cap = self.cfg.max_peers;
@@ -357,13 +355,11 @@ impl<S: DatagramIo> Shared<S> {
             }
         }
         if d.peers.len() >= cap && !self.evict_front(d) {
-            self.stats.dropped_peer_cap.fetch_add(1, Ordering::Relaxed);
+            self.stats.drop_peer_cap();
             return false;
         }
         if d.backlog.len() >= self.cfg.backlog {
-            self.stats
-                .dropped_backlog_full
-                .fetch_add(1, Ordering::Relaxed);
+            self.stats.drop_backlog_full();
             return false;
         }
         true
@@ -391,7 +387,7 @@ impl<S: DatagramIo> Shared<S> {
             d.leave(&p);
             p.notify.notify_waiters();
         }
-        self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+        self.stats.count_eviction();
         true
     }
 

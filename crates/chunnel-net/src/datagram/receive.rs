@@ -290,9 +290,7 @@ impl<S: DatagramIo> Shared<S> {
                             q.push_back(m);
                             self.stats.queued.fetch_add(1, Ordering::Relaxed);
                         } else {
-                            self.stats
-                                .dropped_queue_full
-                                .fetch_add(1, Ordering::Relaxed);
+                            self.stats.drop_queue_full();
                         }
                         let p = self.new_peer(addr, q);
                         p.session.store(session, Ordering::Relaxed);
@@ -309,9 +307,7 @@ impl<S: DatagramIo> Shared<S> {
                 self.set_fresh(false);
                 let mut q = lock(&peer.queue);
                 if !q.has_room(&m, &self.cfg) {
-                    self.stats
-                        .dropped_queue_full
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.stats.drop_queue_full();
                 } else {
                     q.push_back(m);
                     self.stats.queued.fetch_add(1, Ordering::Relaxed);
@@ -321,7 +317,7 @@ impl<S: DatagramIo> Shared<S> {
                 }
             },
             |addr, prefix, len| {
-                self.stats.dropped_oversize.fetch_add(1, Ordering::Relaxed);
+                self.stats.drop_oversize();
                 self.note_oversized(addr, prefix, len, conn_reads)
             },
         )?;

@@ -274,6 +274,29 @@ pub fn child_main() -> Result<()> {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 Ok(())
             }
+            "client-lend-hang" => {
+                // Sends 10 messages from lent buffers (message i: 1000 bytes of i), then
+                // hangs until killed.
+                use chunnel::{Either, Emit, LendBuffer};
+                let addr: SocketAddr = std::env::var("CHUNNEL_SHM_ADDR")?.parse()?;
+                let base = udp::Connect::new(addr).connect_wrap(()).await?;
+                let conn = Client::new(Config::default())
+                    .connect(&addr.to_string(), client_stack(), base)
+                    .await?;
+                let Either::Left(shm) = conn.get_ref() else {
+                    bail!("shared memory was not picked");
+                };
+                let mut bufs = Vec::new();
+                for i in 0..10u8 {
+                    let mut b = shm.lend(1000).context("lend")?;
+                    b.as_mut().fill(i);
+                    bufs.push(b);
+                }
+                shm.emit(bufs).await?;
+                println!("{MARK} SENT");
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(())
+            }
             other => bail!("unknown child role {other}"),
         }
     })

@@ -179,6 +179,8 @@ async fn drive<C: ChunnelConnection<Data = Bytes>>(s: Arc<Shared<C>>) {
         s.start.notified().await;
     }
     let mut slots: Vec<Option<Bytes>> = vec![None; 32];
+    #[cfg(feature = "metrics")]
+    let mut exported = super::export::Exported::new();
     loop {
         let deadline = s.lock().m.poll_timeout();
         let sleep = async {
@@ -222,6 +224,8 @@ async fn drive<C: ChunnelConnection<Data = Bytes>>(s: Arc<Shared<C>>) {
             while let Some(f) = st.m.poll_transmit(now) {
                 frames.push(f);
             }
+            #[cfg(feature = "metrics")]
+            exported.update(&st.m.stats());
             (st.m.deliverable() > 0, st.m.failed())
         };
         if failed {

@@ -94,6 +94,8 @@
 mod chunnel;
 mod config;
 mod connection;
+#[cfg(feature = "metrics")]
+mod export;
 mod machine;
 mod wire;
 

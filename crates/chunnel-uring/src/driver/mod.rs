@@ -29,6 +29,8 @@ use std::time::Duration;
 
 #[cfg(test)]
 pub(crate) use addr::{decode_addr, encode_addr};
+pub(crate) use buf::SendPool;
+pub use buf::{UringBuf, UringPayload};
 pub(crate) use readiness::{Driver, conn_err};
 pub(crate) use ring::Inner;
 pub(crate) use rx::{ClientRx, Rx, Stats};

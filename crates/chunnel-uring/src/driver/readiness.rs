@@ -9,7 +9,6 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use bytes::Bytes;
 use chunnel::Error;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
@@ -17,7 +16,7 @@ use tokio::sync::Notify;
 
 use crate::config::Config;
 
-use super::ring::{Inner, SlotState};
+use super::ring::{Inner, SlotPayload, SlotState};
 use super::rx::{Reaped, Rx, Stats};
 use super::*;
 
@@ -266,11 +265,21 @@ impl<R: Rx> Driver<R> {
         burst: B,
     ) -> Result<(), Error>
     where
-        B: IntoIterator<Item = Bytes>,
+        B: IntoIterator,
+        B::Item: Into<SlotPayload>,
     {
         let max = self.cfg.max_payload.saturating_sub(header.len());
         let batch = self.cfg.batch.clamp(1, MAX_BATCH);
-        let mut it = burst.into_iter();
+        let stats = &self.stats;
+        let mut it = burst.into_iter().map(|m| {
+            let m: SlotPayload = m.into();
+            let counter = match m {
+                SlotPayload::Lent(_) => &stats.tx_lent,
+                SlotPayload::Bytes(_) => &stats.tx_copied,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            m
+        });
         // A burst of one (the common case for request/response) skips the batch array.
         let Some(first) = it.next() else {
             return Ok(());
@@ -285,7 +294,7 @@ impl<R: Rx> Driver<R> {
         if second.is_none() {
             return self.send_batch(dest, peer, header, &mut [first]).await;
         }
-        let mut msgs: [Bytes; MAX_BATCH] = [const { Bytes::new() }; MAX_BATCH];
+        let mut msgs: [SlotPayload; MAX_BATCH] = [const { SlotPayload::EMPTY }; MAX_BATCH];
         msgs[0] = first;
         let mut pending = second;
         let mut n = 1;
@@ -320,7 +329,7 @@ impl<R: Rx> Driver<R> {
         dest: Option<&SocketAddr>,
         peer: &SocketAddr,
         header: &[u8],
-        msgs: &mut [Bytes],
+        msgs: &mut [SlotPayload],
     ) -> Result<(), Error> {
         let n = msgs.len();
         let mut flight = Flight {

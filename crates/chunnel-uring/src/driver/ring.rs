@@ -16,7 +16,7 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use crate::config::Config;
 
 use super::addr::{decode_addr, encode_addr};
-use super::buf::BufPool;
+use super::buf::{BufPool, UringBuf};
 use super::rx::{Reaped, Rx, Stats};
 use super::*;
 
@@ -31,6 +31,49 @@ pub(super) enum SlotState {
     Done(i32),
 }
 
+/// A message being sent: the application's `Bytes`, or a send buffer the connection lent.
+#[derive(Debug)]
+pub(crate) enum SlotPayload {
+    Bytes(Bytes),
+    Lent(UringBuf),
+}
+
+impl SlotPayload {
+    pub(crate) const EMPTY: SlotPayload = SlotPayload::Bytes(Bytes::new());
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            SlotPayload::Bytes(b) => b.len(),
+            SlotPayload::Lent(b) => b.len(),
+        }
+    }
+
+    fn ptr(&self) -> *const u8 {
+        match self {
+            SlotPayload::Bytes(b) => b.as_ptr(),
+            SlotPayload::Lent(b) => b.ptr(),
+        }
+    }
+}
+
+impl Default for SlotPayload {
+    fn default() -> Self {
+        SlotPayload::EMPTY
+    }
+}
+
+impl From<Bytes> for SlotPayload {
+    fn from(b: Bytes) -> Self {
+        SlotPayload::Bytes(b)
+    }
+}
+
+impl From<UringBuf> for SlotPayload {
+    fn from(b: UringBuf) -> Self {
+        SlotPayload::Lent(b)
+    }
+}
+
 /// Everything the kernel reads for one `SendMsg`, at a stable address until its completion.
 pub(super) struct SendSlot {
     msg: libc::msghdr,
@@ -39,7 +82,7 @@ pub(super) struct SendSlot {
     header: [u8; INLINE_HEADER],
     /// A header longer than `INLINE_HEADER` (never on the library's own paths).
     long_header: Bytes,
-    payload: Bytes,
+    payload: SlotPayload,
     pub(super) state: SlotState,
 }
 
@@ -111,7 +154,7 @@ impl<R: Rx> Inner<R> {
                 name: [0; NAME_LEN],
                 header: [0; INLINE_HEADER],
                 long_header: Bytes::new(),
-                payload: Bytes::new(),
+                payload: SlotPayload::EMPTY,
                 state: SlotState::Free,
             })
             .collect::<Box<[_]>>();
@@ -179,6 +222,8 @@ impl<R: Rx> Inner<R> {
         // Big enough for a burst's receives and its sends together: the room for a batch is
         // reserved before any of it is handed out (below), so a burst split over two batches
         // could allocate a block while the first half is still held.
+        // Buffers the application gave back go to the kernel first (published below).
+        self.bufs.take_back();
         let mut cqes = [const { MaybeUninit::<cqueue::Entry>::uninit() }; 2 * MAX_BATCH];
         loop {
             let batch: &[cqueue::Entry] = self.ring.completion().fill(&mut cqes);
@@ -242,7 +287,21 @@ impl<R: Rx> Inner<R> {
                 } else {
                     None
                 };
-                // The one copy of the receive path: kernel buffer -> compact block.
+                let (lent, total) = self.bufs.lent();
+                if self.rx.lends() && lent < total / 2 {
+                    // Lent: the buffer goes back to the kernel when the payload is dropped.
+                    // At most half the buffers are lent, so the kernel keeps buffers to
+                    // receive into; past that, copies.
+                    let payload = m.payload_data();
+                    let off = payload.as_ptr() as usize - data.as_ptr() as usize;
+                    let p = self.bufs.lend(bid, off, payload.len());
+                    stats.rx_lent.fetch_add(1, Ordering::Relaxed);
+                    self.rx.deliver_lent(from, p, stats);
+                    done.delivered += 1;
+                    return;
+                }
+                // The one copy of the copying receive path: kernel buffer -> compact block.
+                stats.rx_copied.fetch_add(1, Ordering::Relaxed);
                 self.out.extend_from_slice(m.payload_data());
                 let payload = self.out.split().freeze();
                 self.rx.deliver(from, payload, stats);
@@ -274,7 +333,7 @@ impl<R: Rx> Inner<R> {
         done.sends_done = true;
         match s.state {
             SlotState::InFlight { orphan: true } => {
-                s.payload = Bytes::new();
+                s.payload = SlotPayload::EMPTY;
                 s.long_header = Bytes::new();
                 s.state = SlotState::Free;
                 self.free.push(slot as u16);
@@ -290,7 +349,7 @@ impl<R: Rx> Inner<R> {
         id: u16,
         dest: Option<&SocketAddr>,
         header: &[u8],
-        payload: Bytes,
+        payload: SlotPayload,
         link: bool,
     ) -> io::Result<()> {
         let fd = self.fd;
@@ -311,7 +370,7 @@ impl<R: Rx> Inner<R> {
             parts = 1;
         }
         s.iov[parts] = libc::iovec {
-            iov_base: payload.as_ptr().cast_mut().cast(),
+            iov_base: payload.ptr().cast_mut().cast(),
             iov_len: payload.len(),
         };
         s.payload = payload;
@@ -331,8 +390,7 @@ impl<R: Rx> Inner<R> {
         let mut e = if parts == 0 {
             // No header: a plain `Send` (with the address, for a listener) spares the
             // kernel copying in a `msghdr` and an `iovec`.
-            let mut op =
-                opcode::Send::new(types::Fd(fd), s.payload.as_ptr(), s.payload.len() as u32);
+            let mut op = opcode::Send::new(types::Fd(fd), s.payload.ptr(), s.payload.len() as u32);
             if dest.is_some() {
                 op = op
                     .dest_addr(s.name.as_ptr().cast())
@@ -392,7 +450,7 @@ impl<R: Rx> Inner<R> {
 
     pub(super) fn release(&mut self, id: u16) {
         let s = &mut self.slots[usize::from(id)];
-        s.payload = Bytes::new();
+        s.payload = SlotPayload::EMPTY;
         s.long_header = Bytes::new();
         s.state = SlotState::Free;
         self.free.push(id);

@@ -8,6 +8,8 @@ use serde_json::Value;
 use super::super::Figure;
 use super::{Section, Spread, spread, thousands};
 
+mod lent;
+
 pub(super) fn render(f: &Figure, env: &Value) -> Section {
     let r = &env["result"];
     let mut s = Section::default();
@@ -24,6 +26,7 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
         "datapaths" => datapaths(r, &mut s),
         "xdp" => xdp(r, &mut s),
         "secure" => secure(r, &mut s),
+        "sched" | "sched_heavy" => super::sched::render(f.name, r, &mut s),
         _ => {}
     }
     s
@@ -32,7 +35,7 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
 // ---- formatting --------------------------------------------------------------------------
 
 /// A ratio: `1.062 [1.049–1.301]`; `171 [120–198]` for large ones.
-fn ratio(sp: Option<Spread>) -> String {
+pub(super) fn ratio(sp: Option<Spread>) -> String {
     let f = |x: f64| {
         if x.abs() >= 10.0 {
             format!("{x:.0}")
@@ -59,7 +62,7 @@ fn ratio_b(sp: Option<Spread>) -> String {
 }
 
 /// Microseconds at a precision fit for their size.
-fn us(x: f64) -> String {
+pub(super) fn us(x: f64) -> String {
     if !x.is_finite() {
         "–".into()
     } else if x < 1.0 {
@@ -73,7 +76,7 @@ fn us(x: f64) -> String {
     }
 }
 
-fn us_sp(sp: Option<Spread>) -> String {
+pub(super) fn us_sp(sp: Option<Spread>) -> String {
     match sp {
         Some(s) if s.min == s.max => us(s.med),
         Some(s) => format!("{} [{}–{}]", us(s.med), us(s.min), us(s.max)),
@@ -81,7 +84,7 @@ fn us_sp(sp: Option<Spread>) -> String {
     }
 }
 
-fn med(sp: Option<Spread>) -> f64 {
+pub(super) fn med(sp: Option<Spread>) -> f64 {
     sp.map_or(f64::NAN, |s| s.med)
 }
 
@@ -98,7 +101,7 @@ fn rate(x: f64) -> String {
     }
 }
 
-fn met(ok: Option<bool>) -> &'static str {
+pub(super) fn met(ok: Option<bool>) -> &'static str {
     match ok {
         Some(true) => "met",
         Some(false) => "**not met**",
@@ -106,7 +109,7 @@ fn met(ok: Option<bool>) -> &'static str {
     }
 }
 
-fn reps(sp: Option<Spread>) -> String {
+pub(super) fn reps(sp: Option<Spread>) -> String {
     match sp.and_then(|s| s.runs) {
         Some(1) => "one repetition".into(),
         Some(n) => format!("median [min–max] of {n} repetitions"),
@@ -114,7 +117,7 @@ fn reps(sp: Option<Spread>) -> String {
     }
 }
 
-fn plot(name: &str, alt: &str) -> String {
+pub(super) fn plot(name: &str, alt: &str) -> String {
     format!("![{alt}](figures/{name}.png)")
 }
 
@@ -193,6 +196,7 @@ fn overhead(r: &Value, s: &mut Section) {
         );
     }
     s.part("table", t);
+    super::overhead_metrics::render(r, s);
 
     let cg = &r["callgrind"];
     if let Some(per) = cg["instr_per_msg_round_trip"].as_object() {
@@ -873,8 +877,11 @@ fn datapaths(r: &Value, s: &mut Section) {
          library | bar |\n|---|---:|---:|---:|---|---|\n",
     );
     let mut claims = Vec::new();
-    for (k, label) in DATAPATHS {
-        let x = &d[k];
+    let rows = DATAPATHS.iter().map(|&(k, label)| (label, &d[k])).chain([(
+        "AF_XDP at both ends (raw: XSK loops at both ends)",
+        &d["af_xdp"]["both_ends"],
+    )]);
+    for (label, x) in rows {
         if let Some(why) = x["skipped"].as_str() {
             let _ = writeln!(t, "| {label} | – | – | – | – | not measured: {why} |");
             continue;
@@ -918,6 +925,7 @@ fn datapaths(r: &Value, s: &mut Section) {
             rate(med(spread(&x["library"]["msgs_per_s_64b"]))),
         );
     }
+    lent::lent(r, s);
     let shm = spread(&d["shared_memory"]["p50_ratio_udp_over_shm"]);
     let all = r["checks"]["all_measured_datapaths_meet_bar"].as_bool();
     s.part(
@@ -1051,6 +1059,39 @@ fn xdp(r: &Value, s: &mut Section) {
         "≤ 1.10",
         ok,
     );
+    let b = &x["both_ends"];
+    if b.is_object() {
+        let rt = spread(&b["p50_ratio_lib_over_raw"]);
+        let tr = spread(&b["throughput_ratio_lib_over_raw"]);
+        let ok = b["meets_bar"].as_bool();
+        s.part(
+            "both",
+            format!(
+                "**With AF_XDP at both ends (`AfXdpConnect` against the listener), the round \
+                 trip is {}× a raw XSK client loop against the raw echo loop** (p50, {}; raw {} \
+                 µs, library {} µs; bar ≤ 1.10 — {}); 64 B throughput {}× raw. Both programs' \
+                 counters show every request and every echo redirected to an AF_XDP socket: {}.",
+                ratio(rt),
+                reps(rt),
+                us_sp(spread(&b["raw"]["rtt_p50_us"])),
+                us_sp(spread(&b["library"]["rtt_p50_us"])),
+                met(ok),
+                ratio(tr),
+                if b["all_redirected_both_directions"].as_bool() == Some(true) {
+                    "yes"
+                } else {
+                    "**no**"
+                }
+            ),
+        );
+        s.headline(
+            "xdp",
+            "AF_XDP both ends: library p50 / raw XSK loops",
+            ratio(rt),
+            "≤ 1.10",
+            ok,
+        );
+    }
 }
 
 // ---- secure ------------------------------------------------------------------------------
