@@ -2,11 +2,12 @@
 //! connection it releases each message within a small fraction of a window after its gate
 //! opens, and it does not busy-spin while it waits (the CPU time of the thread that runs it is
 //! a small fraction of the wall time; a driver that yields in a loop until the gate, as
-//! `Config::spin_below` above the wait does, uses whatever share of a core it gets).
+//! `Config::spin_below` above the wait does, uses whatever share of a core it gets). On a
+//! paused tokio clock the driver neither spins nor uses its timer, and the gates still hold.
 
 use std::net::UdpSocket;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -153,5 +154,73 @@ fn shaper_meets_gates_precisely_without_spinning() -> Result<()> {
         "only {in_window} of {} released within their window",
         late.len()
     );
+    Ok(())
+}
+
+/// A connection that records when (on tokio's clock) each message was handed to it.
+struct Record(Mutex<Vec<(u8, tokio::time::Instant)>>);
+
+impl ChunnelConnection for Record {
+    type Data = Bytes;
+
+    fn send<B>(&self, burst: B) -> impl Future<Output = Result<(), chunnel::Error>> + Send
+    where
+        B: IntoIterator<Item = Bytes> + Send,
+        B::IntoIter: Send,
+    {
+        let now = tokio::time::Instant::now();
+        let mut log = self.0.lock().unwrap();
+        log.extend(burst.into_iter().map(|m| (m[0], now)));
+        std::future::ready(Ok(()))
+    }
+
+    fn recv<'a>(
+        &'a self,
+        _slots: &'a mut [Option<Bytes>],
+    ) -> impl Future<Output = Result<usize, chunnel::Error>> + Send + 'a {
+        std::future::pending()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn shaper_on_a_paused_clock() -> Result<()> {
+    let gates = GateSchedule::new(vec![
+        GateEntry::new(WINDOW, [0]),
+        GateEntry::new(CYCLE - WINDOW, [1]),
+    ])?;
+    let cfg = Config::default()
+        .with_policy(Policy::TimeAware(gates))
+        .with_classes(2)
+        .with_precise_timer(true)
+        .with_spin_below(Duration::from_micros(20));
+    let classify = |m: &Bytes| m[0];
+    let conn = Sched::new(cfg, classify)
+        .connect_wrap(Record(Mutex::new(Vec::new())))
+        .await?;
+    let base = tokio::time::Instant::from_std(conn.schedule_base());
+    for k in 0..20u32 {
+        // Class 0 after its window closed, class 1 inside class 0's window.
+        tokio::time::sleep_until(base + CYCLE * k + QUEUED_AT).await;
+        conn.send([Bytes::from_static(&[0])]).await?;
+        tokio::time::sleep_until(base + CYCLE * (k + 1) + WINDOW / 4).await;
+        conn.send([Bytes::from_static(&[1])]).await?;
+        conn.flush().await;
+    }
+    let log = conn.get_ref().0.lock().unwrap();
+    ensure!(log.len() == 40, "{} of 40 sent", log.len());
+    for (i, (class, at)) in log.iter().enumerate() {
+        let k = i as u32 / 2;
+        // Class 0 waits for cycle k + 1's window, class 1 for that window's end (tokio's
+        // timers fire on the millisecond after).
+        let opens = match class {
+            0 => base + CYCLE * (k + 1),
+            _ => base + CYCLE * (k + 1) + WINDOW,
+        };
+        ensure!(
+            *at >= opens && *at < opens + Duration::from_millis(1),
+            "message {i} (class {class}) sent {:?} after its gate opened",
+            at.checked_duration_since(opens)
+        );
+    }
     Ok(())
 }
