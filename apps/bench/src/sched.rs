@@ -27,8 +27,8 @@
 //! `--phase-us` into each cycle, stamps its message and hands it to the connection (the
 //! producers do not spin: on a shared machine a spinning thread uses up its share and is
 //! then descheduled for milliseconds). With the time-aware shaper only, the driver waits
-//! for a gate less than a period away by yielding (`Config::spin_below`), as tokio's timers
-//! are coarser than the windows. A raw `std::net::UdpSocket` receiver thread pinned to CPU 1 stamps
+//! for a gate on its precise timer (a timerfd; tokio's timers are coarser than the windows)
+//! and yields only for the last 20 µs before it (`Config::spin_below`). A raw `std::net::UdpSocket` receiver thread pinned to CPU 1 stamps
 //! each periodic message's arrival: the one-way latency is the kernel's receive timestamp
 //! (SO_TIMESTAMPNS: when the datagram reached the receiving socket, so the receiver thread's
 //! own scheduling is not counted) minus the send stamp (one host, one clock). Figures per mode: p50/p99/max one-way latency, periodic
@@ -55,6 +55,8 @@ const RECEIVER_CPU: usize = 1;
 const PERIOD: Duration = Duration::from_millis(1);
 const PERIODIC_SIZE: usize = 64;
 const BULK_SIZE: usize = 1200;
+/// With the time-aware shaper, how long before a gate the driver stops sleeping and yields.
+const SPIN_MARGIN: Duration = Duration::from_micros(20);
 
 #[derive(clap::Args, Clone)]
 pub(crate) struct Args {
@@ -127,6 +129,9 @@ struct Run {
     /// Periodic messages the producer handed over more than a window after it meant to
     /// (with the shaper: after its window closed, so it waits a cycle).
     late: u64,
+    /// CPU time of the thread running the connection's driver (and the bulk producer), as a
+    /// fraction of the run's wall time.
+    driver_cpu: f64,
     bulk_mbps: f64,
 }
 
@@ -150,7 +155,7 @@ fn measure(a: &Args) -> Result<Value> {
             let r = one(a, m).with_context(|| format!("{} rep {rep}", m.name()))?;
             eprintln!(
                 "rep {rep} {:>10}: one-way p50 {:>8.1} us  p99 {:>8.1} us (on time {:>8.1})  max {:>8.1} us  \
-                 lost {}/{} (missed {}, late {})  bulk {:>7.1} Mbit/s",
+                 lost {}/{} (missed {}, late {})  bulk {:>7.1} Mbit/s  driver CPU {:.0} %",
                 m.name(),
                 r.p50_us,
                 r.p99_us,
@@ -160,7 +165,8 @@ fn measure(a: &Args) -> Result<Value> {
                 r.sent,
                 r.missed,
                 r.late,
-                r.bulk_mbps
+                r.bulk_mbps,
+                r.driver_cpu * 100.0
             );
             figs[i].push(r);
         }
@@ -181,6 +187,7 @@ fn measure(a: &Args) -> Result<Value> {
                 "periodic_missed_by_sender": figs[i].iter().map(|r| r.missed).sum::<u64>(),
                 "periodic_handed_over_late": figs[i].iter().map(|r| r.late).sum::<u64>(),
                 "bulk_mbps": spread(&col(i, |r| r.bulk_mbps)),
+                "driver_thread_cpu": spread(&col(i, |r| r.driver_cpu)),
             }),
         );
         let over = |f: fn(&Run) -> f64| -> Vec<f64> {
@@ -310,12 +317,16 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
     let sent = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
     let sent_tx = Arc::clone(&sent);
     let args = a.clone();
-    let sender = std::thread::spawn(move || -> Result<()> {
+    let sender = std::thread::spawn(move || -> Result<f64> {
         pin(SENDER_CPU);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        rt.block_on(send_side(args, mode, addr, count, sent_tx))
+        let cpu0 = thread_cpu();
+        let t0 = Instant::now();
+        let r = rt.block_on(send_side(args, mode, addr, count, sent_tx));
+        let cpu = thread_cpu().saturating_sub(cpu0);
+        r.map(|()| cpu.as_secs_f64() / t0.elapsed().as_secs_f64())
     });
     let r = sender
         .join()
@@ -325,7 +336,7 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
     let got = receiver
         .join()
         .map_err(|_| anyhow::anyhow!("receiver panicked"))?;
-    r?;
+    let driver_cpu = r?;
     let (sent, missed, late) = (
         sent[0].load(Ordering::Relaxed),
         sent[1].load(Ordering::Relaxed),
@@ -354,6 +365,7 @@ fn one(a: &Args, mode: Mode) -> Result<Run> {
         lost: sent.saturating_sub(got.periodic),
         missed,
         late,
+        driver_cpu,
         bulk_mbps: if secs > 0.0 {
             got.bulk_bytes as f64 * 8.0 / secs / 1e6
         } else {
@@ -389,9 +401,10 @@ async fn send_side(
         .with_max_burst(a.max_burst)
         .with_base(base);
     if mode == Mode::TimeAware {
-        // tokio's timers are millisecond-grained, coarser than the windows: the driver waits
-        // for a gate less than a period away by yielding, so it does not sleep past a window.
-        cfg = cfg.with_spin_below(PERIOD + Duration::from_micros(100));
+        // tokio's timers are millisecond-grained, coarser than the windows: the driver sleeps
+        // on its precise timer (timerfd) until `SPIN_MARGIN` before a gate, and yields for
+        // that last margin only.
+        cfg = cfg.with_precise_timer(true).with_spin_below(SPIN_MARGIN);
     }
     let classify = |m: &Bytes| m.first().copied().unwrap_or(1);
     let conn = Arc::new(
@@ -503,6 +516,17 @@ fn grow_receive_buffer(sock: &UdpSocket, bytes: i32) {
             return;
         }
     }
+}
+
+/// CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid clock id and a pointer to a live timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// Now, in ns since the Unix epoch (the clock of SO_TIMESTAMPNS).

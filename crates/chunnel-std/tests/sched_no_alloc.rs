@@ -1,7 +1,8 @@
 //! No heap allocation per message on the send path of the packet scheduler over kernel UDP.
 //!
 //! A counting global allocator wraps the system allocator. After a warm-up, a client sends
-//! bursts of two classes through `Sched` (strict priority and the time-aware shaper) to a raw
+//! bursts of two classes through `Sched` (strict priority and the time-aware shaper, with gates
+//! always open and with gates that close, so the driver waits on its precise timer) to a raw
 //! reflector socket, waits for the driver to hand them to the socket (`flush`), and receives
 //! them back; the test fails if any allocation happens in that steady state.
 
@@ -22,7 +23,17 @@ fn scheduled_sends_allocate_nothing_per_message() {
         GateEntry::new(Duration::from_micros(500), [0, 1]),
     ])
     .unwrap();
-    for policy in [Policy::StrictPriority, Policy::TimeAware(always_open)] {
+    // Gates that close: the driver waits for them on its precise timer.
+    let alternating = GateSchedule::new(vec![
+        GateEntry::new(Duration::from_micros(300), [0]),
+        GateEntry::new(Duration::from_micros(300), [1]),
+    ])
+    .unwrap();
+    for policy in [
+        Policy::StrictPriority,
+        Policy::TimeAware(always_open),
+        Policy::TimeAware(alternating),
+    ] {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -46,9 +46,16 @@
 //! with one tokio task (spawned by `connect_wrap`, so a runtime must be running) that owns the
 //! send side of the inner connection: it asks the scheduler for a burst, sends it, and sleeps
 //! until the decision's `wake_at` or until a new message is queued. tokio's timers have
-//! millisecond resolution; with [`Config::spin_below`] set, the driver waits for a gate
-//! opening closer than that by yielding in a loop instead (precise, at the cost of a busy
-//! core while it waits).
+//! millisecond resolution, coarser than a gate schedule's windows: with the time-aware policy
+//! and [`Config::precise_timer`] (the default) the driver sleeps on a timer of its own
+//! instead, a Linux timerfd armed with the absolute deadline and registered with tokio's
+//! reactor (one per connection, created when the connection is made; where it cannot be
+//! created, the driver uses tokio's timers). The timer is set [`Config::spin_below`] (20 µs
+//! by default) ahead of the deadline and the driver yields in a loop for that last margin, so
+//! a gate is met to within microseconds while the driver sleeps through the rest of the wait
+//! (with the precise timer off, a large `spin_below` trades a busy core for precision
+//! instead). On a tokio clock that is paused or was advanced (`tokio::time::pause`), the
+//! driver neither spins nor uses its timer: it sleeps on tokio's clock.
 //!
 //! `send` returns once its messages are queued (not sent). If the inner connection fails
 //! (other than [`chunnel::Error::MessageTooLarge`], which loses the rest of that burst and is
@@ -88,6 +95,7 @@
 //! ```
 
 mod core;
+mod timer;
 
 use std::future::Future;
 use std::pin::pin;
@@ -120,9 +128,14 @@ pub struct Config {
     pub base: Option<Instant>,
     /// How long a dropped connection's driver keeps sending what is queued.
     pub linger: Duration,
-    /// The driver waits for a gate opening closer than this by yielding instead of a timer
-    /// (zero, the default: always a timer).
+    /// The spin margin: the driver waits for the last `spin_below` before a gate opening
+    /// (or the linger deadline) by yielding in a loop instead of a timer, which wakes it that
+    /// much early (20 µs by default; zero: always a timer). Not on a paused tokio clock.
     pub spin_below: Duration,
+    /// With the time-aware policy, the driver sleeps on a precise timer of its own (a Linux
+    /// timerfd, microsecond wake-ups) instead of tokio's millisecond timers (on by default;
+    /// without effect where timerfd is unavailable). Needs a runtime with IO enabled.
+    pub precise_timer: bool,
 }
 
 impl Default for Config {
@@ -135,7 +148,8 @@ impl Default for Config {
             overflow: Overflow::Wait,
             base: None,
             linger: Duration::from_secs(1),
-            spin_below: Duration::ZERO,
+            spin_below: Duration::from_micros(20),
+            precise_timer: true,
         }
     }
 }
@@ -181,6 +195,11 @@ impl Config {
         self.spin_below = d;
         self
     }
+    /// Sets [`Config::precise_timer`].
+    pub fn with_precise_timer(mut self, on: bool) -> Self {
+        self.precise_timer = on;
+        self
+    }
 }
 
 /// The packet scheduler Chunnel; see the [module docs](self). `F` is the classifier.
@@ -211,6 +230,16 @@ fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
+/// Whether tokio's clock, read as `tokio_now` just before, is the real one: not paused or
+/// advanced (`tokio::time::pause`, test-util), where it runs apart from [`Instant::now`].
+/// Spinning on a paused clock would never end, and the precise timer runs on real time.
+fn clock_is_real(tokio_now: Instant) -> bool {
+    const APART: Duration = Duration::from_millis(1);
+    let real = Instant::now();
+    real.saturating_duration_since(tokio_now) < APART
+        && tokio_now.saturating_duration_since(real) < APART
+}
+
 impl<C, F> Chunnel<C> for Sched<F>
 where
     C: ChunnelConnection + 'static,
@@ -239,16 +268,26 @@ where
             failed_bursts: AtomicU64::new(0),
         });
         let inner = Arc::new(inner);
+        let timer = if cfg.precise_timer && matches!(cfg.policy, Policy::TimeAware(_)) {
+            timer::PreciseTimer::new()
+        } else {
+            None
+        };
+        let precise_timer = timer.is_some();
         tokio::spawn(drive(
             Arc::clone(&inner),
             Arc::clone(&shared),
-            cfg.max_burst,
-            cfg.linger,
-            cfg.spin_below,
+            Waits {
+                max_burst: cfg.max_burst,
+                linger: cfg.linger,
+                spin_below: cfg.spin_below,
+                timer,
+            },
         ));
         Ok(SchedConnection {
             inner,
             shared,
+            precise_timer,
             classify: self.classify.clone(),
             overflow: cfg.overflow,
         })
@@ -286,14 +325,22 @@ impl<T> Shared<T> {
     }
 }
 
-/// The driver task: asks the scheduler for bursts and sends them on the inner connection.
-async fn drive<C: ChunnelConnection>(
-    inner: Arc<C>,
-    shared: Arc<Shared<C::Data>>,
+/// The driver's settings.
+struct Waits {
     max_burst: usize,
     linger: Duration,
     spin_below: Duration,
-) {
+    timer: Option<timer::PreciseTimer>,
+}
+
+/// The driver task: asks the scheduler for bursts and sends them on the inner connection.
+async fn drive<C: ChunnelConnection>(inner: Arc<C>, shared: Arc<Shared<C::Data>>, waits: Waits) {
+    let Waits {
+        max_burst,
+        linger,
+        spin_below,
+        mut timer,
+    } = waits;
     let mut burst: Vec<C::Data> = Vec::with_capacity(max_burst);
     let mut deadline: Option<Instant> = None;
     loop {
@@ -348,17 +395,44 @@ async fn drive<C: ChunnelConnection>(
             (Some(w), Some(dl)) => Some(w.min(dl)),
             (w, dl) => w.or(dl),
         };
-        match wake {
-            Some(w) if w.saturating_duration_since(now) < spin_below => {
-                tokio::task::yield_now().await;
+        let Some(w) = wake else {
+            work.await;
+            continue;
+        };
+        let real = clock_is_real(now);
+        if !real {
+            // A paused or advanced tokio clock: only its timers move it.
+            tokio::select! {
+                () = tokio::time::sleep_until(w.into()) => {}
+                () = &mut work => {}
             }
-            Some(w) => {
+            continue;
+        }
+        if w.saturating_duration_since(now) < spin_below {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        // Wake `spin_below` early, and spin the rest.
+        let early = w.checked_sub(spin_below).unwrap_or(w);
+        match &timer {
+            Some(t) => {
+                let failed = tokio::select! {
+                    r = t.sleep_until(early) => r.is_err(),
+                    // Never first on a real clock (tokio's timers do not fire early); there in
+                    // case the clock is paused after all.
+                    () = tokio::time::sleep_until(w.into()) => false,
+                    () = &mut work => false,
+                };
+                if failed {
+                    timer = None;
+                }
+            }
+            None => {
                 tokio::select! {
-                    () = tokio::time::sleep_until(w.into()) => {}
+                    () = tokio::time::sleep_until(early.into()) => {}
                     () = &mut work => {}
                 }
             }
-            None => work.await,
         }
     }
     shared.stopped.store(true, Ordering::Release);
@@ -369,6 +443,7 @@ async fn drive<C: ChunnelConnection>(
 pub struct SchedConnection<C: ChunnelConnection, F> {
     inner: Arc<C>,
     shared: Arc<Shared<C::Data>>,
+    precise_timer: bool,
     classify: F,
     overflow: Overflow,
 }
@@ -402,6 +477,11 @@ impl<C: ChunnelConnection, F> SchedConnection<C, F> {
     /// rest of each such burst was not sent).
     pub fn failed_bursts(&self) -> u64 {
         self.shared.failed_bursts.load(Ordering::Relaxed)
+    }
+
+    /// Whether the driver has its precise timer (see [`Config::precise_timer`]).
+    pub fn precise_timer(&self) -> bool {
+        self.precise_timer
     }
 
     /// The connection below.
