@@ -80,8 +80,8 @@ pub(super) fn render(figure: &'static str, r: &Value, s: &mut Section) {
     s.part("plot", plot(figure, alt));
     let mut t = String::from(
         "| policy | p50 µs | p99 µs | p99 of those on time, µs | max µs | p99 / alone | max / \
-         alone | handed over late / sent | lost | bulk Mbit/s |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         alone | handed over late / sent | lost | bulk Mbit/s | driver CPU |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (m, label) in MODES {
         let v = &res[m];
@@ -92,7 +92,7 @@ pub(super) fn render(figure: &'static str, r: &Value, s: &mut Section) {
         };
         let _ = writeln!(
             t,
-            "| {label} | {} | {} | {} | {} | {p99r} | {maxr} | {} / {} | {} | {} |",
+            "| {label} | {} | {} | {} | {} | {p99r} | {maxr} | {} / {} | {} | {} | {} |",
             us_sp(spread(&v["one_way_p50_us"])),
             us_sp(spread(&v["one_way_p99_us"])),
             us_sp(spread(&v["one_way_p99_on_time_us"])),
@@ -105,6 +105,8 @@ pub(super) fn render(figure: &'static str, r: &Value, s: &mut Section) {
             } else {
                 us_sp(spread(&v["bulk_mbps"]))
             },
+            spread(&v["driver_thread_cpu"])
+                .map_or("–".into(), |c| format!("{:.0} %", c.med * 100.0)),
         );
     }
     s.part("table", t);
