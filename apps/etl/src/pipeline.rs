@@ -4,7 +4,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use chunnel_pubsub::{Broker, Config as PubsubConfig, Member};
+use bytes::Bytes;
+use chunnel::{Chunnel, ChunnelConnection};
+use chunnel_pubsub::{Broker, Config as PubsubConfig, Member, Publish};
 use serde::Serialize;
 
 use crate::hop::{HopSender, SenderConfig};
@@ -35,6 +37,9 @@ pub struct PipelineConfig {
     pub drain: Duration,
     /// Kill ingest server 0 this long after the producers start (the fault test).
     pub kill_ingest_after: Option<Duration>,
+    /// Messages that are no record at all, published straight to the topic before the
+    /// producers start (the parsers must count and skip them). Default 0.
+    pub garbage: u64,
     /// The pub/sub Chunnels' settings.
     pub pubsub: PubsubConfig,
     /// The hops' senders' settings (its `shm` is overridden by [`PipelineConfig::shm`]).
@@ -54,6 +59,7 @@ impl Default for PipelineConfig {
             shm: true,
             drain: Duration::from_secs(30),
             kill_ingest_after: None,
+            garbage: 0,
             pubsub: PubsubConfig {
                 poll: Duration::from_millis(50),
                 ..PubsubConfig::default()
@@ -104,6 +110,10 @@ pub struct Report {
     pub producer_paths: Vec<&'static str>,
     /// Datapaths negotiated parser → consumer.
     pub parser_paths: Vec<&'static str>,
+    /// Records each parser parsed (and forwarded).
+    pub parsed: Vec<u64>,
+    /// Broker messages the parsers skipped because they were no record.
+    pub undecodable: u64,
     /// Records each ingest server published.
     pub published: Vec<u64>,
     /// Batches moved to another ingest server (all producers).
@@ -152,6 +162,14 @@ pub async fn run_with<B: Broker>(broker: B, cfg: &PipelineConfig) -> Result<Repo
             .await?,
         );
     }
+    if cfg.garbage > 0 {
+        let publisher = Publish::new(broker.clone(), &topic, cfg.pubsub.clone())
+            .connect_wrap(())
+            .await
+            .map_err(Error::Broker)?;
+        let junk = (0..cfg.garbage).map(|i| Bytes::from(vec![0xff; 1 + (i % 40) as usize]));
+        publisher.send(junk).await.map_err(Error::Broker)?;
+    }
     let ingest_addrs: Vec<SocketAddr> = ingests.iter().map(Ingest::addr).collect();
     let n = cfg.producers.max(1);
     let mut producer_paths = Vec::new();
@@ -197,8 +215,12 @@ pub async fn run_with<B: Broker>(broker: B, cfg: &PipelineConfig) -> Result<Repo
         .iter()
         .flat_map(|p| p.paths().iter().map(|x| x.1))
         .collect();
+    let mut parsed = Vec::new();
+    let mut undecodable = 0;
     for p in parsers {
-        p.stop().await?;
+        let s = p.stop().await?;
+        parsed.push(s.parsed);
+        undecodable += s.undecodable;
     }
     let lost = before_kill
         .as_ref()
@@ -230,6 +252,8 @@ pub async fn run_with<B: Broker>(broker: B, cfg: &PipelineConfig) -> Result<Repo
         by_level: c.by_level,
         producer_paths,
         parser_paths,
+        parsed,
+        undecodable,
         published: ingests.iter().map(Ingest::published).collect(),
         failovers: reports.iter().map(|r| r.sender.failovers).sum(),
         retransmits: reports.iter().map(|r| r.sender.retransmits).sum(),
