@@ -21,7 +21,7 @@ use chunnel::{ConnectionExt, Identity, Select, Side, Stack, select, stack};
 use chunnel_negotiate::{Config as NegotiateConfig, Connector};
 use chunnel_shm::{LocalFastPath, Role};
 use chunnel_std::serialize::{Bincode, Serialize};
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::{Semaphore, oneshot, watch};
 use tokio::task::JoinSet;
 
 use crate::Error;
@@ -110,6 +110,9 @@ struct Target {
     conn: Arc<ClientConn>,
     /// False once its connection failed or it let a batch go unacknowledged.
     alive: AtomicBool,
+    /// True once its connection ended (the peer closed it or died): waits for its
+    /// acknowledgements end at once.
+    gone: watch::Sender<bool>,
     path: &'static str,
 }
 
@@ -167,6 +170,7 @@ impl HopSender {
                         addr,
                         conn: Arc::new(conn),
                         alive: AtomicBool::new(true),
+                        gone: watch::Sender::new(false),
                         path,
                     });
                 }
@@ -267,7 +271,11 @@ impl Inner {
             let i = self.pick();
             let t = &self.targets[i];
             let mut wait = self.cfg.ack_timeout;
+            let mut gone = t.gone.subscribe();
             for attempt in 0..self.cfg.attempts.max(1) {
+                if *gone.borrow() {
+                    break;
+                }
                 if attempt > 0 {
                     self.retransmits.fetch_add(1, Ordering::Relaxed);
                 }
@@ -275,9 +283,13 @@ impl Inner {
                     tracing::debug!(addr = %t.addr, error = %e, "send failed");
                     break;
                 }
-                match tokio::time::timeout(wait, &mut rx).await {
-                    Ok(_) => break 'outer Ok(()),
-                    Err(_) => wait = wait.saturating_mul(2),
+                tokio::select! {
+                    r = tokio::time::timeout(wait, &mut rx) => match r {
+                        Ok(_) => break 'outer Ok(()),
+                        Err(_) => wait = wait.saturating_mul(2),
+                    },
+                    // Its connection ended: the batch goes elsewhere now.
+                    _ = gone.wait_for(|g| *g) => break,
                 }
             }
             // Failed or silent: suspect it and try the batch elsewhere.
@@ -301,7 +313,7 @@ async fn receive_acks(inner: Arc<Inner>, i: usize) {
         match t.conn.recv_one().await {
             Ok(Msg::Ack { batch }) => {
                 // A server that answers is alive again.
-                t.alive.store(true, Ordering::Relaxed);
+                t.alive.store(!*t.gone.borrow(), Ordering::Relaxed);
                 if let Some(tx) = inner.pending.lock().unwrap().remove(&batch) {
                     let _ = tx.send(());
                 }
@@ -315,6 +327,7 @@ async fn receive_acks(inner: Arc<Inner>, i: usize) {
             Err(e) => {
                 tracing::debug!(addr = %t.addr, error = %e, "server connection ended");
                 t.alive.store(false, Ordering::Relaxed);
+                t.gone.send_replace(true);
                 // Keep it suspected for good: its connection is gone.
                 std::future::pending::<()>().await;
             }
