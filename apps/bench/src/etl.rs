@@ -16,7 +16,11 @@ pub(crate) struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_value = "kafka,nats")]
     brokers: Vec<BrokerKind>,
     /// Offered loads, records per second (all producers together).
-    #[arg(long, value_delimiter = ',', default_value = "500,1000,2000,4000,8000,16000")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "500,1000,2000,4000,8000,16000"
+    )]
     rates: Vec<f64>,
     /// Seconds each offered load runs.
     #[arg(long, default_value_t = 5.0)]

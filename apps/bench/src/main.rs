@@ -12,12 +12,12 @@
 
 mod alloc;
 mod datapaths;
+mod etl;
 mod kv;
 mod negotiate;
 mod negotiate_flood;
 mod overhead;
 mod probe;
-mod etl;
 mod pubsub;
 mod reconfig;
 mod rendezvous;

@@ -44,7 +44,10 @@ pub fn hop_stack(role: Role, shm: bool) -> HopStack {
     if !shm {
         cfg.dir = "/nonexistent/chunnel-etl-no-shm".into();
     }
-    stack![Serialize::bincode(), select(LocalFastPath::new(role, cfg), Identity)]
+    stack![
+        Serialize::bincode(),
+        select(LocalFastPath::new(role, cfg), Identity)
+    ]
 }
 
 /// Which datapath negotiation picked: `"shm"` or `"udp"`.
@@ -295,7 +298,11 @@ impl Inner {
             // Failed or silent: suspect it and try the batch elsewhere.
             t.alive.store(false, Ordering::Relaxed);
             self.failovers.fetch_add(1, Ordering::Relaxed);
-            if self.targets.iter().all(|t| !t.alive.load(Ordering::Relaxed)) {
+            if self
+                .targets
+                .iter()
+                .all(|t| !t.alive.load(Ordering::Relaxed))
+            {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         };

@@ -22,7 +22,10 @@ use chunnel_pubsub::{Config as PubsubConfig, Member};
 use clap::{Parser as ClapParser, Subcommand};
 
 #[derive(ClapParser, Debug)]
-#[command(name = "chunnel-etl", about = "The ETL pipeline of the Bertha paper's §7.2 on Chunnels")]
+#[command(
+    name = "chunnel-etl",
+    about = "The ETL pipeline of the Bertha paper's §7.2 on Chunnels"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -247,7 +250,11 @@ async fn main() -> Result<()> {
         } => {
             let r: Result<(), Error> = with_broker!(broker, &broker_addr, partitions, |b| {
                 let ingest = Ingest::start(listen, b, &topic, pubsub(), !no_shm).await?;
-                eprintln!("ingest on {} -> {} topic {topic}", ingest.addr(), broker.name());
+                eprintln!(
+                    "ingest on {} -> {} topic {topic}",
+                    ingest.addr(),
+                    broker.name()
+                );
                 ctrl_c().await;
                 eprintln!("published {}", ingest.published());
                 Ok(())

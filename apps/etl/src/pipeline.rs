@@ -144,7 +144,8 @@ pub async fn run_with<B: Broker>(broker: B, cfg: &PipelineConfig) -> Result<Repo
     let consumer = Consumer::start(any, cfg.shm).await?;
     let mut ingests = Vec::new();
     for _ in 0..cfg.ingests.max(1) {
-        ingests.push(Ingest::start(any, broker.clone(), &topic, cfg.pubsub.clone(), cfg.shm).await?);
+        ingests
+            .push(Ingest::start(any, broker.clone(), &topic, cfg.pubsub.clone(), cfg.shm).await?);
     }
     let parsers_n = cfg.parsers.max(1) as u32;
     let mut parsers = Vec::new();

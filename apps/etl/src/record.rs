@@ -250,10 +250,19 @@ mod tests {
         for (line, want) in [
             ("", Malformed::TooShort),
             ("1 INFO", Malformed::TooShort),
-            ("1 info svc=a status=1 latency_ms=2 path=/", Malformed::Level),
-            ("1 INFO svc=a status=1 latency_ms=2 path=/ x", Malformed::Field),
+            (
+                "1 info svc=a status=1 latency_ms=2 path=/",
+                Malformed::Level,
+            ),
+            (
+                "1 INFO svc=a status=1 latency_ms=2 path=/ x",
+                Malformed::Field,
+            ),
             ("1 INFO svc=a svc=b latency_ms=2 path=/", Malformed::Field),
-            ("1 INFO svc=a status=70000 latency_ms=2 path=/", Malformed::Field),
+            (
+                "1 INFO svc=a status=70000 latency_ms=2 path=/",
+                Malformed::Field,
+            ),
             ("1 INFO svc=a status=1 latency=2 path=/", Malformed::Field),
         ] {
             r.line = line.into();

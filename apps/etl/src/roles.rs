@@ -477,7 +477,8 @@ pub async fn produce(cfg: ProducerConfig, sender: HopSender, acked: Acked) -> Pr
                 producer: cfg.id,
                 seq,
             };
-            let bad = cfg.malformed_every > 0 && seq % cfg.malformed_every == cfg.malformed_every - 1;
+            let bad =
+                cfg.malformed_every > 0 && seq % cfg.malformed_every == cfg.malformed_every - 1;
             report.malformed += u64::from(bad);
             records.push(RawRecord {
                 id,

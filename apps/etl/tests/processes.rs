@@ -54,7 +54,10 @@ fn spawn(args: &[String], ready: &str) -> Result<Proc> {
 }
 
 fn free_udp() -> SocketAddr {
-    UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+    UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
 }
 
 fn strings(v: &[&str]) -> Vec<String> {
@@ -81,8 +84,15 @@ async fn scenario(shm: bool) -> Result<()> {
     let mut parsers = Vec::new();
     for i in 0..2 {
         let mut args = strings(&["parse", "--broker", "nats", "--broker-addr", &nats]);
-        args.extend(strings(&["--topic", &topic, "--group", "procs", "--count", "2"]));
-        args.extend(strings(&["--index", &i.to_string(), "--consumers", &consumer_addr]));
+        args.extend(strings(&[
+            "--topic", &topic, "--group", "procs", "--count", "2",
+        ]));
+        args.extend(strings(&[
+            "--index",
+            &i.to_string(),
+            "--consumers",
+            &consumer_addr,
+        ]));
         args.extend(strings(&[no_shm]).into_iter().filter(|s| !s.is_empty()));
         parsers.push(spawn(&args, "parser")?);
     }
@@ -142,9 +152,20 @@ async fn scenario(shm: bool) -> Result<()> {
     );
     ensure!(!before.is_empty(), "nothing acknowledged before the kill");
     let lost: Vec<_> = before.iter().filter(|&&id| !consumer.has(id)).collect();
-    ensure!(lost.is_empty(), "acknowledged before the kill, lost: {:?}", &lost[..lost.len().min(5)]);
-    ensure!(missing == 0 && extra == 0, "missing {missing} {examples:?}, unexpected {extra}");
-    ensure!(c.malformed == total / 20, "malformed {} of {total}", c.malformed);
+    ensure!(
+        lost.is_empty(),
+        "acknowledged before the kill, lost: {:?}",
+        &lost[..lost.len().min(5)]
+    );
+    ensure!(
+        missing == 0 && extra == 0,
+        "missing {missing} {examples:?}, unexpected {extra}"
+    );
+    ensure!(
+        c.malformed == total / 20,
+        "malformed {} of {total}",
+        c.malformed
+    );
     ensure!(c.delivered + c.malformed == total);
     Ok(())
 }

@@ -59,7 +59,10 @@ pub async fn end_to_end(kind: BrokerKind, addr: &str, shm: bool) {
     assert!(r.published.iter().all(|&n| n > 0), "{:?}", r.published);
     let want = if shm { "shm" } else { "udp" };
     assert!(
-        r.producer_paths.iter().chain(&r.parser_paths).all(|p| *p == want),
+        r.producer_paths
+            .iter()
+            .chain(&r.parser_paths)
+            .all(|p| *p == want),
         "hops negotiated {:?} {:?}, expected {want}",
         r.producer_paths,
         r.parser_paths

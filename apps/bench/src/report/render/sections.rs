@@ -755,7 +755,10 @@ fn etl(r: &Value, s: &mut Section) {
             "end-to-end p50 and p99 latency against offered load, Kafka and NATS",
         ),
     );
-    let ms = |v: &Value| v.as_f64().map_or("–".into(), |x| format!("{:.2}", x / 1000.0));
+    let ms = |v: &Value| {
+        v.as_f64()
+            .map_or("–".into(), |x| format!("{:.2}", x / 1000.0))
+    };
     let mut t = format!(
         "{} producers (batches of {}), {} ingest servers, {} parsers, one consumer, {} s per \
          offered load; hops negotiated onto {}; every {}th line malformed (counted and skipped):\n\n\
@@ -768,7 +771,11 @@ fn etl(r: &Value, s: &mut Section) {
         r["secs"],
         r["hop_paths"]
             .as_array()
-            .map(|v| v.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" and "))
+            .map(|v| v
+                .iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(" and "))
             .unwrap_or_default(),
         r["malformed_every"],
     );
