@@ -95,6 +95,7 @@ pub async fn sweep(cfg: &BenchConfig) -> Result<Value, Error> {
     paths.dedup();
     let p = &cfg.pipeline;
     Ok(json!({
+        "bench": "etl",
         "what": "chunnel-etl end to end: producer stamp -> consumer, per offered load and broker",
         "producers": p.producers,
         "ingests": p.ingests,

@@ -8,6 +8,11 @@
 //! chunnel-etl produce --ingest 127.0.0.1:7001,127.0.0.1:7002 --id 0 --rate 500 --secs 10
 //! chunnel-etl bench   --brokers kafka,nats --rates 500,2000,8000 --out etl.json
 //! ```
+// Built without any broker feature, the broker roles only report `Error::NotBuilt`.
+#![cfg_attr(
+    not(any(feature = "kafka", feature = "nats", feature = "redis")),
+    allow(unused_variables, unused_imports, dead_code)
+)]
 
 use std::net::SocketAddr;
 use std::time::Duration;

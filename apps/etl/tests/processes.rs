@@ -35,11 +35,12 @@ fn spawn(args: &[String], ready: &str) -> Result<Proc> {
         .context("spawning chunnel-etl")?;
     let stderr = child.stderr.take().unwrap();
     let proc = Proc(child);
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(1024);
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             eprintln!("  [{}] {line}", std::process::id());
-            let _ = tx.send(line);
+            // Never blocks: once the test stopped listening, lines are only drained.
+            let _ = tx.try_send(line);
         }
     });
     let deadline = Instant::now() + Duration::from_secs(20);
