@@ -521,3 +521,26 @@ fn tally(report: &mut ProducerReport, done: Result<(bool, u64), tokio::task::Joi
         _ => report.failed += 1,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Seen;
+
+    #[test]
+    fn seen_counts_each_sequence_number_once_in_any_order() {
+        let mut s = Seen::default();
+        for seq in [3, 0, 2, 0, 1, 3, 7] {
+            s.insert(seq);
+        }
+        assert_eq!(s.low, 4, "0..4 contiguous");
+        assert!(s.contains(7) && !s.contains(4) && !s.contains(6));
+        assert!(!s.insert(2), "a copy below the contiguous prefix");
+        assert!(!s.insert(7), "a copy above it");
+        assert!(
+            s.insert(u64::MAX),
+            "any value from the network is just another id"
+        );
+        assert!(s.insert(4) && s.insert(5) && s.insert(6));
+        assert_eq!((s.low, s.above.len()), (8, 1));
+    }
+}
