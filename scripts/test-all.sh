@@ -54,7 +54,7 @@ for src in crates/*/src; do python3 scripts/module-cycles.py "$src" > /dev/null 
 export CHUNNEL_XDP_REQUIRE=1
 
 # Optional backends that need servers or build tools are features; the suite enables them all.
-FEATURES="chunnel-metrics/prometheus,chunnel-negotiate/metrics,chunnel-negotiate/tracing,chunnel-std/metrics,chunnel-net/metrics,chunnel-discovery/shm,chunnel-discovery/uring,chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report,chunnel-pubsub/kafka,chunnel-pubsub/nats,chunnel-pubsub/redis,chunnel-bench/pubsub"
+FEATURES="chunnel-metrics/prometheus,chunnel-negotiate/metrics,chunnel-negotiate/tracing,chunnel-std/metrics,chunnel-net/metrics,chunnel-discovery/shm,chunnel-discovery/uring,chunnel-rendezvous/redis,chunnel-rendezvous/etcd,chunnel-bench/stores,chunnel-bench/report,chunnel-pubsub/kafka,chunnel-pubsub/nats,chunnel-pubsub/redis,chunnel-bench/pubsub,chunnel-etl/kafka,chunnel-etl/nats,chunnel-etl/redis"
 
 log "Kafka 4.1 jars for the pub/sub tests (Maven Central, cached)"
 ./scripts/kafka/fetch.sh
@@ -182,6 +182,18 @@ for b, v in d["brokers"].items():
         s = v[side]
         assert s["latency_p50_us"] > 0 and s["throughput_msgs_per_s"] > 0, (b, side, s)
 print("bench JSON ok:", {b: (round(v["ratio_latency_p50"], 2), round(v["ratio_throughput"], 2)) for b, v in d["brokers"].items()})'
+
+log "chunnel-bench etl (short run: the ETL pipeline's latency against offered load, Kafka and NATS)"
+cargo run --release --locked -q -p chunnel-bench --features pubsub -- etl --secs 2 --rates 500,2000 \
+  | tail -n 1 | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+assert d["bench"] == "etl" and set(d["brokers"]) == {"kafka", "nats"}, d
+for b, v in d["brokers"].items():
+    assert "failed" not in v and len(v["points"]) == 2, (b, v)
+    for p in v["points"]:
+        assert p["complete"] and p["missing"] == 0 and p["p50_us"] > 0, (b, p)
+print("bench JSON ok:", {b: [(p["offered_per_s"], p["p50_us"]) for p in v["points"]] for b, v in d["brokers"].items()})'
 
 log "chunnel-bench datapaths (short run: kernel UDP, io_uring, shared memory, AF_XDP vs raw; Figure 7)"
 cargo run --release --locked -q -p chunnel-bench -- datapaths --msgs 2000 --reps 2 \

@@ -12,6 +12,7 @@
 
 mod alloc;
 mod datapaths;
+mod etl;
 mod kv;
 mod lent;
 mod negotiate;
@@ -73,6 +74,8 @@ enum Cmd {
     Secure(secure::Args),
     /// Pub/sub over Kafka, NATS JetStream, Redis Streams: Chunnel vs the client crates.
     Pubsub(pubsub::Args),
+    /// The ETL application end to end: latency against offered load, Kafka and NATS.
+    Etl(etl::Args),
     /// Packet scheduler determinism: a 1 ms flow's latency under bulk, FIFO vs priority vs TAS.
     Sched(sched::Args),
     /// Runs every figure, writes docs/figures/*.json and plots, regenerates docs/evaluation.md.
@@ -98,6 +101,7 @@ fn main() -> Result<()> {
         Cmd::Xdp(a) => xdp::run(a),
         Cmd::Secure(a) => secure::run(a),
         Cmd::Pubsub(a) => pubsub::run(a),
+        Cmd::Etl(a) => etl::run(a),
         Cmd::Sched(a) => sched::run(a),
         Cmd::Report(a) => report::run(a),
         Cmd::Soak(a) => soak::run(a),

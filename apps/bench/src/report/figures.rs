@@ -10,6 +10,8 @@ pub(crate) enum Need {
     Root,
     /// This binary built with the `stores` feature (Redis and etcd clients).
     Stores,
+    /// This binary built with the `pubsub` feature (Kafka, NATS and Redis clients).
+    Pubsub,
     /// A program on `PATH`.
     Program(&'static str),
 }
@@ -60,6 +62,8 @@ impl Figure {
     pub(crate) fn build(&self) -> &'static str {
         if self.needs.iter().any(|n| matches!(n, Need::Stores)) {
             "cargo build --release -p chunnel-bench --features stores"
+        } else if self.needs.iter().any(|n| matches!(n, Need::Pubsub)) {
+            "cargo build --release -p chunnel-bench --features pubsub"
         } else {
             "cargo build --release -p chunnel-bench"
         }
@@ -72,6 +76,7 @@ impl Figure {
             .map(|n| match n {
                 Need::Root => "root".to_string(),
                 Need::Stores => "--features stores".to_string(),
+                Need::Pubsub => "--features pubsub".to_string(),
                 Need::Program(p) => format!("`{p}`"),
             })
             .collect();
@@ -93,6 +98,9 @@ impl Figure {
                 Need::Stores if !cfg!(feature = "stores") => Some(
                     "this binary was built without the `stores` feature (Redis and etcd clients)"
                         .into(),
+                ),
+                Need::Pubsub if !cfg!(feature = "pubsub") => Some(
+                    "this binary was built without the `pubsub` feature (broker clients)".into(),
                 ),
                 Need::Program(p) if !on_path(p) => Some(format!("`{p}` is not installed")),
                 _ => None,
@@ -222,6 +230,19 @@ pub(crate) static FIGURES: &[Figure] = &[
             Need::Stores,
             Need::Program("redis-server"),
             Need::Program("etcd"),
+        ],
+    },
+    Figure {
+        name: "etl",
+        taskset: None,
+        args: &["etl", "--secs", "5"],
+        quick: &["etl", "--secs", "2", "--rates", "500,2000"],
+        expected_secs: 100,
+        needs: &[
+            Need::Pubsub,
+            Need::Program("nats-server"),
+            Need::Program("java"),
+            Need::Program("mvn"),
         ],
     },
     Figure {

@@ -64,12 +64,13 @@ pub(crate) fn all(dir: &Path, figures: &Loaded, soak: Option<&Soak>) -> Result<V
             .map(|(_, e)| &e["result"])
     };
     type Draw = fn(&Path, &Value) -> Result<()>;
-    let plots: [(&str, &str, Draw); 11] = [
+    let plots: [(&str, &str, Draw); 12] = [
         ("overhead", "overhead", overhead),
         ("negotiate", "negotiate", negotiate),
         ("reconfig", "reconfig", reconfig),
         ("kv", "kv", kv),
         ("rendezvous", "rendezvous", rendezvous),
+        ("etl", "etl", etl),
         ("datapaths", "datapaths", datapaths),
         ("datapaths", "figure7", figure7),
         ("secure", "secure", secure),
@@ -541,6 +542,45 @@ fn rendezvous(path: &Path, r: &Value) -> Result<()> {
         "group size N",
         "ms",
         &series("commit"),
+        None,
+    )?;
+    finish(root)
+}
+
+fn etl(path: &Path, r: &Value) -> Result<()> {
+    let Some(b) = r["brokers"].as_object() else {
+        return Ok(());
+    };
+    let series = |what: &str| -> Vec<(String, Vec<(f64, f64)>)> {
+        b.iter()
+            .filter_map(|(name, e)| {
+                let v = e["points"]
+                    .as_array()?
+                    .iter()
+                    .filter_map(|p| {
+                        Some((p["offered_per_s"].as_f64()?, p[what].as_f64()? / 1000.0))
+                    })
+                    .collect::<Vec<_>>();
+                (!v.is_empty()).then(|| (name.clone(), v))
+            })
+            .collect()
+    };
+    let root = canvas(path, (1000, 420))?;
+    let (a, c) = root.split_horizontally(500);
+    lines(
+        &a,
+        "End-to-end p50 (ms)",
+        "offered load (records/s)",
+        "ms",
+        &series("p50_us"),
+        None,
+    )?;
+    lines(
+        &c,
+        "End-to-end p99 (ms)",
+        "offered load (records/s)",
+        "ms",
+        &series("p99_us"),
         None,
     )?;
     finish(root)

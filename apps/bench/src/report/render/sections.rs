@@ -21,6 +21,7 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
         "reconfig" => reconfig(r, &mut s),
         "kv" => kv(r, &mut s),
         "rendezvous" => rendezvous(r, &mut s),
+        "etl" => etl(r, &mut s),
         "shm" => shm(r, &mut s),
         "uring" => uring(r, &mut s),
         "datapaths" => datapaths(r, &mut s),
@@ -743,6 +744,83 @@ fn rendezvous(r: &Value, s: &mut Section) {
         }
     }
     s.part("table", t);
+}
+
+// ---- etl ---------------------------------------------------------------------------------
+
+fn etl(r: &Value, s: &mut Section) {
+    let Some(b) = r["brokers"].as_object() else {
+        return;
+    };
+    s.part(
+        "plot",
+        plot(
+            "etl",
+            "end-to-end p50 and p99 latency against offered load, Kafka and NATS",
+        ),
+    );
+    let ms = |v: &Value| {
+        v.as_f64()
+            .map_or("–".into(), |x| format!("{:.2}", x / 1000.0))
+    };
+    let mut t = format!(
+        "{} producers (batches of {}), {} ingest servers, {} parsers, one consumer, {} s per \
+         offered load; hops negotiated onto {}; every {}th line malformed (counted and skipped):\n\n\
+         | broker | offered (records/s) | delivered (records/s) | p50 ms | p99 ms | max ms | \
+         every record exactly once |\n|---|---:|---:|---:|---:|---:|---|\n",
+        r["producers"],
+        r["batch"],
+        r["ingests"],
+        r["parsers"],
+        r["secs"],
+        r["hop_paths"]
+            .as_array()
+            .map(|v| v
+                .iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(" and "))
+            .unwrap_or_default(),
+        r["malformed_every"],
+    );
+    let mut all_complete = true;
+    for (name, e) in b {
+        if let Some(why) = e["skipped"].as_str() {
+            let _ = writeln!(t, "| {name} | – | skipped: {why} | | | | |");
+            all_complete = false;
+            continue;
+        }
+        for p in e["points"].as_array().into_iter().flatten() {
+            let complete = p["complete"].as_bool() == Some(true);
+            all_complete &= complete;
+            let _ = writeln!(
+                t,
+                "| {name} | {} | {} | {} | {} | {} | {} |",
+                thousands(p["offered_per_s"].as_f64().unwrap_or(f64::NAN)),
+                thousands(p["delivered_per_s"].as_f64().unwrap_or(f64::NAN)),
+                ms(&p["p50_us"]),
+                ms(&p["p99_us"]),
+                ms(&p["max_us"]),
+                if complete {
+                    "yes".to_string()
+                } else {
+                    format!("no: {} missing", p["missing"])
+                }
+            );
+        }
+        if let Some(why) = e["failed"].as_str() {
+            let _ = writeln!(t, "| {name} | – | failed: {why} | | | | |");
+            all_complete = false;
+        }
+    }
+    s.part("table", t);
+    s.headline(
+        "etl",
+        "ETL pipeline: every record delivered exactly once at every offered load",
+        if all_complete { "yes" } else { "no" },
+        "yes",
+        Some(all_complete),
+    );
 }
 
 // ---- shm ---------------------------------------------------------------------------------
