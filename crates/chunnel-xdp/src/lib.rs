@@ -115,6 +115,7 @@
 mod bpf;
 mod client;
 mod frame;
+mod lend;
 mod listener;
 mod netlink;
 /// For benchmarks: the XSK socket and XDP program without the library's layers (not a
@@ -132,6 +133,7 @@ use chunnel::{Error, Negotiate};
 
 pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
 pub use crate::client::{AfXdpConnect, ClientConnection, RESOLVE_TIMEOUT};
+pub use crate::lend::{XdpBuf, XdpPayload};
 use crate::listener::not_available;
 pub use crate::listener::{Listener, ServerConnection, Stats, XdpIo, XdpPeer, XdpRx};
 pub use crate::shard::{ShardCounters, ShardOffload, ShardOffloadConfig, XdpShard};
