@@ -24,6 +24,16 @@
 //! The connection reads the RX ring in the task that calls `recv` (no receive task), straight
 //! into the caller's slots: a read takes at most as many frames as there are slots, so nothing
 //! received waits in user space between calls. Sending is the server's path (`tx.rs`).
+//!
+//! Lent buffers ([`chunnel::LendRecv`], [`chunnel::LendBuffer`], [`chunnel::Emit`]):
+//! `recv_lent` hands out [`XdpPayload`]s viewing the UDP payload in its UMEM frame, which goes
+//! back to the fill ring when the payload drops (on any thread; the connection moves dropped
+//! frames to the fill ring at its next receive or send). While the application holds a quarter
+//! of the UMEM (half the receive frames), further messages are copied instead, so the kernel
+//! always has frames to receive into. `lend` gives an [`XdpBuf`] over a free TX frame's
+//! payload region; `emit` writes the headers around it and puts the frame on the TX ring, no
+//! copy. The listener's server connections queue `Bytes` in `chunnel_net::datagram` and keep
+//! copying.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Mutex;
@@ -32,14 +42,18 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use chunnel::util::lock;
-use chunnel::{Chunnel, ChunnelConnection, Error, Negotiate, SendHeader};
+use chunnel::{
+    Chunnel, ChunnelConnection, Emit, Error, LendBuffer, LendRecv, LendStats, Negotiate, SendHeader,
+};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
 use crate::bpf::{Counters, Program};
 use crate::frame::{self, Endpoints};
+use crate::lend::{XdpBuf, XdpPayload};
 use crate::listener::{Fd, Stats, not_available, open_socket};
 use crate::netlink::{NUD_FAILED, Netlink};
+use crate::xsk::Lender;
 use crate::xsk::Xsk;
 use crate::{Config, ID};
 
@@ -276,6 +290,10 @@ struct Count {
     dropped: AtomicU64,
     sent: AtomicU64,
     rx_batches: AtomicU64,
+    rx_lent: AtomicU64,
+    rx_copied: AtomicU64,
+    tx_lent: AtomicU64,
+    tx_copied: AtomicU64,
 }
 
 /// A client-side AF_XDP UDP connection to one peer. Fields drop in order: the tokio
@@ -296,6 +314,8 @@ pub struct ClientConnection {
     ip_id: AtomicU16,
     closed: AtomicBool,
     count: Count,
+    /// `recv_lent` lends while fewer receive frames than this are out, and copies past it.
+    lend_bound: usize,
 }
 
 impl std::fmt::Debug for ClientConnection {
@@ -337,8 +357,9 @@ impl ClientConnection {
             block: Mutex::new(BytesMut::new()),
             port,
             ep,
-            cfg,
             ip_id: AtomicU16::new(0),
+            lend_bound: (cfg.frames / 4) as usize,
+            cfg,
             closed: AtomicBool::new(false),
             count: Count::default(),
         })
@@ -415,23 +436,37 @@ impl ClientConnection {
 
     /// Takes up to `slots.len()` (at most `batch`) frames from the RX ring into `slots`;
     /// returns how many frames it took (some may have been dropped) and how many slots it
-    /// filled.
-    fn read(&self, slots: &mut [Option<Bytes>]) -> (usize, usize) {
+    /// filled. `put` makes a slot's value from the frame, the payload's range in it, a
+    /// [`Lender`] when `lend` is set and fewer than `lend_bound` receive frames are lent, and
+    /// the copy block.
+    fn read<T>(
+        &self,
+        slots: &mut [Option<T>],
+        lend: bool,
+        mut put: impl FnMut(&[u8], std::ops::Range<usize>, Option<Lender<'_>>, &mut BytesMut) -> T,
+    ) -> (usize, usize) {
         let want = slots.len().min(self.cfg.batch.max(1));
         let peer = self.ep.dst;
         let max = self.cfg.max_payload;
-        let (mut filled, mut malformed, mut dropped) = (0usize, 0u64, 0u64);
+        let (mut filled, mut lent, mut malformed, mut dropped) = (0usize, 0u64, 0u64, 0u64);
         let mut xsk = lock(&self.xsk);
+        xsk.refill();
+        let mut budget = if lend {
+            self.lend_bound.saturating_sub(xsk.umem().rx_out())
+        } else {
+            0
+        };
         let mut block = lock(&self.block);
-        let n = xsk.recv_batch(want, |f| match frame::parse(f) {
+        let n = xsk.recv_lent(want, |f, lender| match frame::parse(f) {
             Ok((ep, range)) if ep.src == peer && range.len() <= max => {
-                let p = &f[range];
-                if block.capacity() < p.len() {
-                    // Reclaims the block in place when every message cut from it is gone.
-                    block.reserve(RX_BLOCK.max(p.len()));
-                }
-                block.extend_from_slice(p);
-                slots[filled] = Some(block.split().freeze());
+                let l = if budget > 0 {
+                    budget -= 1;
+                    lent += 1;
+                    Some(lender)
+                } else {
+                    None
+                };
+                slots[filled] = Some(put(f, range, l, &mut block));
                 filled += 1;
             }
             // Another source (a connected socket ignores it too) or too large.
@@ -447,6 +482,13 @@ impl ClientConnection {
             let c = &self.count;
             c.rx_batches.fetch_add(1, Ordering::Relaxed);
             c.delivered.fetch_add(filled as u64, Ordering::Relaxed);
+            if lent > 0 {
+                c.rx_lent.fetch_add(lent, Ordering::Relaxed);
+            }
+            if filled as u64 > lent {
+                c.rx_copied
+                    .fetch_add(filled as u64 - lent, Ordering::Relaxed);
+            }
             if malformed > 0 {
                 c.malformed.fetch_add(malformed, Ordering::Relaxed);
             }
@@ -456,6 +498,80 @@ impl ClientConnection {
         }
         (n, filled)
     }
+
+    /// `recv` over `read`: waits for frames on the ring or an ICMP error on the port.
+    async fn recv_with<T>(
+        &self,
+        slots: &mut [Option<T>],
+        read: impl Fn(&Self, &mut [Option<T>]) -> (usize, usize),
+    ) -> Result<usize, Error> {
+        if slots.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            self.check_open()?;
+            // The ring first: frames may be there without a readiness event pending.
+            let (n, filled) = read(self, slots);
+            if filled > 0 {
+                return Ok(filled);
+            }
+            if n > 0 {
+                continue; // only dropped frames: read again
+            }
+            // One wait for both: a frame on the ring, or an ICMP error on the port's socket.
+            let mut ready = tokio::select! {
+                biased;
+                r = self.afd.readable() => r.map_err(|source| Error::Io {
+                    op: "waiting on the AF_XDP socket",
+                    source,
+                })?,
+                r = self.port.ready(Interest::ERROR) => {
+                    r.map_err(|e| peer_err(&self.ep.dst, e))?;
+                    let pending = self.port.try_io(Interest::ERROR, || {
+                        match self.port.take_error() {
+                            Ok(Some(e)) => Ok(e),
+                            Ok(None) => Err(std::io::ErrorKind::WouldBlock.into()),
+                            Err(e) => Ok(e),
+                        }
+                    });
+                    if let Ok(e) = pending {
+                        return Err(peer_err(&self.ep.dst, e));
+                    }
+                    continue;
+                }
+            };
+            // Clears the readiness only if no event arrived since it was reported, so a frame
+            // landing between this read and the clear still wakes the next wait.
+            if let Ok(Ok((_, filled))) = ready.try_io(|_| match read(self, slots) {
+                (0, _) => Err(std::io::ErrorKind::WouldBlock.into()),
+                r => Ok(r),
+            }) && filled > 0
+            {
+                return Ok(filled);
+            }
+        }
+    }
+
+    fn read_copied(&self, slots: &mut [Option<Bytes>]) -> (usize, usize) {
+        self.read(slots, false, |f, range, _, block| copy(block, &f[range]))
+    }
+
+    fn read_lent(&self, slots: &mut [Option<XdpPayload>]) -> (usize, usize) {
+        self.read(slots, true, |f, range, lender, block| match lender {
+            Some(l) => XdpPayload::lent(l.lend(range)),
+            None => XdpPayload::copied(copy(block, &f[range])),
+        })
+    }
+}
+
+/// Copies `p` into `block` and cuts it off as `Bytes`; the block is reclaimed in place once
+/// every message cut from it is gone.
+fn copy(block: &mut BytesMut, p: &[u8]) -> Bytes {
+    if block.capacity() < p.len() {
+        block.reserve(RX_BLOCK.max(p.len()));
+    }
+    block.extend_from_slice(p);
+    block.split().freeze()
 }
 
 /// An error on the connection: "refused" means the peer's port is closed.
@@ -488,7 +604,7 @@ impl SendHeader for ClientConnection {
         crate::tx::send_frames(
             &self.xsk,
             &self.ip_id,
-            &self.count.sent,
+            &[&self.count.sent, &self.count.tx_copied],
             self.cfg.max_payload,
             &self.ep,
             header,
@@ -510,51 +626,68 @@ impl ChunnelConnection for ClientConnection {
     }
 
     async fn recv<'a>(&'a self, slots: &'a mut [Option<Bytes>]) -> Result<usize, Error> {
-        if slots.is_empty() {
-            return Ok(0);
+        self.recv_with(slots, Self::read_copied).await
+    }
+}
+
+/// Received datagrams lent in their UMEM frames ([`XdpPayload`]), each given back to the fill
+/// ring when dropped. At most a quarter of the UMEM's frames (half the receive frames) are
+/// lent at once; past that, messages are copied (counted in `rx_copied`) so the kernel keeps
+/// frames to receive into.
+impl LendRecv for ClientConnection {
+    type Lent = XdpPayload;
+
+    fn recv_lent<'a>(
+        &'a self,
+        slots: &'a mut [Option<XdpPayload>],
+    ) -> impl Future<Output = Result<usize, Error>> + Send + 'a {
+        self.recv_with(slots, Self::read_lent)
+    }
+
+    fn lend_stats(&self) -> LendStats {
+        let c = &self.count;
+        LendStats {
+            rx_lent: c.rx_lent.load(Ordering::Relaxed),
+            rx_copied: c.rx_copied.load(Ordering::Relaxed),
+            tx_lent: c.tx_lent.load(Ordering::Relaxed),
+            tx_copied: c.tx_copied.load(Ordering::Relaxed),
         }
-        loop {
-            self.check_open()?;
-            // The ring first: frames may be there without a readiness event pending.
-            let (n, filled) = self.read(slots);
-            if filled > 0 {
-                return Ok(filled);
-            }
-            if n > 0 {
-                continue; // only dropped frames: read again
-            }
-            // One wait for both: a frame on the ring, or an ICMP error on the port's socket.
-            let mut ready = tokio::select! {
-                biased;
-                r = self.afd.readable() => r.map_err(|source| Error::Io {
-                    op: "waiting on the AF_XDP socket",
-                    source,
-                })?,
-                r = self.port.ready(Interest::ERROR) => {
-                    r.map_err(|e| peer_err(&self.ep.dst, e))?;
-                    let pending = self.port.try_io(Interest::ERROR, || {
-                        match self.port.take_error() {
-                            Ok(Some(e)) => Ok(e),
-                            Ok(None) => Err(std::io::ErrorKind::WouldBlock.into()),
-                            Err(e) => Ok(e),
-                        }
-                    });
-                    if let Ok(e) = pending {
-                        return Err(peer_err(&self.ep.dst, e));
-                    }
-                    continue;
-                }
-            };
-            // Clears the readiness only if no event arrived since it was reported, so a frame
-            // landing between this read and the clear still wakes the next wait.
-            if let Ok(Ok((_, filled))) = ready.try_io(|_| match self.read(slots) {
-                (0, _) => Err(std::io::ErrorKind::WouldBlock.into()),
-                r => Ok(r),
-            }) && filled > 0
-            {
-                return Ok(filled);
-            }
+    }
+}
+
+/// Free TX frames of the UMEM: `None` when every TX frame is in flight or lent, or when `len`
+/// is over `max_payload` or the frame size less the headers (send the message as `Bytes`
+/// then).
+impl LendBuffer for ClientConnection {
+    type Buf = XdpBuf;
+
+    fn lend(&self, len: usize) -> Option<XdpBuf> {
+        if len > self.cfg.max_payload || self.closed.load(Ordering::Relaxed) {
+            return None;
         }
+        lock(&self.xsk).lend_tx(len).map(XdpBuf)
+    }
+}
+
+/// Writes the headers in front of each lent payload and queues the frames on the TX ring
+/// (no copy); returns as `send` does. A buffer another connection lent fails the emit with
+/// [`Error::Layer`].
+impl Emit for ClientConnection {
+    async fn emit<B>(&self, bufs: B) -> Result<(), Error>
+    where
+        B: IntoIterator<Item = XdpBuf> + Send,
+        B::IntoIter: Send,
+    {
+        self.check_open()?;
+        let frames = bufs.into_iter().map(|b| b.0);
+        crate::tx::emit_frames(
+            &self.xsk,
+            &self.ip_id,
+            &[&self.count.sent, &self.count.tx_lent],
+            &self.ep,
+            frames,
+        )
+        .await
     }
 }
 

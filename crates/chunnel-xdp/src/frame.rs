@@ -80,16 +80,22 @@ pub(crate) fn parse(f: &[u8]) -> Result<(Endpoints, std::ops::Range<usize>), Rej
 /// returns its length. `buf` must hold `HEADERS + payload` bytes.
 pub(crate) fn build(buf: &mut [u8], ep: &Endpoints, ip_id: u16, parts: &[&[u8]]) -> usize {
     let payload: usize = parts.iter().map(|p| p.len()).sum();
+    let mut at = HEADERS;
+    for p in parts {
+        buf[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
+    headers(buf, ep, ip_id, payload)
+}
+
+/// Writes the headers of a frame from `ep.src` to `ep.dst` whose `payload` bytes are already
+/// in place after [`HEADERS`] bytes of `buf`; returns the frame's length.
+pub(crate) fn headers(buf: &mut [u8], ep: &Endpoints, ip_id: u16, payload: usize) -> usize {
     let len = HEADERS + payload;
     let f = &mut buf[..len];
     f[0..6].copy_from_slice(&ep.dst_mac);
     f[6..12].copy_from_slice(&ep.src_mac);
     f[12..14].copy_from_slice(&[0x08, 0x00]);
-    let mut at = HEADERS;
-    for p in parts {
-        f[at..at + p.len()].copy_from_slice(p);
-        at += p.len();
-    }
     let (src_ip, dst_ip) = (ep.src.ip().octets(), ep.dst.ip().octets());
     {
         let ip = &mut f[14..34];

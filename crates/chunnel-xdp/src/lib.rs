@@ -91,6 +91,13 @@
 //!   fragmentation.
 //! * Received UDP checksums are not verified (a kernel sender on veth leaves them to the
 //!   device, `CHECKSUM_PARTIAL`); the IPv4 header checksum is.
+//! * Lent buffers (client only): [`ClientConnection`] implements [`chunnel::LendRecv`]
+//!   ([`XdpPayload`]: the UDP payload viewed in its UMEM frame, which stays out of the fill
+//!   ring until the payload drops, on any thread; past half the receive frames held, messages
+//!   are copied instead) and [`chunnel::LendBuffer`] + [`chunnel::Emit`] ([`XdpBuf`]: a free TX
+//!   frame's payload region; `emit` writes the headers in front of it, no copy; at most half
+//!   the TX frames are lent). The listener's server connections keep copying (their queues
+//!   are `chunnel_net::datagram`'s, of `Bytes`).
 //!
 //! The client finds its path with rtnetlink (`netlink.rs`): the route to the peer (output
 //! interface, gateway, source address), then the next hop's entry in the kernel's neighbour
@@ -115,6 +122,7 @@
 mod bpf;
 mod client;
 mod frame;
+mod lend;
 mod listener;
 mod netlink;
 /// For benchmarks: the XSK socket and XDP program without the library's layers (not a
@@ -132,6 +140,7 @@ use chunnel::{Error, Negotiate};
 
 pub use crate::bpf::{AttachMode, Counters, embedded_program_available};
 pub use crate::client::{AfXdpConnect, ClientConnection, RESOLVE_TIMEOUT};
+pub use crate::lend::{XdpBuf, XdpPayload};
 use crate::listener::not_available;
 pub use crate::listener::{Listener, ServerConnection, Stats, XdpIo, XdpPeer, XdpRx};
 pub use crate::shard::{ShardCounters, ShardOffload, ShardOffloadConfig, XdpShard};

@@ -275,7 +275,7 @@ impl DatagramIo for XdpIo {
         crate::tx::send_frames(
             &self.xsk,
             &self.ip_id,
-            &self.sent,
+            &[&self.sent],
             cfg.max_payload,
             &dest.ep,
             header,

@@ -18,7 +18,7 @@ use chunnel::Error;
 use chunnel::util::lock;
 
 use crate::frame::{self, Endpoints};
-use crate::xsk::Xsk;
+use crate::xsk::{TxFrame, Xsk};
 
 /// How long a send keeps kicking a device that leaves its frames in the TX ring.
 pub(crate) const TX_PATIENCE: Duration = Duration::from_millis(100);
@@ -57,12 +57,12 @@ async fn drain(xsk: &Mutex<Xsk>) -> Result<(), Error> {
 
 /// Sends `burst` (each message after `header`) from `ep.src` to `ep.dst` through `xsk`;
 /// fails with [`Error::MessageTooLarge`] at the first message over `max_payload` (or the
-/// chunk size), having sent the ones before it. `ip_id` numbers the IPv4 headers; `sent`
-/// counts the frames queued.
+/// chunk size), having sent the ones before it. `ip_id` numbers the IPv4 headers; each of
+/// `sent` counts the frames queued.
 pub(crate) async fn send_frames<B>(
     xsk: &Mutex<Xsk>,
     ip_id: &AtomicU16,
-    sent: &AtomicU64,
+    sent: &[&AtomicU64],
     max_payload: usize,
     ep: &Endpoints,
     header: &[u8],
@@ -93,7 +93,9 @@ where
             x.flush_tx();
             n
         };
-        sent.fetch_add(queued as u64, Ordering::Relaxed);
+        for c in sent {
+            c.fetch_add(queued as u64, Ordering::Relaxed);
+        }
         if let Some(e) = err {
             return Err(e);
         }
@@ -101,6 +103,68 @@ where
             return drain(xsk).await;
         }
         // TX ring or pool full: let the kernel complete some frames.
+        if queued == 0 {
+            spins += 1;
+            if spins > 10 {
+                tokio::time::sleep(Duration::from_micros(100)).await;
+            } else {
+                tokio::task::yield_now().await;
+            }
+        } else {
+            spins = 0;
+        }
+    }
+}
+
+/// Sends frames lent by `xsk` ([`Xsk::lend_tx`]), their payloads already written: the headers
+/// are written in place around each payload and the frame goes on the TX ring without a copy.
+/// Fails with an [`Error::Layer`] at the first frame another socket lent (having sent the
+/// ones before it; that frame and the rest go back to their pools). As [`send_frames`] for
+/// the rest.
+pub(crate) async fn emit_frames<B>(
+    xsk: &Mutex<Xsk>,
+    ip_id: &AtomicU16,
+    sent: &[&AtomicU64],
+    ep: &Endpoints,
+    frames: B,
+) -> Result<(), Error>
+where
+    B: IntoIterator<Item = TxFrame>,
+{
+    let mut it = frames.into_iter().peekable();
+    let mut spins = 0u32;
+    loop {
+        let mut foreign = false;
+        let queued = {
+            let mut x = lock(xsk);
+            let umem = x.umem().clone();
+            let n = x.post_tx(|| {
+                if !it.peek()?.is_of(&umem) {
+                    foreign = true;
+                    return None;
+                }
+                let mut f = it.next()?;
+                let id = ip_id.fetch_add(1, Ordering::Relaxed);
+                let len = f.len();
+                let flen = frame::headers(f.frame_mut(), ep, id, len);
+                Some((f, flen))
+            });
+            x.flush_tx();
+            n
+        };
+        for c in sent {
+            c.fetch_add(queued as u64, Ordering::Relaxed);
+        }
+        if foreign {
+            return Err(Error::Layer {
+                layer: crate::ID,
+                source: "emit: a buffer lent by another AF_XDP socket".into(),
+            });
+        }
+        if it.peek().is_none() {
+            return drain(xsk).await;
+        }
+        // TX ring full: let the kernel complete some frames.
         if queued == 0 {
             spins += 1;
             if spins > 10 {

@@ -4,13 +4,23 @@
 //!
 //! UMEM layout: `frames` chunks of `frame_size` bytes. The first half is lent to the kernel
 //! through the fill ring for reception (every received chunk goes straight back to the fill
-//! ring once its bytes were copied out); the second half is the TX pool, recycled from the
-//! completion ring.
+//! ring once its bytes were copied out, or, when lent to the application as an [`RxFrame`],
+//! once that is dropped); the second half is the TX pool, recycled from the completion ring
+//! (a chunk lent as a [`TxFrame`] leaves the pool until it is sent and completed, or dropped).
+//!
+//! The UMEM mapping is an [`Umem`] shared (`Arc`) by the socket and every lent frame, so a
+//! frame the application holds stays mapped after the socket is gone. A lent frame dropped
+//! (on any thread) goes on the UMEM's return queue (a mutex-protected vector allocated once,
+//! with room for every chunk); the socket moves returned chunks to the fill ring or the TX
+//! pool at its next receive or send.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use chunnel::util::lock;
 
 /// Sizes of the socket.
 #[derive(Clone, Copy, Debug)]
@@ -100,14 +110,178 @@ impl Drop for Ring {
     }
 }
 
+/// The UMEM mapping, shared by the socket and the frames it lends; unmapped when the last
+/// of them is gone.
+pub(crate) struct Umem {
+    ptr: *mut u8,
+    len: usize,
+    /// Receive chunks lent and not yet back in the fill ring.
+    rx_out: AtomicUsize,
+    /// Receive chunks dropped by the application, for the fill ring.
+    rx_back: Mutex<Vec<u64>>,
+    /// Transmit chunks lent and not yet back in the TX pool (dropped unsent) or the TX ring.
+    tx_out: AtomicUsize,
+    /// Transmit chunks dropped unsent, for the TX pool.
+    tx_back: Mutex<Vec<u64>>,
+}
+
+// SAFETY: `ptr` is a private mapping owned by this value. The bytes of one chunk are accessed
+// only by the single owner of that chunk at a time (the socket under its mutex, the kernel, or
+// one lent frame), so sharing the pointer between threads does not race.
+unsafe impl Send for Umem {}
+// SAFETY: as above; the return queues are behind mutexes and the counters atomic.
+unsafe impl Sync for Umem {}
+
+impl Umem {
+    /// Receive chunks lent to the application and not yet back in the fill ring.
+    pub(crate) fn rx_out(&self) -> usize {
+        self.rx_out.load(Ordering::Acquire)
+    }
+
+    fn back(&self, q: &Mutex<Vec<u64>>, chunk: u64) {
+        // Never grows: the vector was allocated with room for every chunk of its half, and a
+        // chunk is in it at most once.
+        lock(q).push(chunk);
+    }
+}
+
+impl Drop for Umem {
+    fn drop(&mut self) {
+        // SAFETY: unmaps the UMEM mapped in `Xsk::new`; the socket (whose kernel side pins the
+        // pages) and every lent frame are gone, as they hold this value.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A received frame lent to the application: views `len` bytes at `start` in the UMEM (the
+/// UDP payload) and gives its chunk back to the fill ring (through the return queue) on drop.
+pub(crate) struct RxFrame {
+    umem: Arc<Umem>,
+    chunk: u64,
+    start: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for RxFrame {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the range was bounds-checked against the UMEM when the frame was lent; the
+        // chunk is this value's alone (the kernel gets it back only after this drops), and the
+        // mapping lives as long as `umem`.
+        unsafe { std::slice::from_raw_parts(self.umem.ptr.add(self.start), self.len) }
+    }
+}
+
+impl Drop for RxFrame {
+    fn drop(&mut self) {
+        self.umem.back(&self.umem.rx_back, self.chunk);
+    }
+}
+
+impl std::fmt::Debug for RxFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RxFrame")
+            .field("chunk", &self.chunk)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Hands a received frame to the application instead of the fill ring (see
+/// [`Xsk::recv_lent`]).
+pub(crate) struct Lender<'a> {
+    umem: &'a Arc<Umem>,
+    chunk: u64,
+    addr: usize,
+    len: usize,
+    kept: &'a mut bool,
+}
+
+impl Lender<'_> {
+    /// Lends `range` (inside the frame) to the application; the chunk stays out of the fill
+    /// ring until the returned frame drops.
+    pub(crate) fn lend(self, range: std::ops::Range<usize>) -> RxFrame {
+        debug_assert!(range.end <= self.len);
+        let end = range.end.min(self.len);
+        let start = range.start.min(end);
+        *self.kept = true;
+        self.umem.rx_out.fetch_add(1, Ordering::AcqRel);
+        RxFrame {
+            umem: self.umem.clone(),
+            chunk: self.chunk,
+            start: self.addr + start,
+            len: end - start,
+        }
+    }
+}
+
+/// A free transmit chunk lent to the application: `len` payload bytes after room for the
+/// headers. Sent with [`Xsk::post_tx`]; dropped unsent, it goes back to the TX pool.
+pub(crate) struct TxFrame {
+    umem: Option<Arc<Umem>>,
+    chunk: u64,
+    len: usize,
+}
+
+impl TxFrame {
+    fn umem(&self) -> &Umem {
+        self.umem
+            .as_deref()
+            .expect("a TxFrame has its UMEM until sent")
+    }
+
+    /// The whole frame: headers (to be written) then the payload.
+    pub(crate) fn frame_mut(&mut self) -> &mut [u8] {
+        let n = crate::frame::HEADERS + self.len;
+        // SAFETY: `lend_tx` checked HEADERS + len against the chunk size; the chunk is this
+        // value's alone (out of the TX pool, not on the TX ring), and the mapping lives as long
+        // as `umem`.
+        unsafe { std::slice::from_raw_parts_mut(self.umem().ptr.add(self.chunk as usize), n) }
+    }
+
+    /// The payload's length.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether this frame's chunk belongs to `umem`.
+    pub(crate) fn is_of(&self, umem: &Arc<Umem>) -> bool {
+        self.umem.as_ref().is_some_and(|u| Arc::ptr_eq(u, umem))
+    }
+}
+
+impl AsMut<[u8]> for TxFrame {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.frame_mut()[crate::frame::HEADERS..]
+    }
+}
+
+impl Drop for TxFrame {
+    fn drop(&mut self) {
+        if let Some(u) = &self.umem {
+            u.back(&u.tx_back, self.chunk);
+        }
+    }
+}
+
+impl std::fmt::Debug for TxFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxFrame")
+            .field("chunk", &self.chunk)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
 /// One AF_XDP socket with its own UMEM.
 pub(crate) struct Xsk {
-    // Field order: rings are unmapped before the socket closes, the UMEM last.
+    // Field order: rings are unmapped before the socket closes, the UMEM last (and only once
+    // no lent frame holds it).
     fill: Ring,
     comp: Ring,
     rx: Ring,
     tx: Ring,
     fd: OwnedFd,
+    shared: Arc<Umem>,
     umem: *mut u8,
     umem_len: usize,
     frame_size: u32,
@@ -254,12 +428,21 @@ impl Xsk {
         let free_tx = (half..frames)
             .map(|i| u64::from(i) * u64::from(frame_size))
             .collect();
+        let shared = Arc::new(Umem {
+            ptr: umem,
+            len: umem_len,
+            rx_out: AtomicUsize::new(0),
+            rx_back: Mutex::new(Vec::with_capacity(half as usize)),
+            tx_out: AtomicUsize::new(0),
+            tx_back: Mutex::new(Vec::with_capacity(half as usize)),
+        });
         Ok(Xsk {
             fill,
             comp,
             rx,
             tx,
             fd,
+            shared,
             umem,
             umem_len,
             frame_size,
@@ -280,6 +463,14 @@ impl Xsk {
     /// Consumes up to `max` received frames, handing each to `f`, and returns their chunks to
     /// the fill ring (one producer update for the batch). Returns how many were consumed.
     pub(crate) fn recv_batch(&mut self, max: usize, mut f: impl FnMut(&[u8])) -> usize {
+        self.recv_lent(max, |frame, _| f(frame))
+    }
+
+    /// As [`Xsk::recv_batch`], but `f` may lend a frame to the application with its
+    /// [`Lender`]: that chunk stays out of the fill ring until the lent frame drops. Chunks
+    /// dropped since the last call go back to the fill ring first.
+    pub(crate) fn recv_lent(&mut self, max: usize, mut f: impl FnMut(&[u8], Lender<'_>)) -> usize {
+        self.refill();
         let cons = self.rx.consumer().load(Ordering::Relaxed);
         let prod = self.rx.producer().load(Ordering::Acquire);
         let n = prod.wrapping_sub(cons).min(max as u32);
@@ -287,28 +478,142 @@ impl Xsk {
             return 0;
         }
         let fprod = self.fill.producer().load(Ordering::Relaxed);
+        let mut back = 0u32;
         for i in 0..n {
             // SAFETY: entries cons..prod were published by the kernel (acquire above).
             let d = unsafe { self.rx.entry::<libc::xdp_desc>(cons.wrapping_add(i)).read() };
             let start = d.addr as usize;
             let len = d.len as usize;
+            let chunk = d.addr & !u64::from(self.frame_size - 1);
+            let mut kept = false;
             if start.checked_add(len).is_some_and(|e| e <= self.umem_len) {
                 // SAFETY: bounds checked against the UMEM; the kernel no longer writes this
-                // chunk until we give it back through the fill ring below.
+                // chunk until we give it back through the fill ring below (or, lent, once the
+                // lent frame dropped).
                 let frame = unsafe { std::slice::from_raw_parts(self.umem.add(start), len) };
-                f(frame);
+                let lender = Lender {
+                    umem: &self.shared,
+                    chunk,
+                    addr: start,
+                    len,
+                    kept: &mut kept,
+                };
+                f(frame, lender);
             }
-            let chunk = d.addr & !u64::from(self.frame_size - 1);
-            // SAFETY: the fill ring has room: every RX chunk is either in it, in the RX ring
-            // or in the kernel, and the ring holds all of them.
-            unsafe { self.fill.entry::<u64>(fprod.wrapping_add(i)).write(chunk) };
+            if !kept {
+                // SAFETY: the fill ring has room: every RX chunk is either in it, in the RX
+                // ring, in the kernel or lent, and the ring holds all of them.
+                unsafe {
+                    self.fill
+                        .entry::<u64>(fprod.wrapping_add(back))
+                        .write(chunk)
+                };
+                back += 1;
+            }
         }
         self.rx
             .consumer()
             .store(cons.wrapping_add(n), Ordering::Release);
+        if back > 0 {
+            self.fill
+                .producer()
+                .store(fprod.wrapping_add(back), Ordering::Release);
+        }
+        n as usize
+    }
+
+    /// Moves the receive chunks lent frames gave back to the fill ring; returns how many.
+    pub(crate) fn refill(&mut self) -> usize {
+        if self.shared.rx_out.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let mut q = lock(&self.shared.rx_back);
+        let n = q.len() as u32;
+        if n == 0 {
+            return 0;
+        }
+        let fprod = self.fill.producer().load(Ordering::Relaxed);
+        for (i, &chunk) in q.iter().enumerate() {
+            // SAFETY: the fill ring has room for every RX chunk (see `recv_lent`).
+            unsafe {
+                self.fill
+                    .entry::<u64>(fprod.wrapping_add(i as u32))
+                    .write(chunk)
+            };
+        }
+        q.clear();
+        drop(q);
         self.fill
             .producer()
             .store(fprod.wrapping_add(n), Ordering::Release);
+        self.shared.rx_out.fetch_sub(n as usize, Ordering::AcqRel);
+        n as usize
+    }
+
+    /// The UMEM, shared with the frames this socket lends.
+    pub(crate) fn umem(&self) -> &Arc<Umem> {
+        &self.shared
+    }
+
+    /// A free TX chunk for a payload of `len` bytes (headers written around it when it is
+    /// sent), or `None` when `len` does not fit a chunk, when half the TX pool is lent already
+    /// (the other half stays for the copying send, which would otherwise wait for the
+    /// application to emit or drop), or when the pool is empty.
+    pub(crate) fn lend_tx(&mut self, len: usize) -> Option<TxFrame> {
+        if crate::frame::HEADERS + len > self.frame_size as usize {
+            return None;
+        }
+        self.reclaim();
+        let pool = self.umem_len / self.frame_size as usize / 2;
+        if self.shared.tx_out.load(Ordering::Acquire) >= pool / 2 {
+            return None;
+        }
+        let chunk = self.free_tx.pop()?;
+        self.shared.tx_out.fetch_add(1, Ordering::AcqRel);
+        Some(TxFrame {
+            umem: Some(self.shared.clone()),
+            chunk,
+            len,
+        })
+    }
+
+    /// Puts lent TX frames on the TX ring: `next` gives the next one (its headers written,
+    /// `frame_len` bytes in all); it is called only while the ring has room. One producer
+    /// update, then a kick. Returns how many were queued.
+    pub(crate) fn post_tx(&mut self, mut next: impl FnMut() -> Option<(TxFrame, usize)>) -> usize {
+        self.reclaim();
+        let prod = self.tx.producer().load(Ordering::Relaxed);
+        let cons = self.tx.consumer().load(Ordering::Acquire);
+        let room = self.tx.size - prod.wrapping_sub(cons);
+        let mut n = 0u32;
+        while n < room {
+            let Some((mut f, frame_len)) = next() else {
+                break;
+            };
+            debug_assert!(f.is_of(&self.shared) && frame_len <= self.frame_size as usize);
+            f.umem = None; // sent: no longer returned on drop
+            self.shared.tx_out.fetch_sub(1, Ordering::AcqRel);
+            let d = libc::xdp_desc {
+                addr: f.chunk,
+                len: frame_len.min(self.frame_size as usize) as u32,
+                options: 0,
+            };
+            // SAFETY: entry inside the TX ring, not yet published.
+            unsafe {
+                self.tx
+                    .entry::<libc::xdp_desc>(prod.wrapping_add(n))
+                    .write(d)
+            };
+            n += 1;
+        }
+        if n > 0 {
+            self.tx
+                .producer()
+                .store(prod.wrapping_add(n), Ordering::Release);
+        }
+        if n > 0 || self.tx.needs_wakeup() || self.tx_in_flight() > 0 {
+            self.kick_tx();
+        }
         n as usize
     }
 
@@ -333,6 +638,15 @@ impl Xsk {
     }
 
     fn reclaim(&mut self) {
+        if self.shared.tx_out.load(Ordering::Acquire) > 0 {
+            let mut q = lock(&self.shared.tx_back);
+            let n = q.len();
+            self.free_tx.extend(q.drain(..));
+            drop(q);
+            if n > 0 {
+                self.shared.tx_out.fetch_sub(n, Ordering::AcqRel);
+            }
+        }
         let cons = self.comp.consumer().load(Ordering::Relaxed);
         let prod = self.comp.producer().load(Ordering::Acquire);
         let n = prod.wrapping_sub(cons);
@@ -354,6 +668,9 @@ impl Xsk {
         &mut self,
         mut build: impl FnMut(&mut [u8]) -> Option<usize>,
     ) -> usize {
+        if self.refill() > 0 && self.fill_needs_wakeup() {
+            self.kick_rx();
+        }
         self.reclaim();
         let prod = self.tx.producer().load(Ordering::Relaxed);
         let cons = self.tx.consumer().load(Ordering::Acquire);
@@ -419,7 +736,8 @@ impl Xsk {
 
     /// TX chunks handed to the kernel and not completed yet.
     pub(crate) fn tx_in_flight(&self) -> usize {
-        (self.umem_len / self.frame_size as usize / 2) - self.free_tx.len()
+        (self.umem_len / self.frame_size as usize / 2)
+            .saturating_sub(self.free_tx.len() + self.shared.tx_out.load(Ordering::Acquire))
     }
 
     pub(crate) fn kick_tx(&mut self) {
@@ -454,15 +772,6 @@ impl Xsk {
             )
         })?;
         Ok((s.rx_dropped, s.rx_ring_full, s.rx_fill_ring_empty_descs))
-    }
-}
-
-impl Drop for Xsk {
-    fn drop(&mut self) {
-        // The rings and the socket are closed after this (field order). The kernel pins the
-        // UMEM pages while the socket lives, so unmapping them first is safe.
-        // SAFETY: unmaps the UMEM mapped in `new`.
-        unsafe { libc::munmap(self.umem.cast(), self.umem_len) };
     }
 }
 
