@@ -14,7 +14,7 @@ use chunnel_negotiate::Info;
 use tokio::sync::watch;
 
 use crate::Error;
-use crate::proto::{EntryView, Kind, LayerCounters, Negotiation, PolicyView};
+use crate::proto::{EntryView, Kind, LayerCounters, Negotiation, PolicyView, Reply, Steered};
 
 /// A boxed future, for the object-safe [`Switch`] trait (the control path is not the data
 /// path: one allocation per switch is fine).
@@ -195,6 +195,15 @@ struct Slot {
     since: Instant,
 }
 
+/// What the registry and the endpoint ask of the running autopilot (the autopilot module
+/// implements it; the registry does not import that module).
+pub(crate) trait Pilot: Send + Sync + 'static {
+    /// What the autopilot makes of entry `id`.
+    fn steered(&self, id: u64) -> Option<Steered>;
+    /// The answer to an `autopilot` request.
+    fn reply(&self, id: Option<u64>, since: Option<u64>) -> Reply;
+}
+
 /// What the autopilot reads of a switchable entry: its id, counters and switch handle.
 pub(crate) type Steerable = (u64, Option<Arc<dyn Counters>>, Arc<dyn Switch>);
 
@@ -211,7 +220,7 @@ struct Inner {
     next: AtomicU64,
     entries: Mutex<BTreeMap<u64, Arc<Slot>>>,
     policies: Mutex<BTreeMap<String, Arc<PolicySlot>>>,
-    autopilot: Mutex<Weak<crate::autopilot::Shared>>,
+    autopilot: Mutex<Option<Weak<dyn Pilot>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -244,7 +253,7 @@ impl Registry {
                 next: AtomicU64::new(1),
                 entries: Mutex::default(),
                 policies: Mutex::default(),
-                autopilot: Mutex::new(Weak::new()),
+                autopilot: Mutex::new(None),
             }),
         }
     }
@@ -313,13 +322,14 @@ impl Registry {
     }
 
     /// Installs the autopilot whose log the endpoint serves (the latest one started).
-    pub(crate) fn set_autopilot(&self, a: &Arc<crate::autopilot::Shared>) {
-        *lock(&self.inner.autopilot) = Arc::downgrade(a);
+    pub(crate) fn set_autopilot(&self, a: &Arc<impl Pilot>) {
+        let a: Arc<dyn Pilot> = Arc::clone(a) as _;
+        *lock(&self.inner.autopilot) = Some(Arc::downgrade(&a));
     }
 
     /// The running autopilot, if any.
-    pub(crate) fn autopilot(&self) -> Option<Arc<crate::autopilot::Shared>> {
-        lock(&self.inner.autopilot).upgrade()
+    pub(crate) fn autopilot(&self) -> Option<Arc<dyn Pilot>> {
+        lock(&self.inner.autopilot).as_ref()?.upgrade()
     }
 
     /// Switchable entries named `name`: id, counters, switch handle.

@@ -9,97 +9,13 @@ use chunnel::{ChunnelConnection, Emit, Error, LendBuffer, LendRecv, LendStats, S
 
 use crate::lend::{ShmBuf, ShmPayload};
 use crate::ring::{ATTACHED, CLOSED, Consumer, Popped, Producer, Region};
+use crate::shared::Shared;
 use crate::{Role, WaitPolicy};
 use chunnel::util::lock;
 
 /// How long a receiver spins in place before giving the runtime a turn (when it spins longer
 /// than this in total, other tasks of its runtime still run every this often).
 const SPIN_SLICE: Duration = Duration::from_micros(20);
-
-/// State shared by a connection, its waiter thread and the payloads and buffers it lent.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) region: Region,
-    /// The send ring's end (each ring end is behind a short lock held only while copying or
-    /// reserving; lent buffers and payloads take it to give their space back).
-    pub(crate) tx: Mutex<Producer>,
-    /// The receive ring's end.
-    pub(crate) rx: Mutex<Consumer>,
-    pub(crate) rx_lent: AtomicU64,
-    pub(crate) rx_copied: AtomicU64,
-    pub(crate) tx_lent: AtomicU64,
-    pub(crate) tx_copied: AtomicU64,
-    role: Role,
-    wait: WaitPolicy,
-    /// Receivers parked on an empty ring.
-    notify: tokio::sync::Notify,
-    /// A receiver asked the waiter thread to watch the ring.
-    armed: AtomicBool,
-    /// The connection was dropped: the waiter thread ends.
-    shutdown: AtomicBool,
-}
-
-impl Shared {
-    fn rx_ring(&self) -> usize {
-        match self.role {
-            Role::Client => 1,
-            Role::Server => 0,
-        }
-    }
-
-    fn tx_ring(&self) -> usize {
-        1 - self.rx_ring()
-    }
-
-    fn me(&self) -> usize {
-        match self.role {
-            Role::Client => 0,
-            Role::Server => 1,
-        }
-    }
-
-    fn peer(&self) -> usize {
-        1 - self.me()
-    }
-
-    /// The peer closed its end on purpose (a cheap load, checked on every empty poll).
-    fn peer_closed(&self) -> bool {
-        self.region.state(self.peer()).load(Ordering::Acquire) == CLOSED
-    }
-
-    /// The peer closed or its process died (its lock on the region was released): a system
-    /// call, so checked only every [`WaitPolicy::liveness`].
-    fn peer_gone(&self) -> bool {
-        self.peer_closed()
-            || !crate::sys::lock_held(self.region.mapping().file(), self.peer() as i64)
-                .unwrap_or(false)
-    }
-
-    /// The waiter thread: blocks on the receive ring's futex while a receiver is parked,
-    /// wakes receivers when records arrive, the peer goes away or the connection is dropped.
-    fn watch(self: Arc<Self>) {
-        let ring = self.rx_ring();
-        loop {
-            if self.shutdown.load(Ordering::Acquire) {
-                return;
-            }
-            if !self.armed.load(Ordering::Acquire) {
-                std::thread::park_timeout(Duration::from_secs(1));
-                continue;
-            }
-            let seen = self.region.bell(ring).load(Ordering::Acquire);
-            if self.region.has_data(ring)
-                || self.shutdown.load(Ordering::Acquire)
-                || self.peer_gone()
-            {
-                self.armed.store(false, Ordering::Release);
-                self.notify.notify_waiters();
-                continue;
-            }
-            crate::sys::futex_wait(self.region.bell(ring), seen, self.wait.liveness);
-        }
-    }
-}
 
 /// A connection over shared memory, built by [`crate::LocalFastPath`] when negotiation picked
 /// it. `Data = Bytes`; messages up to [`ShmConnection::max_message`] bytes.

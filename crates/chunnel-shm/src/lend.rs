@@ -9,8 +9,8 @@ use bytes::Bytes;
 use chunnel::Payload;
 use chunnel::util::lock;
 
-use crate::conn::Shared;
 use crate::ring::Span;
+use crate::shared::Shared;
 
 /// A received message: a view of its record in the shared-memory receive ring (lent; the
 /// record's space is freed when this is dropped) or a copy (when too much of the ring was

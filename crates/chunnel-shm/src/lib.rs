@@ -122,6 +122,7 @@
 mod conn;
 mod lend;
 mod ring;
+mod shared;
 mod sys;
 
 use std::fs::OpenOptions;

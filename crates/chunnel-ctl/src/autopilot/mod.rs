@@ -103,9 +103,8 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Shared {
-    /// The answer to an `autopilot` request.
-    pub(crate) fn reply(&self, id: Option<u64>, since: Option<u64>) -> Reply {
+impl crate::registry::Pilot for Shared {
+    fn reply(&self, id: Option<u64>, since: Option<u64>) -> Reply {
         let s = lock(&self.state);
         Reply::Autopilot {
             running: !self.stopped.load(Ordering::Relaxed),
@@ -125,8 +124,7 @@ impl Shared {
         }
     }
 
-    /// What the autopilot makes of entry `id`.
-    pub(crate) fn steered(&self, id: u64) -> Option<Steered> {
+    fn steered(&self, id: u64) -> Option<Steered> {
         let s = lock(&self.state);
         s.machines.iter().find_map(|m| {
             let (rate, last) = m.status(id)?;
