@@ -35,7 +35,15 @@ impl MsgId {
 
     /// The 32-hex-digit text form (NATS `Nats-Msg-Id`, which JetStream also deduplicates on).
     pub fn to_hex(self) -> String {
-        format!("{:016x}{:016x}", self.producer, self.seq)
+        // By hand rather than `format!` (once per published message).
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(32);
+        for v in [self.producer, self.seq] {
+            for i in (0..16).rev() {
+                s.push(DIGITS[((v >> (4 * i)) & 0xf) as usize] as char);
+            }
+        }
+        s
     }
 
     /// Parses the text form.
@@ -137,6 +145,7 @@ mod tests {
         };
         assert_eq!(MsgId::from_bytes(&id.to_bytes()), Some(id));
         assert_eq!(MsgId::from_hex(&id.to_hex()), Some(id));
+        assert_eq!(id.to_hex(), "deadbeef01234567000000000000002a");
         assert_eq!(MsgId::from_bytes(&[1, 2, 3]), None);
         assert_eq!(MsgId::from_hex("zz"), None);
         assert_eq!(MsgId::from_hex(&"é".repeat(16)), None);
