@@ -97,6 +97,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "af_xdp_all_requests_redirected": af_xdp["all_requests_redirected"].as_bool(),
         "af_xdp_both_ends_lib_meets_bar": af_xdp["both_ends"]["meets_bar"].as_bool(),
         "af_xdp_both_ends_all_redirected": af_xdp["both_ends"]["all_redirected_both_directions"].as_bool(),
+        "af_xdp_lent_meets_bar": af_xdp["lent"]["results"][0]["meets_bar"].as_bool(),
+        "af_xdp_lent_zero_copies": af_xdp["lent"]["results"][0]["lent_path_zero_copies"].as_bool(),
     });
     eprintln!("\nchecks: {checks}");
     let mut out = run_header("xdp", a.msgs, a.reps);
@@ -752,7 +754,7 @@ fn lent_rep(ns: &VethPair, msgs: usize, rep: usize) -> Result<LentRun> {
         r.counters.redirected > 0 && c.counters.redirected > 0,
         "raw pair at {LENT_SIZE} B: nothing redirected"
     );
-    let ((copy, copy_stats), (lent, lent_stats)) = if rep % 2 == 0 {
+    let ((copy, copy_stats), (lent, lent_stats)) = if rep.is_multiple_of(2) {
         let c = lib_lent_run(ns, msgs, false)?;
         (c, lib_lent_run(ns, msgs, true)?)
     } else {
@@ -942,7 +944,7 @@ fn lent_json(runs: &[LentRun], err: Option<&str>) -> Value {
                  for 300 ms); the lent p50 against raw_af_xdp_pair at 1460 B",
         "sizes_note": "UMEM frames are 2048 B: 1460 B only, no 8 KiB",
         "results": [{
-            "datapath": "af_xdp",
+            "datapath": "af_xdp_client",
             "size": LENT_SIZE,
             "raw_rtt_p50_us": spread(&raw),
             "lent_rtt_p50_us": spread(&lent),
