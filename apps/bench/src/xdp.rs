@@ -32,6 +32,16 @@
 //! their counters (redirected frames in particular) are that run's alone; with AF_XDP at both
 //! ends the client's program counts the echoes it redirected, the server's the requests.
 //!
+//! * `lent` (`af_xdp.lent` in the JSON): the library's client (`AfXdpConnect`) against the
+//!   `af_xdp_lib` server at 1460 B, in the same repetition: copying (`send` of a `Bytes`
+//!   built per message into a reused `BytesMut`, `recv`) vs lent (`LendBuffer::lend` filled in
+//!   the TX UMEM frame, `Emit::emit`, `LendRecv::recv_lent` viewing the payload in its RX
+//!   frame; a `None` from `lend` falls back to a copying send, counted). Each: warm-up,
+//!   `--msgs` timed echo round trips, then echo throughput in bursts of 32 for 300 ms. The
+//!   lent p50 is compared with `raw_af_xdp_pair` run at 1460 B in the same repetition (the
+//!   bar above); the client's `lend_stats` over the run are reported (copies should be 0 on
+//!   the lent path). UMEM frames are 2048 B, so 1460 B is the only size: no 8 KiB row.
+//!
 //! If AF_XDP cannot run here (not root, no `ip`, the program not built, the kernel refusing),
 //! the result is `{"skipped": reason}`, unless `CHUNNEL_XDP_REQUIRE` is set (as CI does):
 //! then it is an error.
@@ -41,14 +51,18 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail, ensure};
-use chunnel::{Chunnel as _, Listen as _, Listener as _, Negotiate};
+use bytes::{Bytes, BytesMut};
+use chunnel::{
+    Chunnel as _, ChunnelConnection as _, Emit as _, LendBuffer as _, LendRecv as _, LendStats,
+    Listen as _, Listener as _, Negotiate,
+};
 use chunnel_test::netns::{self, VethPair};
-use chunnel_xdp::{AfXdpConnect, AfXdpUdp, Config, Counters, raw};
+use chunnel_xdp::{AfXdpConnect, AfXdpUdp, Config, Counters, XdpBuf, XdpPayload, raw};
 use serde_json::{Value, json};
 
 use crate::datapaths::{
-    BURST, Sample, TPUT_MILLIS, TPUT_SIZE, WARMUP, compare, echo_until_empty, merge, pair, ping,
-    raw_tokio_client, run_header, runtime, side_stats,
+    BURST, Sample, TPUT_MILLIS, TPUT_SIZE, WARMUP, compare, echo_until_empty, meets_bar, merge,
+    pair, ping, raw_tokio_client, run_header, runtime, side_stats, summarize,
 };
 use crate::stats::spread;
 
@@ -83,6 +97,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "af_xdp_all_requests_redirected": af_xdp["all_requests_redirected"].as_bool(),
         "af_xdp_both_ends_lib_meets_bar": af_xdp["both_ends"]["meets_bar"].as_bool(),
         "af_xdp_both_ends_all_redirected": af_xdp["both_ends"]["all_redirected_both_directions"].as_bool(),
+        "af_xdp_lent_meets_bar": af_xdp["lent"]["results"][0]["meets_bar"].as_bool(),
+        "af_xdp_lent_zero_copies": af_xdp["lent"]["results"][0]["lent_path_zero_copies"].as_bool(),
     });
     eprintln!("\nchecks: {checks}");
     let mut out = run_header("xdp", a.msgs, a.reps);
@@ -211,6 +227,8 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
         Variant::LibPair,
     ];
     let mut res: Vec<Vec<Run>> = vec![Vec::new(); variants.len()];
+    let mut lent_runs: Vec<LentRun> = Vec::with_capacity(reps);
+    let mut lent_err: Option<String> = None;
     for rep in 0..reps {
         for (i, &v) in variants.iter().enumerate() {
             // A failure here (the program cannot be attached, no echo...) is reported like
@@ -244,6 +262,34 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
                 .unwrap_or_default(),
             );
             res[i].push((s, r, c));
+        }
+        if lent_err.is_none() {
+            // A failure here is reported under `lent` alone; the other variants stand.
+            match lent_rep(&ns, msgs, rep) {
+                Ok(l) => {
+                    eprintln!(
+                        "rep {rep} af_xdp lent {LENT_SIZE} B: raw pair p50 {:>7.2} us  copying p50 \
+                         {:>7.2} us {:>9.0} msg/s  lent p50 {:>7.2} us {:>9.0} msg/s  (lent path \
+                         {:?}; copying path {:?})",
+                        l.raw.p50_us,
+                        l.copy.p50_us,
+                        l.copy.msgs_per_s,
+                        l.lent.p50_us,
+                        l.lent.msgs_per_s,
+                        l.lent_stats,
+                        l.copy_stats,
+                    );
+                    lent_runs.push(l);
+                }
+                Err(e) => {
+                    if required() {
+                        drop(ns);
+                        bail!("af_xdp lent failed in repetition {rep}: {e:#}");
+                    }
+                    eprintln!("af_xdp lent failed in repetition {rep}: {e:#}");
+                    lent_err = Some(format!("failed in repetition {rep}: {e:#}"));
+                }
+            }
         }
     }
     drop(ns);
@@ -332,6 +378,7 @@ pub(crate) fn measure(msgs: usize, reps: usize) -> Result<Value> {
     });
     merge(&mut both, compare(&samples[2], &samples[3]));
     out["both_ends"] = both;
+    out["lent"] = lent_json(&lent_runs, lent_err.as_deref());
     Ok(out)
 }
 
@@ -360,7 +407,7 @@ fn run_once(v: Variant, ns: &VethPair, msgs: usize) -> Result<Run> {
         Variant::Lib => pair(move |tx| lib_server(&nsb, tx, report_tx), kernel_client)?,
         Variant::RawPair => pair(
             move |tx| raw_server(&nsb, tx, report_tx),
-            move |_| raw_client(&nsa, msgs, client_tx),
+            move |_| raw_client(&nsa, msgs, TPUT_SIZE, client_tx),
         )?,
         Variant::LibPair => pair(
             move |tx| lib_server(&nsb, tx, report_tx),
@@ -396,7 +443,12 @@ fn client_config() -> Result<Config> {
 
 /// The hand-written AF_XDP client: the kernel client loop's round trips, bursts and end
 /// message, on a `raw::Socket`; `poll()` when waiting.
-fn raw_client(ns: &str, msgs: usize, report_tx: mpsc::SyncSender<Report>) -> Result<Sample> {
+fn raw_client(
+    ns: &str,
+    msgs: usize,
+    size: usize,
+    report_tx: mpsc::SyncSender<Report>,
+) -> Result<Sample> {
     netns::enter(ns)?;
     let mut cfg = client_config()?;
     let server: SocketAddrV4 = SERVER.parse()?;
@@ -411,12 +463,12 @@ fn raw_client(ns: &str, msgs: usize, report_tx: mpsc::SyncSender<Report>) -> Res
         received: 0,
         malformed: 0,
     };
-    let msg = [0xabu8; TPUT_SIZE];
+    let msg = vec![0xabu8; size];
     let mut rtts = Vec::with_capacity(msgs);
     for i in 0..WARMUP + msgs {
         let t = Instant::now();
         c.send(&msg, 1)?;
-        c.recv(1, TPUT_SIZE)?;
+        c.recv(1, size)?;
         if i >= WARMUP {
             rtts.push(t.elapsed().as_nanos() as u64);
         }
@@ -426,7 +478,7 @@ fn raw_client(ns: &str, msgs: usize, report_tx: mpsc::SyncSender<Report>) -> Res
     let mut done = 0u64;
     while Instant::now() < deadline {
         c.send(&msg, BURST)?;
-        c.recv(BURST, TPUT_SIZE)?;
+        c.recv(BURST, size)?;
         done += BURST as u64;
     }
     let tput = done as f64 / start.elapsed().as_secs_f64();
@@ -442,7 +494,7 @@ fn raw_client(ns: &str, msgs: usize, report_tx: mpsc::SyncSender<Report>) -> Res
         kernel: sock.kernel_stats().unwrap_or_default(),
         cpu_ns: thread_cpu_ns().saturating_sub(cpu0),
     });
-    Ok(crate::datapaths::summarize(rtts, tput))
+    Ok(summarize(rtts, tput))
 }
 
 struct RawClient<'a> {
@@ -664,5 +716,250 @@ fn lib_server(
             cpu_ns,
         });
         Ok(())
+    })
+}
+
+// ---- lent buffers -------------------------------------------------------------------------
+
+/// The only lent size: UMEM frames are 2048 B, so 8 KiB does not fit in one.
+const LENT_SIZE: usize = 1460;
+
+/// One repetition of the lent variant.
+struct LentRun {
+    /// `raw_af_xdp_pair` at [`LENT_SIZE`].
+    raw: Sample,
+    copy: Sample,
+    lent: Sample,
+    copy_stats: LendStats,
+    lent_stats: LendStats,
+}
+
+/// The raw pair at [`LENT_SIZE`], then the library client copying and lending (order
+/// alternating per repetition), each against a fresh library listener.
+fn lent_rep(ns: &VethPair, msgs: usize, rep: usize) -> Result<LentRun> {
+    let (report_tx, report_rx) = mpsc::sync_channel(1);
+    let (client_tx, client_rx) = mpsc::sync_channel(1);
+    let (nsa, nsb) = (ns.a.clone(), ns.b.clone());
+    let raw = pair(
+        move |tx| raw_server(&nsb, tx, report_tx),
+        move |_| raw_client(&nsa, msgs, LENT_SIZE, client_tx),
+    )?;
+    let r: Report = report_rx
+        .recv_timeout(Duration::from_secs(5))
+        .map_err(|_| anyhow!("the raw server sent no report"))?;
+    let c: Report = client_rx
+        .recv_timeout(Duration::from_secs(5))
+        .map_err(|_| anyhow!("the raw client sent no report"))?;
+    ensure!(
+        r.counters.redirected > 0 && c.counters.redirected > 0,
+        "raw pair at {LENT_SIZE} B: nothing redirected"
+    );
+    let ((copy, copy_stats), (lent, lent_stats)) = if rep.is_multiple_of(2) {
+        let c = lib_lent_run(ns, msgs, false)?;
+        (c, lib_lent_run(ns, msgs, true)?)
+    } else {
+        let l = lib_lent_run(ns, msgs, true)?;
+        (lib_lent_run(ns, msgs, false)?, l)
+    };
+    Ok(LentRun {
+        raw,
+        copy,
+        lent,
+        copy_stats,
+        lent_stats,
+    })
+}
+
+/// The library client (copying or lending) against the library listener's echo.
+fn lib_lent_run(ns: &VethPair, msgs: usize, lent: bool) -> Result<(Sample, LendStats)> {
+    let (report_tx, report_rx) = mpsc::sync_channel(1);
+    let (stats_tx, stats_rx) = mpsc::sync_channel(1);
+    let (nsa, nsb) = (ns.a.clone(), ns.b.clone());
+    let s = pair(
+        move |tx| lib_server(&nsb, tx, report_tx),
+        move |_| lent_client(&nsa, msgs, lent, stats_tx),
+    )?;
+    let r: Report = report_rx
+        .recv_timeout(Duration::from_secs(5))
+        .map_err(|_| anyhow!("the server sent no report"))?;
+    let (st, redirected): (LendStats, u64) = stats_rx
+        .recv_timeout(Duration::from_secs(5))
+        .map_err(|_| anyhow!("the client sent no report"))?;
+    ensure!(
+        r.counters.redirected > 0 && redirected > 0,
+        "library pair at {LENT_SIZE} B (lent {lent}): nothing redirected"
+    );
+    Ok((s, st))
+}
+
+/// Warm-up, `msgs` timed echo round trips of [`LENT_SIZE`] bytes, echo throughput in bursts of
+/// [`BURST`] for [`TPUT_MILLIS`], the end message; sends the client's `lend_stats` over the
+/// run and its program's redirected count.
+fn lent_client(
+    ns: &str,
+    msgs: usize,
+    lent: bool,
+    stats_tx: mpsc::SyncSender<(LendStats, u64)>,
+) -> Result<Sample> {
+    netns::enter(ns)?;
+    runtime()?.block_on(async move {
+        let conn = AfXdpConnect::new(client_config()?, SERVER.parse()?)
+            .connect_wrap(())
+            .await?;
+        let mut e = LentEcho {
+            conn: &conn,
+            lent,
+            bm: BytesMut::with_capacity(2 * BURST * LENT_SIZE),
+            burst: Vec::with_capacity(BURST),
+            bufs: Vec::with_capacity(BURST),
+            copied: vec![None; BURST],
+            slots: (0..BURST).map(|_| None).collect(),
+        };
+        let s0 = conn.lend_stats();
+        let mut rtts = Vec::with_capacity(msgs);
+        for i in 0..WARMUP + msgs {
+            let t = Instant::now();
+            e.round(1).await?;
+            if i >= WARMUP {
+                rtts.push(t.elapsed().as_nanos() as u64);
+            }
+        }
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(TPUT_MILLIS);
+        let mut done = 0u64;
+        while Instant::now() < deadline {
+            e.round(BURST).await?;
+            done += BURST as u64;
+        }
+        let rate = done as f64 / start.elapsed().as_secs_f64();
+        let s1 = conn.lend_stats();
+        let st = LendStats {
+            rx_lent: s1.rx_lent - s0.rx_lent,
+            rx_copied: s1.rx_copied - s0.rx_copied,
+            tx_lent: s1.tx_lent - s0.tx_lent,
+            tx_copied: s1.tx_copied - s0.tx_copied,
+        };
+        conn.send([Bytes::new()]).await?;
+        let mut one = vec![None];
+        let _ = tokio::time::timeout(Duration::from_secs(1), conn.recv(&mut one)).await;
+        let _ = stats_tx.send((st, conn.counters()?.redirected));
+        Ok(summarize(rtts, rate))
+    })
+}
+
+/// The echo client's state: the copying path builds each message once into a reused
+/// `BytesMut` and sends its `Bytes`; the lent path fills a lent TX frame (falling back to
+/// the copying send when `lend` says no). Each echo's first and last byte are read.
+struct LentEcho<'a> {
+    conn: &'a chunnel_xdp::ClientConnection,
+    lent: bool,
+    bm: BytesMut,
+    burst: Vec<Bytes>,
+    bufs: Vec<XdpBuf>,
+    copied: Vec<Option<Bytes>>,
+    slots: Vec<Option<XdpPayload>>,
+}
+
+impl LentEcho<'_> {
+    /// Sends `n` messages and waits for their `n` echoes (5 s at most).
+    async fn round(&mut self, n: usize) -> Result<()> {
+        let c = self.conn;
+        for i in 0..n {
+            let v = (i as u8) | 1;
+            if self.lent
+                && let Some(mut b) = c.lend(LENT_SIZE)
+            {
+                b.as_mut().fill(v);
+                self.bufs.push(b);
+                continue;
+            }
+            self.bm.resize(LENT_SIZE, v);
+            self.burst.push(self.bm.split().freeze());
+        }
+        if !self.bufs.is_empty() {
+            c.emit(self.bufs.drain(..)).await?;
+        }
+        if !self.burst.is_empty() {
+            c.send(self.burst.drain(..)).await?;
+        }
+        let wait = Duration::from_secs(5);
+        let mut got = 0;
+        let mut sum = 0u32;
+        if self.lent {
+            while got < n {
+                got += tokio::time::timeout(wait, c.recv_lent(&mut self.slots[got..n])).await??;
+            }
+            for s in &mut self.slots[..n] {
+                let p = s.take().ok_or_else(|| anyhow!("an empty slot"))?;
+                let b: &[u8] = p.as_ref();
+                ensure!(b.len() == LENT_SIZE, "an echo of the wrong size");
+                sum += u32::from(b[0]) + u32::from(b[LENT_SIZE - 1]);
+            }
+        } else {
+            while got < n {
+                got += tokio::time::timeout(wait, c.recv(&mut self.copied[got..n])).await??;
+            }
+            for s in &mut self.copied[..n] {
+                let b = s.take().ok_or_else(|| anyhow!("an empty slot"))?;
+                ensure!(b.len() == LENT_SIZE, "an echo of the wrong size");
+                sum += u32::from(b[0]) + u32::from(b[LENT_SIZE - 1]);
+            }
+        }
+        std::hint::black_box(sum);
+        Ok(())
+    }
+}
+
+fn lend_json(s: LendStats) -> Value {
+    json!({ "rx_lent": s.rx_lent, "rx_copied": s.rx_copied, "tx_lent": s.tx_lent, "tx_copied": s.tx_copied })
+}
+
+/// `af_xdp.lent`: the same fields as `datapaths`' `lent.results` rows, plus the copying
+/// path's p50 and both paths' lend counters.
+fn lent_json(runs: &[LentRun], err: Option<&str>) -> Value {
+    if let Some(e) = err {
+        return json!({ "skipped": e });
+    }
+    let col = |f: &dyn Fn(&LentRun) -> f64| runs.iter().map(f).collect::<Vec<f64>>();
+    let med = crate::datapaths::med;
+    let raw = col(&|r| r.raw.p50_us);
+    let lent = col(&|r| r.lent.p50_us);
+    let p50_ratio = col(&|r| r.lent.p50_us / r.raw.p50_us);
+    let tput_ratio = col(&|r| r.lent.msgs_per_s / r.copy.msgs_per_s);
+    let sum = |f: &dyn Fn(&LentRun) -> LendStats| {
+        runs.iter()
+            .map(f)
+            .fold(LendStats::default(), |a, b| LendStats {
+                rx_lent: a.rx_lent + b.rx_lent,
+                rx_copied: a.rx_copied + b.rx_copied,
+                tx_lent: a.tx_lent + b.tx_lent,
+                tx_copied: a.tx_copied + b.tx_copied,
+            })
+    };
+    let lent_stats = sum(&|r| r.lent_stats);
+    json!({
+        "what": "AF_XDP at both ends, the library client (AfXdpConnect) against the library \
+                 listener's copying echo at 1460 B: copying send/recv vs lent lend+emit/recv_lent \
+                 in the same repetition (echo round trips, then echo throughput in bursts of 32 \
+                 for 300 ms); the lent p50 against raw_af_xdp_pair at 1460 B",
+        "sizes_note": "UMEM frames are 2048 B: 1460 B only, no 8 KiB",
+        "results": [{
+            "datapath": "af_xdp_client",
+            "size": LENT_SIZE,
+            "raw_rtt_p50_us": spread(&raw),
+            "lent_rtt_p50_us": spread(&lent),
+            "copy_rtt_p50_us": spread(&col(&|r| r.copy.p50_us)),
+            "lent_rtt_p99_us": spread(&col(&|r| r.lent.p99_us)),
+            "p50_ratio_lent_over_raw": spread(&p50_ratio),
+            "p50_lent_minus_raw_us": med(&lent) - med(&raw),
+            "meets_bar": meets_bar(med(&raw), med(&lent), med(&p50_ratio)),
+            "raw_msgs_per_s": spread(&col(&|r| r.raw.msgs_per_s)),
+            "copy_msgs_per_s": spread(&col(&|r| r.copy.msgs_per_s)),
+            "lent_msgs_per_s": spread(&col(&|r| r.lent.msgs_per_s)),
+            "throughput_ratio_lent_over_copy": spread(&tput_ratio),
+            "lend_stats_lent_path": lend_json(lent_stats),
+            "lend_stats_copy_path": lend_json(sum(&|r| r.copy_stats)),
+            "lent_path_zero_copies": lent_stats.rx_copied == 0 && lent_stats.tx_copied == 0,
+        }],
     })
 }

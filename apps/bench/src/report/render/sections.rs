@@ -1106,6 +1106,7 @@ fn datapaths(r: &Value, s: &mut Section) {
 
 fn xdp(r: &Value, s: &mut Section) {
     let x = &r["af_xdp"];
+    lent::xdp_lent(x, s);
     if let Some(why) = x["skipped"].as_str() {
         s.part("claim", format!("Not measured in this run: {why}."));
         return;
