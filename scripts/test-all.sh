@@ -93,7 +93,7 @@ cargo run --release --locked -q -p chunnel-demo -- --messages 2000
 
 log "chunnel-bench overhead (short run: checks the tool works end to end)"
 cargo run --release --locked -q -p chunnel-bench -- overhead --reps 1 --pings 300 --millis 50 \
-  | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="overhead" and len(d["results"])==20, d; print("bench JSON ok:", d["checks"])'
+  | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); stacks={str(r["layers"]) for r in d["results"]}; assert d["bench"]=="overhead" and len(d["results"])==28 and {"metered","metered+prometheus"} <= stacks, d; assert d["checks"]["metrics_no_alloc_per_msg"], d["checks"]; print("bench JSON ok:", d["checks"])'
 
 log "chunnel-bench negotiate (short run: checks the tool works end to end)"
 for server in "" "--accept-loop"; do
