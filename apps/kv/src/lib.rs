@@ -612,7 +612,8 @@ impl ClientConfig {
 type ClientStack = Stack<Select<ClientShard<Udp, Ser>, ViaCanonical>, Ser>;
 /// `Negotiated<Either<ClientShardConn<..>, SerializeConn<Tagged<udp::Connection>, ..>>>`.
 type Conn = chunnel_negotiate::Conn<ClientStack>;
-type Pending = Mutex<HashMap<u64, oneshot::Sender<Option<Vec<u8>>>>>;
+/// Requests awaiting their reply, by request id (shared with the live client).
+pub(crate) type Pending = Mutex<HashMap<u64, oneshot::Sender<Option<Vec<u8>>>>>;
 
 /// A store client. Methods take `&self`; share it (e.g. in an `Arc`) to issue requests from
 /// many tasks at once.
@@ -641,9 +642,9 @@ fn random_id() -> u64 {
 }
 
 /// Removes a request's entry however its call ends.
-struct Entry<'a> {
-    pending: &'a Pending,
-    id: u64,
+pub(crate) struct Entry<'a> {
+    pub(crate) pending: &'a Pending,
+    pub(crate) id: u64,
 }
 
 impl Drop for Entry<'_> {

@@ -6,10 +6,9 @@
 //! control endpoint with its switch handle, and [`load`] drives checked traffic through it:
 //! `chunnel-kv load --control PATH`, then `chunnelctl switch ID server-side`.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chunnel::{ChunnelConnection, ConnectionExt, LockFree, Reconfigurable, Shared, Stack, select};
@@ -17,12 +16,11 @@ use chunnel_ctl::{Entry, Guard, LayerCounters, Negotiation, Policy, ReconfigSwit
 use chunnel_std::shard::{ClientShard, ViaCanonical};
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::{ClientConfig, KvError, Msg, Op, Ser, Udp};
+use crate::{ClientConfig, KvError, Msg, Op, Pending, Ser, Udp};
 
 type Sel = Reconfigurable<ClientShard<Udp, Ser>, ViaCanonical, LockFree>;
 type LiveStack = Stack<Sel, Stack<Shared, Ser>>;
 type Conn = chunnel_negotiate::Conn<LiveStack>;
-type Pending = Mutex<HashMap<u64, oneshot::Sender<Option<Vec<u8>>>>>;
 
 /// Counters of a [`LiveClient`] and its [`load`].
 #[derive(Debug, Default)]
@@ -61,21 +59,6 @@ pub struct LiveClient {
 impl Drop for LiveClient {
     fn drop(&mut self) {
         self.rx.abort();
-    }
-}
-
-/// Removes a request's entry however its call ends.
-struct Waiting<'a> {
-    pending: &'a Pending,
-    id: u64,
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
     }
 }
 
@@ -164,7 +147,7 @@ impl LiveClient {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, tx);
-        let _waiting = Waiting {
+        let _waiting = crate::Entry {
             pending: &self.pending,
             id,
         };
