@@ -48,7 +48,7 @@ log "cargo fmt --check"
 cargo fmt --all -- --check
 
 log "no import cycle between the modules of any crate"
-for src in crates/*/src; do python3 scripts/module-cycles.py "$src" > /dev/null || { python3 scripts/module-cycles.py "$src" | tail -n 3; exit 1; }; done
+for src in crates/*/src apps/*/src; do python3 scripts/module-cycles.py "$src" > /dev/null || { python3 scripts/module-cycles.py "$src" | tail -n 3; exit 1; }; done
 
 # The AF_XDP tests must not skip here (CI runs as root with clang and ip installed above).
 export CHUNNEL_XDP_REQUIRE=1

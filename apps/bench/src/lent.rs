@@ -37,7 +37,7 @@ use chunnel_net::udp;
 use chunnel_shm::{LocalFastPath, Role, WaitPolicy};
 use serde_json::{Value, json};
 
-use crate::datapaths::{CLIENT_CPU, SERVER_CPU, meets_bar};
+use crate::harness::{CLIENT_CPU, SERVER_CPU, meets_bar};
 use crate::stats::{quantile, spread};
 
 const SIZES: [usize; 2] = [1460, 8192];
@@ -64,8 +64,8 @@ pub(crate) struct Args {
 
 pub(crate) fn run(a: Args) -> Result<()> {
     let started = Instant::now();
-    let mut out = crate::datapaths::run_header("lent", a.msgs, a.reps);
-    crate::datapaths::merge(
+    let mut out = crate::harness::run_header("lent", a.msgs, a.reps);
+    crate::harness::merge(
         &mut out,
         json!({
             "lent": measure(a.msgs, a.reps, !a.no_uring)?,
@@ -152,7 +152,7 @@ pub(crate) fn measure(msgs: usize, reps: usize, uring: bool) -> Result<Value> {
             };
             let p50_ratio = per(&r.lent_p50, &r.raw_p50);
             let tput_ratio = per(&r.lent_tput, &r.copy_tput);
-            let med = |xs: &[f64]| crate::datapaths::med(xs);
+            let med = |xs: &[f64]| crate::harness::med(xs);
             let meets = meets_bar(med(&r.raw_p50), med(&r.lent_p50), med(&p50_ratio));
             all_meet &= meets;
             out.push(json!({
@@ -250,7 +250,7 @@ fn raw_p50(t: Tech, msgs: usize, size: usize) -> Result<f64> {
 }
 
 fn rt() -> Result<tokio::runtime::Runtime> {
-    crate::datapaths::runtime()
+    crate::harness::runtime()
 }
 
 fn shm_cfg() -> chunnel_shm::Config {

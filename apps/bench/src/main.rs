@@ -13,6 +13,7 @@
 mod alloc;
 mod datapaths;
 mod etl;
+mod harness;
 mod kv;
 mod lent;
 mod negotiate;

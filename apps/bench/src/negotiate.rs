@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use bytes::Bytes;
-use chunnel::{Chunnel, ChunnelConnection, ConnectionExt, Identity, Noop, select};
+use chunnel::{Chunnel, ConnectionExt, Identity, Noop, select};
 use chunnel_negotiate::{Client, Config, ZeroRtt, listen, listen_with};
 use chunnel_net::udp;
 use serde_json::json;
 
+use crate::harness::echo;
 use crate::stats::{quantile, spread};
 
 #[derive(clap::Args, Clone)]
@@ -262,19 +263,6 @@ async fn servers(idle: Duration, accept_loop: bool) -> Result<(SocketAddr, Socke
         std::mem::forget(serving);
     }
     Ok((raw_addr, addr))
-}
-
-/// The negotiating server's per-connection task: echoes every message. (A block, not an
-/// `async fn`, which would hold the connection twice in every task.)
-#[allow(clippy::manual_async_fn)]
-pub(crate) fn echo<C: ChunnelConnection<Data = Bytes>>(conn: C) -> impl Future<Output = ()> {
-    async move {
-        while let Ok(m) = conn.recv_one().await {
-            if conn.send_one(m).await.is_err() {
-                break;
-            }
-        }
-    }
 }
 
 async fn measure_all(a: &Args) -> Result<(PerVariant, PerVariant)> {

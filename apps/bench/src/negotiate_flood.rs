@@ -25,7 +25,7 @@ use chunnel_negotiate::{Client, Config, listen_with};
 use chunnel_net::udp;
 use serde_json::json;
 
-use crate::negotiate::echo;
+use crate::harness::echo;
 use crate::stats::quantile;
 
 /// Source addresses of the flood: 127.0.0.2..=127.0.0.9.

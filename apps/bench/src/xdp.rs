@@ -60,7 +60,7 @@ use chunnel_test::netns::{self, VethPair};
 use chunnel_xdp::{AfXdpConnect, AfXdpUdp, Config, Counters, XdpBuf, XdpPayload, raw};
 use serde_json::{Value, json};
 
-use crate::datapaths::{
+use crate::harness::{
     BURST, Sample, TPUT_MILLIS, TPUT_SIZE, WARMUP, compare, echo_until_empty, meets_bar, merge,
     pair, ping, raw_tokio_client, run_header, runtime, side_stats, summarize,
 };
@@ -921,7 +921,7 @@ fn lent_json(runs: &[LentRun], err: Option<&str>) -> Value {
         return json!({ "skipped": e });
     }
     let col = |f: &dyn Fn(&LentRun) -> f64| runs.iter().map(f).collect::<Vec<f64>>();
-    let med = crate::datapaths::med;
+    let med = crate::harness::med;
     let raw = col(&|r| r.raw.p50_us);
     let lent = col(&|r| r.lent.p50_us);
     let p50_ratio = col(&|r| r.lent.p50_us / r.raw.p50_us);
