@@ -36,20 +36,18 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, UdpSocket as StdUdp};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use chunnel::{
-    ChunnelConnection, ConnectionExt, LockFree, Reconfigurable, Shared, Side, Stack, select,
-};
+use chunnel::Side;
+use chunnel_kv::live::LiveClient;
 use chunnel_kv::ycsb::{self, KeyDist, OpGen, Rng, Workload};
-use chunnel_kv::{KvError, KvServer, Msg, Op, Ser, ServerConfig, Udp};
+use chunnel_kv::{ClientConfig, KvServer, Msg, Op, ServerConfig};
 use chunnel_std::serialize::{Bincode, Format};
-use chunnel_std::shard::{ClientShard, ViaCanonical};
 use serde_json::{Value, json};
-use tokio::sync::{Semaphore, mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct Args {
@@ -244,151 +242,18 @@ fn proc_usage(pid: u32) -> (u64, u64) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The client: chunnel-kv's client logic over a reconfigurable sharding select
+// The client: chunnel-kv's switchable client (a reconfigurable sharding select)
 
-type Sel = Reconfigurable<ClientShard<Udp, Ser>, ViaCanonical, LockFree>;
-type SoakStack = Stack<Sel, Stack<Shared, Ser>>;
-type Conn = chunnel_negotiate::Conn<SoakStack>;
-type Pending = Mutex<HashMap<u64, oneshot::Sender<Option<Vec<u8>>>>>;
+type Client = LiveClient;
 
-struct Client {
-    conn: Arc<Conn>,
-    client: u64,
-    next: AtomicU64,
-    pending: Arc<Pending>,
-    slots: Semaphore,
-    /// The receive task ended (the connection failed): calls fail at once.
-    dead: Arc<AtomicBool>,
-    timeout: Duration,
-    attempts: u32,
-    rx: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Client {
-    fn drop(&mut self) {
-        self.rx.abort();
-    }
-}
-
-/// Removes a request's entry however its call ends.
-struct Entry<'a> {
-    pending: &'a Pending,
-    id: u64,
-}
-
-impl Drop for Entry<'_> {
-    fn drop(&mut self) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
-    }
-}
-
-impl Client {
-    async fn connect(addr: SocketAddr, a: &Args) -> Result<Client> {
-        let push = ClientShard::new(Udp, Ser::default());
-        let dir = push.directory();
-        let sel: Sel = select(push, ViaCanonical::new()).reconfigurable::<LockFree>();
-        let stack: SoakStack = chunnel::stack![sel, Shared, Ser::default()];
-        let conn = chunnel_negotiate::Connector::new(chunnel_negotiate::Config::default())
-            .connect(addr, stack)
-            .await?;
-        // The shard set, for whenever the connection runs on client push.
-        if dir.learn(&conn.info().server_stack)? == 0 {
-            bail!("the server advertised no shards");
-        }
-        let conn = Arc::new(conn);
-        let pending: Arc<Pending> = Arc::default();
-        let dead = Arc::new(AtomicBool::new(false));
-        let rx = tokio::spawn(receive(
-            Arc::clone(&conn),
-            Arc::clone(&pending),
-            Arc::clone(&dead),
-        ));
-        Ok(Client {
-            conn,
-            client: chunnel::util::random_u64(),
-            next: AtomicU64::new(1),
-            pending,
-            slots: Semaphore::new(16_384),
-            dead,
-            timeout: Duration::from_millis(a.timeout_ms.max(1)),
-            attempts: a.attempts.max(1),
-            rx,
-        })
-    }
-
-    /// Switches counted by the stack.
-    fn switches(&self) -> u64 {
-        self.conn.get_ref().switches()
-    }
-
-    /// As `KvClient::call`: send, wait, resend with the same id on a doubling timeout.
-    async fn call(&self, op: Op) -> Result<Option<Vec<u8>>, KvError> {
-        if self.dead.load(Relaxed) {
-            return Err(KvError::Closed);
-        }
-        let _slot = self.slots.acquire().await.map_err(|_| KvError::Closed)?;
-        let id = self.next.fetch_add(1, Relaxed);
-        let (tx, mut rx) = oneshot::channel();
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, tx);
-        let _entry = Entry {
-            pending: &self.pending,
-            id,
-        };
-        let mut wait = self.timeout;
-        for _ in 0..self.attempts {
-            let req = Msg::Request {
-                client: self.client,
-                id,
-                op: op.clone(),
-            };
-            self.conn.send_one(req).await?;
-            match tokio::time::timeout(wait, &mut rx).await {
-                Ok(Ok(v)) => return Ok(v),
-                Ok(Err(_)) => return Err(KvError::Closed),
-                Err(_) => wait = (wait * 2).min(Duration::from_secs(1)),
-            }
-        }
-        Err(KvError::Timeout {
-            attempts: self.attempts,
-        })
-    }
-}
-
-impl ycsb::Target for Client {
-    fn call(&self, op: Op) -> impl Future<Output = Result<Option<Vec<u8>>, KvError>> {
-        Client::call(self, op)
-    }
-}
-
-/// Matches replies to waiting requests until the connection fails.
-async fn receive(conn: Arc<Conn>, pending: Arc<Pending>, dead: Arc<AtomicBool>) {
-    let mut slots: Vec<Option<Msg>> = vec![None; 32];
-    loop {
-        match conn.recv(&mut slots).await {
-            Ok(n) => {
-                let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
-                for m in slots[..n].iter_mut().filter_map(Option::take) {
-                    if let Msg::Response { id, value } = m
-                        && let Some(tx) = p.remove(&id)
-                    {
-                        let _ = tx.send(value);
-                    }
-                }
-            }
-            // A reply that did not decode: dropped (its request will be retried).
-            Err(chunnel::Error::Layer { .. } | chunnel::Error::Malformed { .. }) => {}
-            Err(_) => break,
-        }
-    }
-    dead.store(true, Relaxed);
-    // Wakes every waiter with `Closed`.
-    pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+/// A client on the server at `addr`, with the soak's timeouts and up to 16,384 requests in
+/// flight.
+async fn connect(addr: SocketAddr, a: &Args) -> Result<Client> {
+    let mut cfg = ClientConfig::default();
+    cfg.max_outstanding = 16_384;
+    cfg.timeout = Duration::from_millis(a.timeout_ms.max(1));
+    cfg.attempts = a.attempts.max(1);
+    Ok(LiveClient::connect(addr, cfg).await?)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -557,14 +422,14 @@ async fn soak(a: Args, csv: PathBuf) -> Result<Value> {
     for i in 0..a.records {
         written.add(&ycsb::key(i), &ycsb::value(i, a.value_size));
     }
-    let first = Client::connect(addr, &a).await?;
+    let first = connect(addr, &a).await?;
     let t = Instant::now();
     ycsb::load(&first, a.records, a.value_size, 64).await?;
     eprintln!(
         "soak: loaded {} records in {:.1} s; sharding starts on {:?}",
         a.records,
         t.elapsed().as_secs_f64(),
-        first.conn.get_ref().side()
+        first.side()
     );
 
     let (broken_tx, mut broken_rx) = mpsc::channel(64);
@@ -599,11 +464,8 @@ async fn soak(a: Args, csv: PathBuf) -> Result<Value> {
                 }
                 let t0 = Instant::now();
                 let client = loop {
-                    match tokio::time::timeout(
-                        Duration::from_secs(5),
-                        Client::connect(s.addr, &s.args),
-                    )
-                    .await
+                    match tokio::time::timeout(Duration::from_secs(5), connect(s.addr, &s.args))
+                        .await
                     {
                         Ok(Ok(c)) => break c,
                         _ if s.stopped() && t0.elapsed() > Duration::from_secs(30) => return,
@@ -692,7 +554,7 @@ async fn soak(a: Args, csv: PathBuf) -> Result<Value> {
                     s.c.switch_skipped.fetch_add(1, Relaxed);
                     continue;
                 };
-                let conn = c.conn.get_ref();
+                let conn = &c;
                 let before = conn.switches();
                 let to = match conn.side() {
                     Side::Left => Side::Right,

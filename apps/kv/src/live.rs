@@ -1,17 +1,19 @@
 //! A store client whose sharding mode can be switched while it runs: the client stack of
 //! [`KvClient`](crate::KvClient) with its select made reconfigurable,
 //! `select(ClientShard, ViaCanonical).reconfigurable::<LockFree>()` over
-//! `Shared | Serialize<Msg, bincode>` (as `chunnel-bench soak`'s client). The server serves
+//! `Shared | Serialize<Msg, bincode>` (`chunnel-bench soak` runs on it). The server serves
 //! both modes at once, so a switch is unilateral. [`LiveClient::register`] puts it on a
 //! control endpoint with its switch handle, and [`load`] drives checked traffic through it:
 //! `chunnel-kv load --control PATH`, then `chunnelctl switch ID server-side`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use chunnel::{ChunnelConnection, ConnectionExt, LockFree, Reconfigurable, Shared, Stack, select};
+use chunnel::{
+    ChunnelConnection, ConnectionExt, LockFree, Reconfigurable, Shared, Side, Stack, select,
+};
 use chunnel_ctl::{Entry, Guard, LayerCounters, Negotiation, Policy, ReconfigSwitch, Registry};
 use chunnel_std::shard::{ClientShard, ViaCanonical};
 use tokio::sync::{Semaphore, oneshot};
@@ -53,6 +55,8 @@ pub struct LiveClient {
     slots: Semaphore,
     cfg: ClientConfig,
     stats: Arc<LiveStats>,
+    /// The receive task ended (the connection failed): calls fail at once.
+    dead: Arc<AtomicBool>,
     rx: tokio::task::JoinHandle<()>,
 }
 
@@ -83,10 +87,12 @@ impl LiveClient {
         let conn = Arc::new(conn);
         let pending: Arc<Pending> = Arc::default();
         let stats = Arc::new(LiveStats::default());
+        let dead = Arc::new(AtomicBool::new(false));
         let rx = tokio::spawn(receive(
             Arc::clone(&conn),
             Arc::clone(&pending),
             Arc::clone(&stats),
+            Arc::clone(&dead),
         ));
         Ok(LiveClient {
             conn,
@@ -98,8 +104,25 @@ impl LiveClient {
             slots: Semaphore::new(cfg.max_outstanding.max(1)),
             cfg,
             stats,
+            dead,
             rx,
         })
+    }
+
+    /// The sharding mode the client runs on: `Left` = client push, `Right` = server-side.
+    pub fn side(&self) -> Side {
+        self.conn.get_ref().side()
+    }
+
+    /// Switches of the sharding select so far.
+    pub fn switches(&self) -> u64 {
+        self.conn.get_ref().switches()
+    }
+
+    /// Switches the sharding mode (`Left` = client push, `Right` = server-side) without
+    /// losing a request; `Ok(false)` if it already runs on `to`.
+    pub async fn reconfigure(&self, to: Side) -> Result<bool, KvError> {
+        Ok(self.conn.get_ref().reconfigure(to).await?)
     }
 
     /// The counters.
@@ -139,7 +162,13 @@ impl LiveClient {
 
     /// Sends `op` (retrying like [`KvClient::call`](crate::KvClient::call)) and waits for
     /// its reply.
+    ///
+    /// Fails at once with [`KvError::Closed`] once the connection failed (its receive task
+    /// ended).
     pub async fn call(&self, op: Op) -> Result<Option<Vec<u8>>, KvError> {
+        if self.dead.load(Relaxed) {
+            return Err(KvError::Closed);
+        }
         let _slot = self.slots.acquire().await.map_err(|_| KvError::Closed)?;
         let id = self.next.fetch_add(1, Relaxed);
         let (tx, mut rx) = oneshot::channel();
@@ -181,7 +210,18 @@ impl LiveClient {
     }
 }
 
-async fn receive(conn: Arc<Conn>, pending: Arc<Pending>, stats: Arc<LiveStats>) {
+impl crate::ycsb::Target for LiveClient {
+    fn call(&self, op: Op) -> impl Future<Output = Result<Option<Vec<u8>>, KvError>> {
+        LiveClient::call(self, op)
+    }
+}
+
+async fn receive(
+    conn: Arc<Conn>,
+    pending: Arc<Pending>,
+    stats: Arc<LiveStats>,
+    dead: Arc<AtomicBool>,
+) {
     let mut slots: Vec<Option<Msg>> = vec![None; 32];
     loop {
         match conn.recv(&mut slots).await {
@@ -205,6 +245,7 @@ async fn receive(conn: Arc<Conn>, pending: Arc<Pending>, stats: Arc<LiveStats>) 
             Err(_) => break,
         }
     }
+    dead.store(true, Relaxed);
     // Wakes every waiter with `Closed`.
     pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
 }
