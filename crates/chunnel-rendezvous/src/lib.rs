@@ -166,6 +166,8 @@ pub use crate::plane::{EpochBase, Group};
 pub use crate::redis::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use crate::sqlite::SqliteStore;
+#[cfg(feature = "sqlite")]
+pub use crate::sqlite::wake as sqlite_wake;
 pub use crate::store::{
     Ballot, Changes, Committed, JoinReply, Member, News, Notifier, Outcome, Snapshot, Store,
     Transition, Watch,
