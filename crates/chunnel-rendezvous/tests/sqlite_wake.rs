@@ -129,7 +129,12 @@ async fn sqlite_processes_switch_by_notification() {
     expect_line(&mut lines, "CHILD-JOINED").await;
     // The child learns of the proposal only by notification; without its yes the proposal
     // aborts after its 10 s timeout.
+    let proposed = Instant::now();
     parent.propose(1).await.expect("the child did not vote");
+    eprintln!(
+        "a proposal committed across two processes in {:?}",
+        proposed.elapsed()
+    );
     until(&parent, "epoch 2", BOUND, |v| v.epoch == 2).await;
     expect_line(&mut lines, "CHILD-EPOCH-2").await;
     // The child proposes back; the parent votes and follows the commit.

@@ -25,7 +25,14 @@
 //! the socket cannot be bound (e.g. a path longer than a socket address holds, 107 bytes),
 //! and its participant then polls at [`crate::Config::poll`]. Writes by other users that may
 //! not send to the socket are not notified either (the socket has the file's mode and group,
-//! so a user who may write the file may normally send).
+//! so a user who may write the file may normally send), nor writes by a process running a
+//! version of this crate from before these wake-ups: the polls at
+//! [`crate::Config::poll_notified`] cover both.
+//!
+//! The socket belongs to a task of the tokio runtime in which the process's first live watch
+//! of the file was made; should that runtime shut down while watches made in another one
+//! live on, those turn incomplete (and poll at [`crate::Config::poll`]) until a new watch of
+//! the file binds a socket again.
 //!
 //! The datagram format is specified in `docs/wire.md` §15.2 ("SQLite wake-up").
 
