@@ -86,6 +86,21 @@ async fn until_complete(w: &mut Watch) {
     .expect("the watch never became complete");
 }
 
+/// The next notified kinds (bounded), skipping wake-ups that notified none (a watch may
+/// have one left over from a change of state).
+async fn next_change(w: &mut Watch) -> Changes {
+    tokio::time::timeout(BOUND, async {
+        loop {
+            let c = w.changed().await;
+            if !c.is_empty() {
+                return c;
+            }
+        }
+    })
+    .await
+    .expect("no notification")
+}
+
 /// Waits (bounded) until the store's counters satisfy `f`.
 async fn until_counted(store: &SqliteStore, what: &str, f: impl Fn(&Counters) -> bool) -> Counters {
     let deadline = Instant::now() + BOUND;
@@ -262,7 +277,7 @@ async fn sqlite_overflow_marks_and_wakes_everything() {
         .unwrap()
         .send_to(&encode(Changes::BALLOTS, "other").unwrap(), &socks[0])
         .unwrap();
-    let got = tokio::time::timeout(BOUND, w.changed()).await.unwrap();
+    let got = next_change(&mut w).await;
     assert_eq!(got, Changes::ALL, "the marker did not wake everything");
     let c = until_counted(&store, "the marker", |c| c.missed >= 1).await;
     assert_eq!(c.missed, 1, "{c:?}");
@@ -298,6 +313,50 @@ async fn sqlite_in_process_wakeups_without_a_socket() {
     assert!(got.contains(Changes::MEMBERS), "{got:?}");
     assert!(!w.is_complete(), "complete without a socket");
     assert!(!watcher.wake_counters().bound);
+}
+
+/// The socket outlives the tokio runtime of the watch that bound it: a watch made in another
+/// runtime stays complete and woken after that runtime shut down.
+#[test]
+fn sqlite_watch_outlives_the_runtime_that_bound_the_socket() {
+    let s = Scratch::new("sqlite-wake-rt");
+    let path = s.0.join("groups.sqlite");
+    let store = SqliteStore::open(&path).unwrap();
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (first_rt, second_rt) = (runtime(), runtime());
+    let first = first_rt.block_on(async {
+        let mut w = store.watch("g").unwrap();
+        until_complete(&mut w).await;
+        w
+    });
+    let mut second = second_rt.block_on(async {
+        let mut w = store.watch("g").unwrap();
+        until_complete(&mut w).await;
+        // Made complete: the read it calls for.
+        assert_eq!(w.changed().await, Changes::ALL);
+        w
+    });
+    drop(first);
+    drop(first_rt);
+    second_rt.block_on(async {
+        assert!(
+            second.is_complete(),
+            "the first runtime took the socket along"
+        );
+        let socks = sockets(&path);
+        assert_eq!(socks.len(), 1, "{socks:?}");
+        UnixDatagram::unbound()
+            .unwrap()
+            .send_to(&encode(Changes::BALLOTS, "g").unwrap(), &socks[0])
+            .unwrap();
+        assert_eq!(next_change(&mut second).await, Changes::BALLOTS);
+    });
 }
 
 /// The child of the tests above (`CHILD_ENV`): `switch` joins the group and follows and makes

@@ -20,7 +20,7 @@
 //! while that time is less than [`RACY`] old (a coarse file-system clock may give two changes
 //! the same time), reading at most [`MAX_ENTRIES`] entries. So a watch counts as complete
 //! ([`Watch::is_complete`]) only while its socket is bound and still in the directory, and
-//! the directory holds at most [`MAX_ENTRIES`] entries; the receiving task checks that every
+//! the directory holds at most [`MAX_ENTRIES`] entries; the receiving thread checks that every
 //! [`CHECK_EVERY`] and binds a new socket if its own went away. A watch is incomplete while
 //! the socket cannot be bound (e.g. a path longer than a socket address holds, 107 bytes),
 //! and its participant then polls at [`crate::Config::poll`]. Writes by other users that may
@@ -29,10 +29,9 @@
 //! version of this crate from before these wake-ups: the polls at
 //! [`crate::Config::poll_notified`] cover both.
 //!
-//! The socket belongs to a task of the tokio runtime in which the process's first live watch
-//! of the file was made; should that runtime shut down while watches made in another one
-//! live on, those turn incomplete (and poll at [`crate::Config::poll`]) until a new watch of
-//! the file binds a socket again.
+//! The socket belongs to a thread of its own (one per watched file and process, not a task,
+//! so that it outlives any one tokio runtime), which ends once the last watch of the file is
+//! dropped, removing the socket.
 //!
 //! The datagram format is specified in `docs/wire.md` §15.2 ("SQLite wake-up").
 
@@ -66,10 +65,10 @@ pub const MAX_ENTRIES: usize = 128;
 /// write.
 pub const RACY: Duration = Duration::from_secs(2);
 
-/// How often the receiving task checks that its socket is still in the directory.
+/// How often the receiving thread checks that its socket is still in the directory.
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// The most datagrams the receiving task reads before it lets other tasks run.
+/// The most datagrams the receiving thread reads before it wakes the watches.
 const BATCH: usize = 256;
 
 const SOCK: &str = "sock";
@@ -147,7 +146,8 @@ pub fn decode(d: &[u8]) -> Result<Wakeup<'_>, Error> {
     })
 }
 
-/// What a store handle's wake-ups did, for tests and diagnostics ([`crate::SqliteStore::wake_counters`]).
+/// What a store handle's wake-ups did, for tests and diagnostics
+/// ([`crate::SqliteStore::wake_counters`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
     /// Datagrams this handle sent to other processes' sockets.
@@ -295,7 +295,8 @@ impl Wakes {
                         .write(true)
                         .open(&marker)
                     {
-                        tracing::debug!(path = %marker.display(), error = %e, "cannot mark a missed wake-up");
+                        tracing::debug!(path = %marker.display(), error = %e,
+                            "cannot mark a missed wake-up");
                     }
                     // After the marker: if this gets through, the receiver drains it and then
                     // finds the marker; if not, its queue is full and it will.
@@ -308,7 +309,8 @@ impl Wakes {
                     let _ = std::fs::remove_file(path.with_extension(MISSED));
                     if std::fs::remove_file(&path).is_ok() {
                         self.removed.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(path = %path.display(), "removed a dead process's wake-up socket");
+                        tracing::debug!(path = %path.display(),
+                            "removed a dead process's wake-up socket");
                     }
                     gone.push(name.clone());
                 }
@@ -330,7 +332,7 @@ impl Wakes {
         reg.retain(|_, e| !e.groups.is_empty() || e.hub.strong_count() > 0);
         let entry = reg.entry(self.file).or_default();
         let hub = match entry.hub.upgrade() {
-            Some(h) if !h.task.is_finished() => h,
+            Some(h) if h.is_running() => h,
             _ => {
                 let h = Arc::new(Hub::start(self.file, self.db.clone(), self.dir.clone()));
                 entry.hub = Arc::downgrade(&h);
@@ -401,11 +403,12 @@ impl Listing {
     }
 }
 
-/// This process's receiving socket for one file: the task that owns it, while a watch
-/// holds it (dropping the last one closes and removes the socket).
+/// This process's receiving socket for one file: the thread that owns it, while a watch
+/// holds it (dropping the last one stops the thread, which closes and removes the socket).
+/// A thread of its own rather than a task, so that it outlives any one tokio runtime.
 struct Hub {
     shared: Arc<HubShared>,
-    task: tokio::task::JoinHandle<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 struct HubShared {
@@ -414,8 +417,10 @@ struct HubShared {
     dir: PathBuf,
     /// Bound, in the directory, and the directory within bounds.
     healthy: AtomicBool,
-    /// The socket's path while bound.
-    bound: Mutex<Option<PathBuf>>,
+    /// Set when the last watch of the file is gone: the thread ends.
+    stop: AtomicBool,
+    /// The socket's path while bound, and a handle to shut it down with.
+    bound: Mutex<Option<(PathBuf, StdDatagram)>>,
     received: AtomicU64,
     malformed: AtomicU64,
     missed: AtomicU64,
@@ -428,21 +433,39 @@ impl Hub {
             db,
             dir,
             healthy: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
             bound: Mutex::new(None),
             received: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
             missed: AtomicU64::new(0),
         });
-        let task = tokio::spawn(serve(shared.clone()));
-        Hub { shared, task }
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("chunnel-sqlite-wake".into())
+                .spawn(move || serve(&shared))
+        };
+        let thread = thread
+            .inspect_err(|e| tracing::warn!(error = %e, "no thread for SQLite wake-ups"))
+            .ok();
+        Hub { shared, thread }
+    }
+
+    /// Whether the receiving thread still runs.
+    fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 }
 
 impl Drop for Hub {
     fn drop(&mut self) {
-        self.task.abort();
-        if let Some(path) = lock(&self.shared.bound).take() {
-            remove_socket(&path);
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some((_, sock)) = &*lock(&self.shared.bound) {
+            // Wakes the thread from its receive.
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
         }
     }
 }
@@ -474,8 +497,18 @@ impl HubShared {
         }
     }
 
+    /// Wakes every watch of the file as if everything changed.
+    fn wake_all(&self) {
+        self.missed.fetch_add(1, Ordering::Relaxed);
+        if let Some(e) = registry().get(&self.file) {
+            for n in e.groups.values().flatten() {
+                n.notify(Changes::ALL);
+            }
+        }
+    }
+
     /// Binds a fresh socket in the directory (made if missing), with the file's mode and group.
-    fn bind(&self) -> io::Result<(tokio::net::UnixDatagram, PathBuf, u64)> {
+    fn bind(&self) -> io::Result<(StdDatagram, PathBuf, u64)> {
         let meta = std::fs::metadata(&self.db)?;
         let mode = meta.mode() & 0o666;
         match std::fs::create_dir(&self.dir) {
@@ -494,11 +527,20 @@ impl HubShared {
             chunnel::util::random_u64() & 0xffff_ffff_ffff
         );
         let path = self.dir.join(name);
-        let sock = tokio::net::UnixDatagram::bind(&path)?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
-        let _ = std::os::unix::fs::chown(&path, None, Some(meta.gid()));
-        let ino = std::fs::symlink_metadata(&path)?.ino();
-        Ok((sock, path, ino))
+        let sock = StdDatagram::bind(&path)?;
+        let set_up = (|| {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+            let _ = std::os::unix::fs::chown(&path, None, Some(meta.gid()));
+            sock.set_read_timeout(Some(CHECK_EVERY))?;
+            Ok(std::fs::symlink_metadata(&path)?.ino())
+        })();
+        match set_up {
+            Ok(ino) => Ok((sock, path, ino)),
+            Err(e) => {
+                remove_socket(&path);
+                Err(e)
+            }
+        }
     }
 
     /// Whether the socket at `path` (inode `ino`) is still there, and the directory within
@@ -511,7 +553,7 @@ impl HubShared {
     }
 }
 
-/// Marks the file's watches incomplete when the receiving task ends (or its runtime does).
+/// Marks the file's watches incomplete when the receiving thread ends.
 struct Down(Arc<HubShared>);
 
 impl Drop for Down {
@@ -520,95 +562,121 @@ impl Drop for Down {
     }
 }
 
-/// The receiving task: binds, serves the socket while it stays healthy, binds again.
-async fn serve(shared: Arc<HubShared>) {
+/// The receiving thread: binds, serves the socket while it stays healthy, binds again, until
+/// the hub is dropped.
+fn serve(shared: &Arc<HubShared>) {
     let _down = Down(shared.clone());
     let mut warned = false;
-    loop {
+    while !shared.stop.load(Ordering::Acquire) {
         match shared.bind() {
             Ok((sock, path, ino)) => {
-                *lock(&shared.bound) = Some(path.clone());
-                if shared.in_place(&path, ino) {
+                match sock.try_clone() {
+                    Ok(handle) => *lock(&shared.bound) = Some((path.clone(), handle)),
+                    Err(_) => {
+                        remove_socket(&path);
+                        continue;
+                    }
+                }
+                // The hub may have been dropped before the handle was there to shut down.
+                if !shared.stop.load(Ordering::Acquire) && shared.in_place(&path, ino) {
                     shared.set_healthy(true);
-                    receive(&shared, &sock, &path, ino).await;
+                    receive(shared, &sock, &path, ino);
                     shared.set_healthy(false);
                 }
+                *lock(&shared.bound) = None;
                 drop(sock);
-                if let Some(p) = lock(&shared.bound).take() {
-                    remove_socket(&p);
-                }
+                remove_socket(&path);
             }
             Err(e) => {
                 if !warned {
                     warned = true;
                     tracing::warn!(dir = %shared.dir.display(), error = %e,
-                        "cannot bind an SQLite wake-up socket: other processes' writes are seen by polling");
+                        "cannot bind an SQLite wake-up socket: \
+                         other processes' writes are seen by polling");
                 }
             }
         }
-        tokio::time::sleep(CHECK_EVERY).await;
+        if !shared.stop.load(Ordering::Acquire) {
+            std::thread::park_timeout(CHECK_EVERY);
+        }
     }
 }
 
-/// Serves the bound socket until it is no longer healthy.
-async fn receive(shared: &Arc<HubShared>, sock: &tokio::net::UnixDatagram, path: &Path, ino: u64) {
+/// Serves the bound socket until it is no longer healthy or the hub is dropped.
+fn receive(shared: &Arc<HubShared>, sock: &StdDatagram, path: &Path, ino: u64) {
     let marker = path.with_extension(MISSED);
-    let mut check = tokio::time::interval(CHECK_EVERY);
-    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut checked = std::time::Instant::now();
     let mut buf = [0u8; MAX_DATAGRAM + 1];
+    let mut woken: HashMap<String, Changes> = HashMap::new();
     loop {
-        tokio::select! {
-            r = sock.readable() => {
-                if r.is_err() {
-                    return;
-                }
-                let mut woken: HashMap<String, Changes> = HashMap::new();
-                for _ in 0..BATCH {
-                    match sock.try_recv(&mut buf) {
-                        Ok(n) => match decode(&buf[..n]).ok().filter(|_| n <= MAX_DATAGRAM) {
-                            Some(w) => {
-                                shared.received.fetch_add(1, Ordering::Relaxed);
-                                *woken.entry(w.group.to_owned()).or_default() |= w.changes;
-                            }
-                            None => {
-                                let seen = shared.malformed.fetch_add(1, Ordering::Relaxed);
-                                if seen == 0 {
-                                    tracing::warn!(path = %path.display(), len = n,
-                                        "ignored a malformed SQLite wake-up datagram (only the first is logged)");
-                                }
-                            }
-                        },
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                        Err(_) => return,
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        // Blocks for the first datagram (at most `CHECK_EVERY`), then drains the queue.
+        let mut got = 0;
+        while got < BATCH {
+            match sock.recv(&mut buf) {
+                Ok(n) => {
+                    if shared.stop.load(Ordering::Acquire) {
+                        // Shut down by the hub's drop (a receive then returns 0 bytes).
+                        return;
                     }
-                }
-                let missed = std::fs::remove_file(&marker).is_ok();
-                let mut reg = registry();
-                if missed {
-                    shared.missed.fetch_add(1, Ordering::Relaxed);
-                    if let Some(e) = reg.get(&shared.file) {
-                        for n in e.groups.values().flatten() {
-                            n.notify(Changes::ALL);
+                    got += 1;
+                    if got == 1 && sock.set_nonblocking(true).is_err() {
+                        return;
+                    }
+                    match decode(&buf[..n]).ok().filter(|_| n <= MAX_DATAGRAM) {
+                        Some(w) => {
+                            shared.received.fetch_add(1, Ordering::Relaxed);
+                            *woken.entry(w.group.to_owned()).or_default() |= w.changes;
+                        }
+                        None => {
+                            let seen = shared.malformed.fetch_add(1, Ordering::Relaxed);
+                            if seen == 0 {
+                                tracing::warn!(path = %path.display(), len = n,
+                                    "ignored a malformed SQLite wake-up datagram \
+                                     (only the first is logged)");
+                            }
                         }
                     }
                 }
-                for (group, changes) in woken {
-                    notify_local(&mut reg, shared.file, &group, changes);
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    break;
                 }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return,
             }
-            _ = check.tick() => {
-                if !shared.in_place(path, ino) {
-                    tracing::debug!(path = %path.display(), "the SQLite wake-up socket left its directory; binding another");
-                    return;
-                }
-                if std::fs::remove_file(&marker).is_ok() {
-                    shared.missed.fetch_add(1, Ordering::Relaxed);
-                    if let Some(e) = registry().get(&shared.file) {
-                        for n in e.groups.values().flatten() {
-                            n.notify(Changes::ALL);
-                        }
-                    }
-                }
+        }
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        if got > 0 {
+            if sock.set_nonblocking(false).is_err() {
+                return;
+            }
+            // After draining: a writer that found the queue full left the marker first.
+            if std::fs::remove_file(&marker).is_ok() {
+                shared.wake_all();
+            }
+            let mut reg = registry();
+            for (group, changes) in woken.drain() {
+                notify_local(&mut reg, shared.file, &group, changes);
+            }
+        }
+        if checked.elapsed() >= CHECK_EVERY {
+            checked = std::time::Instant::now();
+            if !shared.in_place(path, ino) {
+                tracing::debug!(path = %path.display(),
+                    "the SQLite wake-up socket left its directory; binding another");
+                return;
+            }
+            if std::fs::remove_file(&marker).is_ok() {
+                shared.wake_all();
             }
         }
     }
@@ -649,7 +717,12 @@ mod tests {
 
         /// Valid datagrams with one byte changed: still no panic, canonical if accepted.
         #[test]
-        fn decode_mutated(c in changes(), g in name(), at in any::<prop::sample::Index>(), b in any::<u8>()) {
+        fn decode_mutated(
+            c in changes(),
+            g in name(),
+            at in any::<prop::sample::Index>(),
+            b in any::<u8>(),
+        ) {
             let mut d = encode(c, &g).unwrap();
             let i = at.index(d.len());
             d[i] = b;
