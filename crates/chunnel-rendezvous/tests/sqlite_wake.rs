@@ -315,6 +315,44 @@ async fn sqlite_in_process_wakeups_without_a_socket() {
     assert!(!watcher.wake_counters().bound);
 }
 
+/// A writer's cached listing of the directory follows it: a socket bound after the writer
+/// listed (once the listing is old enough to be trusted) still gets the next write's
+/// datagram.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_writer_sees_a_socket_bound_after_it_listed() {
+    let s = Scratch::new("sqlite-wake-list");
+    let path = s.0.join("groups.sqlite");
+    let store = SqliteStore::open(&path).unwrap();
+    let dir = wake_dir(&path);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bind = |name: &str| {
+        let sock = UnixDatagram::bind(dir.join(name)).unwrap();
+        sock.set_nonblocking(true).unwrap();
+        sock
+    };
+    let want = encode(Changes::MEMBERS, "g").unwrap();
+    let got_one = |sock: &UnixDatagram, who: &str| {
+        let mut buf = [0u8; 256];
+        let n = sock
+            .recv(&mut buf)
+            .unwrap_or_else(|e| panic!("{who} got no datagram: {e}"));
+        assert_eq!(&buf[..n], &want[..], "{who}");
+    };
+    let a = bind("0-a.sock");
+    store.leave("g", "nobody").await.unwrap();
+    got_one(&a, "a, bound before the first write");
+    // Past the time a listing is re-read on every write: the next one is cached by the
+    // directory's modification time.
+    tokio::time::sleep(chunnel_rendezvous::sqlite_wake::RACY + Duration::from_millis(500)).await;
+    store.leave("g", "nobody").await.unwrap();
+    got_one(&a, "a, on the write that cached the listing");
+    let b = bind("0-b.sock");
+    store.leave("g", "nobody").await.unwrap();
+    got_one(&a, "a, after b was bound");
+    got_one(&b, "b, bound after the listing was cached");
+    assert_eq!(store.wake_counters().sent, 4);
+}
+
 /// The socket outlives the tokio runtime of the watch that bound it: a watch made in another
 /// runtime stays complete and woken after that runtime shut down.
 #[test]
