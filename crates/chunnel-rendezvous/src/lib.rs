@@ -14,7 +14,7 @@
 //!   (our first option, or our first option compatible with the committed stack, or
 //!   [`Error::Incompatible`]), renew the lease, read the group when the store notifies a change
 //!   ([`Store::watch`]: an etcd watch, a Redis subscription, SQLite's wake-up within the
-//!   process) and by polling as the fallback ([`Config::poll`] without complete notifications,
+//!   host) and by polling as the fallback ([`Config::poll`] without complete notifications,
 //!   [`Config::poll_notified`] with them), vote on transitions (compatibility and a
 //!   [`Policy`]), commit or abort the ones it proposed, and publish a [`View`] (members,
 //!   epoch, store reachability) on every change.
@@ -166,6 +166,8 @@ pub use crate::plane::{EpochBase, Group};
 pub use crate::redis::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use crate::sqlite::SqliteStore;
+#[cfg(feature = "sqlite")]
+pub use crate::sqlite::wake as sqlite_wake;
 pub use crate::store::{
     Ballot, Changes, Committed, JoinReply, Member, News, Notifier, Outcome, Snapshot, Store,
     Transition, Watch,

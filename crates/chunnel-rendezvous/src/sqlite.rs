@@ -32,15 +32,22 @@
 //!
 //! # Notifications
 //!
-//! [`Store::watch`] wakes a participant when a store handle *of the same process* on the same
-//! file (any path to it: the file is known by device and inode) wrote to its group: a join,
-//! leave, proposal, vote or finish notifies every watch of that group in the process, through
-//! a process-wide registry, right after the transaction committed. Writes by other processes
-//! on the host are not notified (SQLite has no cross-process signal, and a waiter per process
-//! would need a side channel next to the file), so an SQLite watch never counts as complete
-//! ([`crate::Watch::is_complete`]): participants keep reading the record every
-//! [`crate::Config::poll`], and notice another process's change within that interval, and
-//! their own process's at once.
+//! [`Store::watch`] wakes a participant when any process of the host wrote to its group: a
+//! join, leave, proposal, vote or finish notifies every watch of that group right after the
+//! transaction committed (the file is known by device and inode in the process, so any path
+//! to it will do). Within the process, through a process-wide registry. Across processes,
+//! through Unix datagram sockets next to the file ([`wake`], re-exported as
+//! `chunnel_rendezvous::sqlite_wake`): each process watching a group of the file binds one
+//! socket in `<file>.wake/`, and a writer sends every other process's socket one small
+//! datagram (the kinds that changed and the group: `docs/wire.md` §15.2), without blocking;
+//! sockets of dead processes are removed by the writer that finds them, and a datagram
+//! dropped on a full queue leaves a marker that makes the receiver wake all its watches of
+//! the file. A watch is complete ([`crate::Watch::is_complete`]) while its process's socket
+//! is bound and in the directory: participants then read on notification, and every
+//! [`crate::Config::poll_notified`] as the fallback; while it is not (the socket cannot be
+//! bound, or the directory holds more than [`wake::MAX_ENTRIES`] entries), every
+//! [`crate::Config::poll`]. Notifications carry no news: a woken participant reads the
+//! record. [`SqliteStore::wake_counters`] tells what the wake-ups did.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -52,9 +59,11 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use crate::Error;
 use crate::store::{
-    Ballot, Changes, Committed, JoinReply, Member, Notifier, Outcome, Snapshot, Store, Transition,
-    Watch, check_name, now_ms,
+    Ballot, Changes, Committed, JoinReply, Member, Outcome, Snapshot, Store, Transition, Watch,
+    check_name, now_ms,
 };
+
+pub mod wake;
 
 const BACKEND: &str = "sqlite";
 
@@ -80,8 +89,8 @@ const MAX_GRACE_MS: u64 = 1_000_000_000_000_000;
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
-    /// The file's (device, inode): what names it in the registry of watches.
-    file: (u64, u64),
+    /// The wake-ups of the file's watches, in this process and across the host.
+    wakes: Arc<wake::Wakes>,
     /// Taken around every writing transaction by every handle of this process on the file.
     writers: Arc<Mutex<()>>,
     /// How long a group outlives its last member, in ms.
@@ -187,8 +196,8 @@ impl SqliteStore {
         };
         Ok(SqliteStore {
             conn: Arc::new(Mutex::new(conn)),
+            wakes: Arc::new(wake::Wakes::new(&path, file)),
             path,
-            file,
             writers: writers(file),
             grace_ms: Self::DEFAULT_GRACE.as_millis() as u64,
             sweeper: Arc::new(Sweeper {
@@ -333,35 +342,16 @@ fn writers(file: (u64, u64)) -> Arc<Mutex<()>> {
     lock
 }
 
-/// The watches of this process: per file (device, inode), per group, the notifiers of the live
-/// watches. Closed ones are dropped whenever their group is notified or watched.
-type Registry = HashMap<(u64, u64), HashMap<String, Vec<Notifier>>>;
-
-fn registry() -> &'static Mutex<Registry> {
-    static WATCHES: OnceLock<Mutex<Registry>> = OnceLock::new();
-    WATCHES.get_or_init(Mutex::default)
-}
-
 impl SqliteStore {
-    /// Tells this process's watches of `group` that it changed.
+    /// Tells every watch of `group` on this host that it changed (see `wake`).
     fn wake(&self, group: &str, changes: Changes) {
-        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
-        let Some(groups) = reg.get_mut(&self.file) else {
-            return;
-        };
-        let Some(watchers) = groups.get_mut(group) else {
-            return;
-        };
-        watchers.retain(|n| !n.is_closed());
-        for n in watchers.iter() {
-            n.notify(changes);
-        }
-        if watchers.is_empty() {
-            groups.remove(group);
-            if groups.is_empty() {
-                reg.remove(&self.file);
-            }
-        }
+        self.wakes.notify(group, changes);
+    }
+
+    /// What this handle's wake-ups did, and this process's socket for the file (see
+    /// "Notifications" in the module docs).
+    pub fn wake_counters(&self) -> wake::Counters {
+        self.wakes.counters()
     }
 }
 
@@ -788,17 +778,9 @@ impl Store for SqliteStore {
         Ok(done)
     }
 
-    /// In-process notifications (see "Notifications" in the module docs): never complete.
+    /// Notifications from this process's writes, and other processes' while this process's
+    /// wake-up socket is healthy (then complete): see "Notifications" in the module docs.
     fn watch(&self, group: &str) -> Option<Watch> {
-        let (watch, notifier) = Watch::new();
-        let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
-        let watchers = reg
-            .entry(self.file)
-            .or_default()
-            .entry(group.to_owned())
-            .or_default();
-        watchers.retain(|n| !n.is_closed());
-        watchers.push(notifier);
-        Some(watch)
+        Some(self.wakes.watch(group))
     }
 }
