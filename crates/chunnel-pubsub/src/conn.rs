@@ -428,6 +428,14 @@ impl<C: Consumer> Subscriber<C> {
             if n > 0 {
                 return Ok(n);
             }
+            if !delivered.is_empty() {
+                // Only duplicates came: acknowledge them before fetching again, or a broker that
+                // redelivers unacknowledged messages first (Redis re-reads a member's pending
+                // entries) would hand the same ones back for ever.
+                if let Err(e) = self.ack_tokens(consumer, delivered).await {
+                    tracing::debug!(broker = self.broker, error = %e, "acknowledgement failed");
+                }
+            }
             let room = self.config.prefetch - buffer.len();
             let waited = tokio::time::timeout(
                 self.config.op_timeout + self.config.poll,

@@ -70,3 +70,18 @@ async fn nats_cancelled_bursts_are_resent() {
     let (_server, addr) = support::nats(&scratch);
     support::order::cancelled_bursts_are_resent(broker(&addr, Duration::from_secs(5)).await).await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_restart_during_ordering_switch() {
+    let scratch = Scratch::new("ps-nats");
+    let (mut server, addr) = support::nats(&scratch);
+    support::order::restart_during_switch(
+        broker(&addr, Duration::from_secs(2)).await,
+        &mut server,
+        &scratch,
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+    )
+    .await;
+}

@@ -292,7 +292,8 @@ pub async fn restart_mid_stream<B: Broker>(
     );
 }
 
-fn unavailable(e: &chunnel::Error) -> bool {
+/// Whether `e` is this crate's `Error::Unavailable` (the broker did not answer in time).
+pub fn unavailable(e: &chunnel::Error) -> bool {
     match e {
         chunnel::Error::Layer { source, .. } => {
             matches!(
