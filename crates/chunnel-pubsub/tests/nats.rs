@@ -85,3 +85,15 @@ async fn nats_restart_during_ordering_switch() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_at_most_once_takeover() {
+    let scratch = Scratch::new("ps-nats");
+    let (_server, addr) = support::nats(&scratch);
+    // Past the 2 s ack_wait: anything unacknowledged is redelivered within it.
+    scenarios::at_most_once_takeover(
+        broker(&addr, Duration::from_secs(5)).await,
+        Duration::from_secs(4),
+    )
+    .await;
+}

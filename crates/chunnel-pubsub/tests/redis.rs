@@ -82,3 +82,11 @@ async fn redis_restart_during_ordering_switch() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_at_most_once_takeover() {
+    let scratch = Scratch::new("ps-redis");
+    let (_server, url) = support::redis(&scratch);
+    scenarios::at_most_once_takeover(broker(&url, Duration::from_secs(5)), Duration::from_secs(1))
+        .await;
+}
