@@ -30,6 +30,15 @@ async fn kafka_scenarios() {
         support::order::ordering_switch(broker(&addr, 1, Duration::from_secs(30)).await, &scratch)
             .await;
     }
+    #[cfg(feature = "group")]
+    {
+        eprintln!("kafka: slow receiver across an ordering switch");
+        support::order::slow_receiver_across_switch(
+            broker(&addr, 1, Duration::from_secs(30)).await,
+            &scratch,
+        )
+        .await;
+    }
     eprintln!("kafka: slow consumer");
     scenarios::slow_consumer(broker(&addr, 1, Duration::from_secs(30)).await).await;
     eprintln!("kafka: restart mid-stream");

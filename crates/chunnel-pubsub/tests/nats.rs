@@ -97,3 +97,15 @@ async fn nats_at_most_once_takeover() {
     )
     .await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_slow_receiver_across_switch() {
+    let scratch = Scratch::new("ps-nats");
+    let (_server, addr) = support::nats(&scratch);
+    support::order::slow_receiver_across_switch(
+        broker(&addr, Duration::from_secs(5)).await,
+        &scratch,
+    )
+    .await;
+}

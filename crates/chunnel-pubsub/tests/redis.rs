@@ -90,3 +90,12 @@ async fn redis_at_most_once_takeover() {
     scenarios::at_most_once_takeover(broker(&url, Duration::from_secs(5)), Duration::from_secs(1))
         .await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_slow_receiver_across_switch() {
+    let scratch = Scratch::new("ps-redis");
+    let (_server, url) = support::redis(&scratch);
+    support::order::slow_receiver_across_switch(broker(&url, Duration::from_secs(5)), &scratch)
+        .await;
+}

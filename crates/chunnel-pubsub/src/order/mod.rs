@@ -91,7 +91,9 @@
 //!   receiver far behind at a switch (a backlog on the old mode's lanes while the new mode's
 //!   fill) can see as many early messages as that backlog. Past [`OrderConfig::capacity`] the
 //!   connection fails with [`Error::ReorderOverflow`]: it never skips a message, and never
-//!   holds more than the bound.
+//!   holds more than the bound (`tests/support/order.rs`, `slow_receiver_across_switch`: a
+//!   receiver that did not read across a switch overflows a buffer of 8; with 1,024 it gets
+//!   everything). Its pumps then wait on the full queue: the broker keeps the rest.
 //! * A publisher whose broker stays down past `op_timeout` returns the error; its next send
 //!   first re-publishes the failed burst (at most [`OrderConfig::max_pending`] messages are
 //!   kept). A broker killed and restarted during a switch loses none of them

@@ -687,3 +687,140 @@ pub async fn restart_during_switch<B: Broker>(
         t.abort();
     }
 }
+
+/// A slow receiver across a switch (issue 23 item 5, "a slow consumer is bounded"): two
+/// receivers subscribe, then do not read while a publisher sends 300 messages in service-side
+/// ordering, switches its group to receiver-side, and sends 300 more over 4 lanes. When they
+/// read, the old lane's backlog races the new lanes' messages, which all arrive early. The one
+/// with a reorder buffer of 8 hands out an in-order, gap-free prefix and then fails with
+/// `Error::ReorderOverflow`, and keeps failing (it never skips a message); it never held more
+/// than 8 waiting. The one with room for 1,024 gets all 600 in order, and held more than 8 at
+/// some point (so the small one's failure is the bound at work, not something else).
+pub async fn slow_receiver_across_switch<B: Broker>(broker: B, scratch: &Scratch) {
+    const CAP: usize = 8;
+    let topic = unique("ordslow");
+    let store = Arc::new(SqliteStore::open(scratch.0.join("groups-slow.sqlite")).unwrap());
+    let cfg = super::scenarios::config(Duration::from_secs(10));
+    let order_cfg = OrderConfig {
+        lanes: 4,
+        ..OrderConfig::default()
+    };
+    let small_cfg = OrderConfig {
+        capacity: CAP,
+        ..order_cfg.clone()
+    };
+    let big_cfg = OrderConfig {
+        capacity: 1024,
+        ..order_cfg.clone()
+    };
+    let small = OrderedSubscribe::new(broker.clone(), &topic, "small", cfg.clone(), small_cfg)
+        .connect_wrap(())
+        .await
+        .expect("ordered subscriber");
+    let big = OrderedSubscribe::new(broker.clone(), &topic, "big", cfg.clone(), big_cfg)
+        .connect_wrap(())
+        .await
+        .expect("ordered subscriber");
+    let g = order::join(
+        store,
+        &topic,
+        Role::Publisher,
+        "p0",
+        order_cfg.lanes,
+        Mode::Service,
+        rdv_config(),
+    )
+    .await
+    .expect("publisher joins the group");
+    let publisher = OrderedPublish::new(broker.clone(), &topic, cfg, order_cfg)
+        .group(g.clone())
+        .connect_wrap(())
+        .await
+        .expect("ordered publisher");
+    for b in 0..30 {
+        publisher
+            .send((b * 10..b * 10 + 10).map(|k| payload(0, k)))
+            .await
+            .expect("publish");
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while g.mode() != Mode::Receiver {
+        assert!(Instant::now() < deadline, "the group did not switch");
+        if g.adapt(|_| Mode::Receiver).await.expect("adapt").is_none() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for b in 30..60 {
+        publisher
+            .send((b * 10..b * 10 + 10).map(|k| payload(0, k)))
+            .await
+            .expect("publish");
+    }
+    let s = publisher.stats().await;
+    assert_eq!((s.service, s.receiver), (300, 300), "{s:?}");
+
+    // The small one: an in-order prefix, then the overflow, for good.
+    let mut log = Log::default();
+    let mut slots = vec![None; 16];
+    let overflow = loop {
+        let r = tokio::time::timeout(Duration::from_secs(30), small.recv(&mut slots))
+            .await
+            .expect("the small receiver neither delivered nor failed within 30 s");
+        match r {
+            Ok(n) => {
+                for s in &mut slots[..n] {
+                    log.take("small", &s.take().unwrap());
+                }
+                assert!(
+                    log.total < 600,
+                    "the small receiver got everything: nothing overflowed"
+                );
+            }
+            Err(e) => break e,
+        }
+    };
+    let is_overflow = |e: &chunnel::Error| match e {
+        chunnel::Error::Layer { source, .. } => matches!(
+            source.downcast_ref::<chunnel_pubsub::Error>(),
+            Some(chunnel_pubsub::Error::ReorderOverflow { capacity: CAP })
+        ),
+        _ => false,
+    };
+    assert!(is_overflow(&overflow), "{overflow}");
+    let again = tokio::time::timeout(Duration::from_secs(10), small.recv(&mut slots))
+        .await
+        .expect("a failed receiver answers at once");
+    assert!(
+        matches!(&again, Err(e) if is_overflow(e)),
+        "after the overflow: {again:?}"
+    );
+    let st = small.stats();
+    assert!(
+        st.reorder.max_waiting <= CAP && st.waiting <= CAP,
+        "the small receiver held more than {CAP}: {st:?}"
+    );
+    assert!(st.reorder.overflows > 0, "{st:?}");
+
+    // The big one: everything, in order.
+    let mut log_big = Log::default();
+    while log_big.total < 600 {
+        let n = tokio::time::timeout(Duration::from_secs(30), big.recv(&mut slots))
+            .await
+            .expect("the big receiver stalled")
+            .expect("recv");
+        for s in &mut slots[..n] {
+            log_big.take("big", &s.take().unwrap());
+        }
+    }
+    let sb = big.stats();
+    assert!(
+        sb.reorder.max_waiting > CAP,
+        "the big receiver never held more than {CAP} early messages: the switch did not race \
+         ({sb:?})"
+    );
+    eprintln!(
+        "slow receivers across the switch: capacity {CAP}: {} in order, then ReorderOverflow \
+         ({st:?}); capacity 1024: all 600 ({sb:?})",
+        log.total
+    );
+}
