@@ -109,3 +109,16 @@ async fn nats_slow_receiver_across_switch() {
     )
     .await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_ordered_backlog_bound() {
+    let scratch = Scratch::new("ps-nats");
+    let (mut server, addr) = support::nats(&scratch);
+    support::order::backlog_bound(
+        broker(&addr, Duration::from_secs(1)).await,
+        &mut server,
+        Duration::from_secs(10),
+    )
+    .await;
+}

@@ -99,3 +99,16 @@ async fn redis_slow_receiver_across_switch() {
     support::order::slow_receiver_across_switch(broker(&url, Duration::from_secs(5)), &scratch)
         .await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_ordered_backlog_bound() {
+    let scratch = Scratch::new("ps-redis");
+    let (mut server, url) = support::redis(&scratch);
+    support::order::backlog_bound(
+        broker(&url, Duration::from_secs(1)),
+        &mut server,
+        Duration::from_secs(10),
+    )
+    .await;
+}

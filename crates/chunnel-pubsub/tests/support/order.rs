@@ -824,3 +824,87 @@ pub async fn slow_receiver_across_switch<B: Broker>(broker: B, scratch: &Scratch
         log.total
     );
 }
+
+/// The bound on what failed sends keep (`OrderConfig::max_pending` 10): with the broker
+/// killed, two sends of 5 fail and are kept (10); a third is refused with `Error::Backlog`
+/// (not taken: its numbers are not used). After a restart the third is sent again, by the
+/// application this time, and the receiver gets all 15 exactly once, in order.
+pub async fn backlog_bound<B: Broker>(broker: B, server: &mut Server, restart_timeout: Duration) {
+    let topic = unique("backlog");
+    let cfg = super::scenarios::config(Duration::from_secs(1));
+    let order_cfg = OrderConfig {
+        lanes: 2,
+        max_pending: 10,
+        ..OrderConfig::default()
+    };
+    let sub = OrderedSubscribe::new(broker.clone(), &topic, "r", cfg.clone(), order_cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("ordered subscriber");
+    let publisher = OrderedPublish::new(broker.clone(), &topic, cfg, order_cfg)
+        .fixed(Mode::Receiver)
+        .connect_wrap(())
+        .await
+        .expect("ordered publisher");
+    server.stop();
+    let kind = |e: &chunnel::Error| match e {
+        chunnel::Error::Layer { source, .. } => match source.downcast_ref() {
+            Some(chunnel_pubsub::Error::Unavailable { .. }) => "unavailable",
+            Some(chunnel_pubsub::Error::Backlog { pending: 10, .. }) => "backlog 10",
+            _ => "other",
+        },
+        _ => "other",
+    };
+    for b in 0..2u64 {
+        let e = publisher
+            .send((b * 5..b * 5 + 5).map(|k| payload(0, k)))
+            .await
+            .expect_err("a send with the broker down");
+        assert_eq!(kind(&e), "unavailable", "send {b}: {e}");
+    }
+    let third = || (10..15).map(|k| payload(0, k));
+    let e = publisher
+        .send(third())
+        .await
+        .expect_err("a third send past max_pending");
+    assert_eq!(kind(&e), "backlog 10", "{e}");
+    tokio::task::block_in_place(|| server.restart(restart_timeout));
+    // Refused, so sent again; the kept 10 go first.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Err(e) = publisher.send(third()).await {
+        assert!(
+            Instant::now() < deadline,
+            "sends still fail 30 s after the restart: {e}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut log = Log::default();
+    let mut slots = vec![None; 16];
+    while log.total < 15 {
+        let r = tokio::time::timeout(Duration::from_secs(30), sub.recv(&mut slots))
+            .await
+            .expect("the receiver stalled");
+        match r {
+            Ok(n) => {
+                for s in &mut slots[..n] {
+                    log.take("r", &s.take().unwrap());
+                }
+            }
+            Err(e) if super::scenarios::unavailable(&e) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("recv: {e}"),
+        }
+    }
+    // Nothing more arrives (a copy of the refused burst would).
+    let more = tokio::time::timeout(Duration::from_millis(500), sub.recv(&mut slots)).await;
+    assert!(
+        matches!(more, Err(_) | Ok(Err(_))),
+        "more messages than were sent: {more:?}"
+    );
+    eprintln!(
+        "backlog: {:?}; receiver {:?}",
+        publisher.stats().await,
+        sub.stats()
+    );
+}
