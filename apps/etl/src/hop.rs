@@ -81,6 +81,9 @@ pub struct SenderConfig {
     pub give_up: Duration,
     /// Offer shared memory. Default true.
     pub shm: bool,
+    /// A server whose connection ended (or that did not answer at first) is negotiated with
+    /// again, first after 100 ms, then after twice the previous wait up to this. Default 2 s.
+    pub reconnect_max: Duration,
 }
 
 impl Default for SenderConfig {
@@ -91,6 +94,7 @@ impl Default for SenderConfig {
             attempts: 3,
             give_up: Duration::from_secs(30),
             shm: true,
+            reconnect_max: Duration::from_secs(2),
         }
     }
 }
@@ -106,23 +110,42 @@ pub struct SenderStats {
     pub failovers: u64,
     /// Messages received that did not decode, or were not acknowledgements.
     pub malformed: u64,
+    /// Connections negotiated again with a server whose connection had ended (or that did not
+    /// answer at first).
+    pub reconnects: u64,
+}
+
+/// A negotiated connection to a server and the datapath negotiation picked.
+#[derive(Clone)]
+struct Link {
+    conn: Arc<ClientConn>,
+    path: &'static str,
 }
 
 struct Target {
     addr: SocketAddr,
-    conn: Arc<ClientConn>,
+    /// `None` until negotiated (a server that did not answer at first).
+    link: Mutex<Option<Link>>,
     /// False once its connection failed or it let a batch go unacknowledged.
     alive: AtomicBool,
-    /// True once its connection ended (the peer closed it or died): waits for its
-    /// acknowledgements end at once.
+    /// True while it has no connection (it ended: the peer closed it or died; or it was never
+    /// made): waits for its acknowledgements end at once.
     gone: watch::Sender<bool>,
-    path: &'static str,
+    /// Batches it acknowledged.
+    acked: AtomicU64,
+}
+
+impl Target {
+    fn link(&self) -> Option<Link> {
+        self.link.lock().unwrap().clone()
+    }
 }
 
 type Pending = Mutex<HashMap<u64, oneshot::Sender<()>>>;
 
 struct Inner {
     targets: Vec<Target>,
+    connector: Connector,
     next: AtomicUsize,
     next_batch: AtomicU64,
     pending: Pending,
@@ -132,6 +155,7 @@ struct Inner {
     retransmits: AtomicU64,
     failovers: AtomicU64,
     malformed: AtomicU64,
+    reconnects: AtomicU64,
 }
 
 /// Sends batches to a set of servers (ingest servers, consumers): each batch to the next live
@@ -139,7 +163,9 @@ struct Inner {
 /// it, and moved to another server when its server fails or stays silent ([`SenderConfig`]).
 /// `send` returns once the batch was acknowledged, so a caller that keeps its records until
 /// then loses none when a server dies; a batch may then reach two servers (the consumers drop
-/// the copies by record id).
+/// the copies by record id). A server whose connection ended is negotiated with again, with a
+/// bounded backoff ([`SenderConfig::reconnect_max`]), and takes its turn again once it is back
+/// (a server restarted on the same address gets batches again).
 pub struct HopSender {
     inner: Arc<Inner>,
     tasks: JoinSet<()>,
@@ -154,8 +180,8 @@ impl std::fmt::Debug for HopSender {
 }
 
 impl HopSender {
-    /// Negotiates a connection to every server of `addrs` (those that do not answer are left
-    /// out; fails if none does).
+    /// Negotiates a connection to every server of `addrs`; fails if none answers. Those that
+    /// do not answer are tried again in the background, as servers whose connection ended.
     pub async fn connect(addrs: &[SocketAddr], cfg: SenderConfig) -> Result<HopSender, Error> {
         let mut ncfg = NegotiateConfig::default();
         ncfg.timing.attempts = 5;
@@ -163,33 +189,30 @@ impl HopSender {
         let mut targets = Vec::new();
         let mut last = None;
         for &addr in addrs {
-            match connector
-                .connect(addr, hop_stack(Role::Client, cfg.shm))
-                .await
-            {
-                Ok(conn) => {
-                    let path = path_of(conn.get_ref().get_ref());
-                    targets.push(Target {
-                        addr,
-                        conn: Arc::new(conn),
-                        alive: AtomicBool::new(true),
-                        gone: watch::Sender::new(false),
-                        path,
-                    });
-                }
+            let link = match negotiate(&connector, addr, cfg.shm).await {
+                Ok(link) => Some(link),
                 Err(e) => {
                     tracing::warn!(%addr, error = %e, "server did not negotiate");
                     last = Some(format!("{addr}: {e}"));
+                    None
                 }
-            }
+            };
+            targets.push(Target {
+                addr,
+                alive: AtomicBool::new(link.is_some()),
+                gone: watch::Sender::new(link.is_none()),
+                link: Mutex::new(link),
+                acked: AtomicU64::new(0),
+            });
         }
-        if targets.is_empty() {
+        if targets.iter().all(|t| t.link().is_none()) {
             return Err(Error::NoServer {
                 last: last.unwrap_or_else(|| "no address given".into()),
             });
         }
         let inner = Arc::new(Inner {
             targets,
+            connector,
             next: AtomicUsize::new(0),
             next_batch: AtomicU64::new(0),
             pending: Mutex::new(HashMap::new()),
@@ -199,6 +222,7 @@ impl HopSender {
             retransmits: AtomicU64::new(0),
             failovers: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
         });
         let mut tasks = JoinSet::new();
         for i in 0..inner.targets.len() {
@@ -207,12 +231,22 @@ impl HopSender {
         Ok(HopSender { inner, tasks })
     }
 
-    /// Each connected server and the datapath negotiation picked for it.
+    /// Each connected server and the datapath negotiation picked for it (servers without a
+    /// connection now are left out).
     pub fn paths(&self) -> Vec<(SocketAddr, &'static str)> {
         self.inner
             .targets
             .iter()
-            .map(|t| (t.addr, t.path))
+            .filter_map(|t| t.link().map(|l| (t.addr, l.path)))
+            .collect()
+    }
+
+    /// Batches each server (in the order given to [`HopSender::connect`]) acknowledged so far.
+    pub fn acked_by(&self) -> Vec<(SocketAddr, u64)> {
+        self.inner
+            .targets
+            .iter()
+            .map(|t| (t.addr, t.acked.load(Ordering::Relaxed)))
             .collect()
     }
 
@@ -229,6 +263,7 @@ impl HopSender {
             retransmits: i.retransmits.load(Ordering::Relaxed),
             failovers: i.failovers.load(Ordering::Relaxed),
             malformed: i.malformed.load(Ordering::Relaxed),
+            reconnects: i.reconnects.load(Ordering::Relaxed),
         }
     }
 
@@ -275,14 +310,15 @@ impl Inner {
             let t = &self.targets[i];
             let mut wait = self.cfg.ack_timeout;
             let mut gone = t.gone.subscribe();
+            let link = t.link();
             for attempt in 0..self.cfg.attempts.max(1) {
-                if *gone.borrow() {
+                let Some(link) = link.as_ref().filter(|_| !*gone.borrow()) else {
                     break;
-                }
+                };
                 if attempt > 0 {
                     self.retransmits.fetch_add(1, Ordering::Relaxed);
                 }
-                if let Err(e) = t.conn.send_one(msg.clone()).await {
+                if let Err(e) = link.conn.send_one(msg.clone()).await {
                     tracing::debug!(addr = %t.addr, error = %e, "send failed");
                     break;
                 }
@@ -314,14 +350,64 @@ impl Inner {
     }
 }
 
+/// Negotiates the hop's stack with the server at `addr`.
+async fn negotiate(connector: &Connector, addr: SocketAddr, shm: bool) -> Result<Link, Error> {
+    let conn = connector
+        .connect(addr, hop_stack(Role::Client, shm))
+        .await?;
+    let path = path_of(conn.get_ref().get_ref());
+    Ok(Link {
+        conn: Arc::new(conn),
+        path,
+    })
+}
+
+/// Reads server `i`'s acknowledgements; when its connection ends (or there is none yet),
+/// negotiates with it again, after 100 ms, then twice the previous wait up to
+/// [`SenderConfig::reconnect_max`], until it answers; then it takes its turn again.
 async fn receive_acks(inner: Arc<Inner>, i: usize) {
     let t = &inner.targets[i];
     loop {
-        match t.conn.recv_one().await {
+        if let Some(link) = t.link() {
+            read_acks(&inner, t, &link.conn).await;
+            tracing::debug!(addr = %t.addr, "server connection ended");
+            t.alive.store(false, Ordering::Relaxed);
+            t.gone.send_replace(true);
+            *t.link.lock().unwrap() = None;
+        }
+        let mut pause = Duration::from_millis(100);
+        let link = loop {
+            tokio::time::sleep(pause).await;
+            // Bounded: a negotiation that hangs counts as a failed attempt.
+            let attempt = tokio::time::timeout(
+                inner.cfg.reconnect_max.max(Duration::from_secs(1)),
+                negotiate(&inner.connector, t.addr, inner.cfg.shm),
+            )
+            .await;
+            match attempt {
+                Ok(Ok(link)) => break link,
+                Ok(Err(e)) => tracing::debug!(addr = %t.addr, error = %e, "reconnect failed"),
+                Err(_) => tracing::debug!(addr = %t.addr, "reconnect timed out"),
+            }
+            pause = (pause * 2).min(inner.cfg.reconnect_max.max(Duration::from_millis(100)));
+        };
+        tracing::debug!(addr = %t.addr, path = link.path, "server back");
+        *t.link.lock().unwrap() = Some(link);
+        inner.reconnects.fetch_add(1, Ordering::Relaxed);
+        t.gone.send_replace(false);
+        t.alive.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Hands `conn`'s acknowledgements to their batches until it fails.
+async fn read_acks(inner: &Inner, t: &Target, conn: &ClientConn) {
+    loop {
+        match conn.recv_one().await {
             Ok(Msg::Ack { batch }) => {
                 // A server that answers is alive again.
                 t.alive.store(!*t.gone.borrow(), Ordering::Relaxed);
                 if let Some(tx) = inner.pending.lock().unwrap().remove(&batch) {
+                    t.acked.fetch_add(1, Ordering::Relaxed);
                     let _ = tx.send(());
                 }
             }
@@ -332,11 +418,8 @@ async fn receive_acks(inner: Arc<Inner>, i: usize) {
                 inner.malformed.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
-                tracing::debug!(addr = %t.addr, error = %e, "server connection ended");
-                t.alive.store(false, Ordering::Relaxed);
-                t.gone.send_replace(true);
-                // Keep it suspected for good: its connection is gone.
-                std::future::pending::<()>().await;
+                tracing::debug!(addr = %t.addr, error = %e, "server connection failed");
+                return;
             }
         }
     }

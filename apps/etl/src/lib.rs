@@ -15,7 +15,8 @@
 //!   connection stays on UDP, as between hosts ([`PipelineConfig::shm`] false forces that).
 //!   A [`hop::HopSender`] balances batches round-robin over several servers, waits for each
 //!   batch's acknowledgement, retransmits, and moves a batch to another server when its server
-//!   dies or stays silent.
+//!   dies or stays silent; it negotiates again with a server whose connection ended (a bounded
+//!   backoff, [`hop::SenderConfig::reconnect_max`]), which takes its turn again once back.
 //! * **Broker** hops are `chunnel_pubsub`'s [`Publish`](chunnel_pubsub::Publish) (ingest) and
 //!   [`Subscribe`](chunnel_pubsub::Subscribe) (parsers, one consumer group; Kafka gives each
 //!   parser its own partition).

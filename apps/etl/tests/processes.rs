@@ -1,6 +1,8 @@
 //! The roles as processes: two `chunnel-etl ingest` and two `chunnel-etl parse` processes on a
 //! real nats-server, producers and the consumer in this test; ingest process 0 is SIGKILLed
-//! mid-run and the producers carry on over the other one without losing a record.
+//! mid-run and the producers carry on over the other one without losing a record. In the
+//! `restarted` tests it is started again on the same address: the producers negotiate with it
+//! again and it gets records again.
 #![cfg(feature = "nats")]
 
 use std::io::{BufRead, BufReader};
@@ -14,13 +16,33 @@ use chunnel_etl::hop::{HopSender, SenderConfig};
 use chunnel_etl::roles::{Acked, Consumer, ProducerConfig, produce};
 use chunnel_test::services::Scratch;
 
-/// A child process, SIGKILLed and reaped on drop.
-struct Proc(Child);
+/// A child process, SIGKILLed and reaped on drop, and its stderr lines.
+struct Proc(Child, mpsc::Receiver<String>);
 
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    /// Sends SIGINT (by PID) and waits (at most 20 s) for a stderr line starting with `prefix`.
+    fn interrupt_and_read(&mut self, prefix: &str) -> Result<String> {
+        let status = Command::new("kill")
+            .args(["-INT", &self.0.id().to_string()])
+            .status()
+            .context("running kill -INT")?;
+        ensure!(status.success(), "kill -INT failed");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.1.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return Ok(line),
+                Ok(_) => {}
+                Err(_) => bail!("no {prefix:?} line within 20 s of SIGINT"),
+            }
+        }
     }
 }
 
@@ -34,7 +56,6 @@ fn spawn(args: &[String], ready: &str) -> Result<Proc> {
         .spawn()
         .context("spawning chunnel-etl")?;
     let stderr = child.stderr.take().unwrap();
-    let proc = Proc(child);
     let (tx, rx) = mpsc::sync_channel(1024);
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -47,9 +68,12 @@ fn spawn(args: &[String], ready: &str) -> Result<Proc> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
-            Ok(line) if line.contains(ready) => return Ok(proc),
+            Ok(line) if line.contains(ready) => return Ok(Proc(child, rx)),
             Ok(_) => {}
-            Err(_) => bail!("chunnel-etl {args:?} did not print {ready:?} within 20 s"),
+            Err(_) => {
+                let _ = Proc(child, rx);
+                bail!("chunnel-etl {args:?} did not print {ready:?} within 20 s")
+            }
         }
     }
 }
@@ -65,7 +89,8 @@ fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-async fn scenario(shm: bool) -> Result<()> {
+/// `restart`: ingest process 0 is started again on its address this long after the kill.
+async fn scenario(shm: bool, restart: Option<Duration>) -> Result<()> {
     let scratch = Scratch::new("etl-procs");
     let (_nats, nats) = chunnel_test::brokers::nats(&scratch);
     let topic = format!("procs-{}-{shm}", std::process::id());
@@ -74,6 +99,7 @@ async fn scenario(shm: bool) -> Result<()> {
     let consumer_addr = consumer.addr().to_string();
     let mut ingests = Vec::new();
     let mut ingest_addrs = Vec::new();
+    let mut ingest_args = Vec::new();
     for _ in 0..2 {
         let addr = free_udp();
         let mut args = strings(&["ingest", "--broker", "nats", "--broker-addr", &nats]);
@@ -81,6 +107,7 @@ async fn scenario(shm: bool) -> Result<()> {
         args.extend(strings(&[no_shm]).into_iter().filter(|s| !s.is_empty()));
         ingests.push(spawn(&args, "ingest on")?);
         ingest_addrs.push(addr);
+        ingest_args.push(args);
     }
     let mut parsers = Vec::new();
     for i in 0..2 {
@@ -117,7 +144,7 @@ async fn scenario(shm: bool) -> Result<()> {
             id,
             rate: 400.0,
             batch: 8,
-            duration: Duration::from_secs(4),
+            duration: Duration::from_secs(if restart.is_some() { 7 } else { 4 }),
             malformed_every: 20,
         };
         producers.push(tokio::spawn(produce(pc, sender, a)));
@@ -125,14 +152,39 @@ async fn scenario(shm: bool) -> Result<()> {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let before: Vec<_> = acked.iter().flat_map(Acked::snapshot).collect();
     drop(ingests.remove(0)); // SIGKILL
+    let mut restarted = None;
+    if let Some(after) = restart {
+        tokio::time::sleep(after).await;
+        // The same address, a new process: the producers must find it again.
+        restarted = Some(spawn(&ingest_args[0], "ingest on")?);
+        eprintln!("ingest 0 restarted on {}", ingest_addrs[0]);
+    }
     let mut sent = Vec::new();
     let mut failovers = 0;
+    let mut reconnects = 0;
     for p in producers {
         let r = p.await?;
         ensure!(r.failed == 0, "producer gave up batches: {r:?}");
         ensure!(r.acked == r.sent, "not all acknowledged: {r:?}");
         failovers += r.sender.failovers;
+        reconnects += r.sender.reconnects;
+        if restart.is_some() {
+            ensure!(
+                r.sender.reconnects >= 1,
+                "producer did not reconnect to the restarted ingest server: {r:?}"
+            );
+        }
         sent.push(r.sent);
+    }
+    if let Some(mut p) = restarted {
+        // The restarted process publishes what it acknowledged; it says how much on SIGINT.
+        let line = p.interrupt_and_read("published ")?;
+        let published: u64 = line["published ".len()..].trim().parse()?;
+        eprintln!("restarted ingest 0: {line}; reconnects {reconnects}");
+        ensure!(
+            published > 0,
+            "the restarted ingest server got no records: the producers never came back to it"
+        );
     }
     let total: u64 = sent.iter().sum();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -173,10 +225,20 @@ async fn scenario(shm: bool) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processes_ingest_sigkilled_shm() -> Result<()> {
-    scenario(true).await
+    scenario(true, None).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processes_ingest_sigkilled_udp() -> Result<()> {
-    scenario(false).await
+    scenario(false, None).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_ingest_restarted_shm() -> Result<()> {
+    scenario(true, Some(Duration::from_millis(1500))).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_ingest_restarted_udp() -> Result<()> {
+    scenario(false, Some(Duration::from_millis(1500))).await
 }

@@ -94,6 +94,16 @@ pub trait Broker: Clone + Send + Sync + 'static {
         prefetch: usize,
     ) -> impl Future<Output = Result<Self::Consumer, Error>> + Send;
 
+    /// Whether [`Consumer::ack`] has handed the acknowledgement to the broker when it returns,
+    /// which [`crate::Delivery::AtMostOnce`] needs (acknowledge, then hand out: a member taking
+    /// over must not get the message again). Kafka's positions are committed by a background
+    /// task at most every 200 ms, so it answers `false` (this default tells the three backends
+    /// apart by name; a backend that can wait for its commit overrides it) and subscribers
+    /// refuse at-most-once on it.
+    fn acks_before_return(&self) -> bool {
+        Self::NAME != "kafka"
+    }
+
     /// The lane of service-side ordering on `topic` ([`crate::order::Mode::Service`]): one
     /// place the broker keeps in order. Default: the topic `{topic}-s` on this broker (a
     /// NATS stream, a Redis stream); Kafka: `{topic}-s` with one partition.

@@ -276,6 +276,16 @@ impl<B: Broker> Chunnel<()> for Subscribe<B> {
             }
             .into());
         }
+        if self.config.delivery == Delivery::AtMostOnce && !self.broker.acks_before_return() {
+            return Err(Error::Config {
+                what: format!(
+                    "at-most-once delivery on {}: its acknowledgements are committed later, \
+                     so a member taking over could get a handed-out message again",
+                    B::NAME
+                ),
+            }
+            .into());
+        }
         let (broker, topic, member) = (&self.broker, &self.topic, &self.member);
         let prefetch = self.config.prefetch;
         let consumer = retry(B::NAME, "join group", self.config.op_timeout, || {
@@ -326,10 +336,19 @@ pub struct SubStats {
 /// application came back for more after it; with [`Delivery::AtMostOnce`] messages are
 /// acknowledged before they are returned. `send` fails with [`chunnel::Error::Closed`].
 ///
+/// At-most-once holds across members: a member that fails (or is dropped) after a `recv`
+/// returned leaves nothing of it for the member taking over (`tests/support/scenarios.rs`,
+/// `at_most_once_takeover`, on Redis and NATS). It is refused on a broker whose
+/// acknowledgements are committed later ([`Broker::acks_before_return`]: Kafka). On NATS an
+/// acknowledgement is a message the client sends without waiting for the server: a process
+/// killed before the client wrote it out leaves the message to be redelivered.
+///
 /// Backpressure: messages are fetched only when the buffer is empty, at most
 /// [`Config::prefetch`] at a time, so a slow application holds at most that many in memory and
-/// the broker keeps the rest. `recv` is cancel safe: a message fetched by a cancelled `recv` is
-/// redelivered by the broker.
+/// the broker keeps the rest. `recv` is cancel safe with [`Delivery::AtLeastOnce`]: a message
+/// fetched by a cancelled `recv` is redelivered by the broker. With [`Delivery::AtMostOnce`] a
+/// `recv` cancelled while it acknowledges loses the messages it took (they may be acknowledged
+/// already); it never hands them out later.
 pub struct Subscriber<C: Consumer> {
     state: tokio::sync::Mutex<SubState<C>>,
     broker: &'static str,
@@ -427,6 +446,14 @@ impl<C: Consumer> Subscriber<C> {
             }
             if n > 0 {
                 return Ok(n);
+            }
+            if !delivered.is_empty() {
+                // Only duplicates came: acknowledge them before fetching again, or a broker that
+                // redelivers unacknowledged messages first (Redis re-reads a member's pending
+                // entries) would hand the same ones back for ever.
+                if let Err(e) = self.ack_tokens(consumer, delivered).await {
+                    tracing::debug!(broker = self.broker, error = %e, "acknowledgement failed");
+                }
             }
             let room = self.config.prefetch - buffer.len();
             let waited = tokio::time::timeout(

@@ -46,6 +46,18 @@ pub enum Error {
         /// The buffer's capacity.
         capacity: usize,
     },
+    /// An ordered publisher keeps more messages of failed sends than
+    /// [`crate::order::OrderConfig::max_pending`] allows and could not publish them now: this
+    /// burst was refused (not taken; send it again later). The kept ones stay kept.
+    #[error(
+        "ordered publisher: {pending} messages of failed sends still not stored, burst refused: {last}"
+    )]
+    Backlog {
+        /// Messages kept.
+        pending: usize,
+        /// Why publishing the kept ones failed.
+        last: String,
+    },
     /// The rendezvous store of an ordering group failed (feature `group`).
     #[cfg(feature = "group")]
     #[error("ordering group: {0}")]
@@ -55,7 +67,7 @@ pub enum Error {
 impl Error {
     /// Whether retrying the operation may succeed (the broker may come back).
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::Unavailable { .. })
+        matches!(self, Error::Unavailable { .. } | Error::Backlog { .. })
     }
 }
 

@@ -42,7 +42,11 @@
 //! the last [`Config::dedup_window`]. With [`Delivery::AtLeastOnce`] a message is acknowledged
 //! once the application came back for more after it, so a broker killed and restarted loses
 //! no acknowledged message, and the subscriber hands each one to the application once.
-//! Deduplication is per subscriber connection.
+//! Deduplication is per subscriber connection. With [`Delivery::AtMostOnce`] messages are
+//! acknowledged before the application gets them, so a member taking over from a failed one
+//! never gets again what the failed one handed out (it may lose what the failed one had in
+//! hand); Kafka commits acknowledgements in the background, so it refuses at-most-once
+//! ([`Error::Config`]).
 //!
 //! # Backpressure
 //!

@@ -30,6 +30,15 @@ async fn kafka_scenarios() {
         support::order::ordering_switch(broker(&addr, 1, Duration::from_secs(30)).await, &scratch)
             .await;
     }
+    #[cfg(feature = "group")]
+    {
+        eprintln!("kafka: slow receiver across an ordering switch");
+        support::order::slow_receiver_across_switch(
+            broker(&addr, 1, Duration::from_secs(30)).await,
+            &scratch,
+        )
+        .await;
+    }
     eprintln!("kafka: slow consumer");
     scenarios::slow_consumer(broker(&addr, 1, Duration::from_secs(30)).await).await;
     eprintln!("kafka: restart mid-stream");
@@ -39,6 +48,20 @@ async fn kafka_scenarios() {
         Duration::from_secs(60),
     )
     .await;
+    eprintln!("kafka: at-most-once refused (positions are committed in the background)");
+    scenarios::at_most_once_refused(broker(&addr, 1, Duration::from_secs(30)).await).await;
+    #[cfg(feature = "group")]
+    {
+        eprintln!("kafka: restart during an ordering switch");
+        support::order::restart_during_switch(
+            broker(&addr, 1, Duration::from_secs(5)).await,
+            &mut server,
+            &scratch,
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+        )
+        .await;
+    }
     eprintln!("kafka: dead broker");
     scenarios::dead_broker(broker(&addr, 1, Duration::from_secs(2)).await, &mut server).await;
 }

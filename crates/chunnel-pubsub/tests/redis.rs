@@ -67,3 +67,48 @@ async fn redis_cancelled_bursts_are_resent() {
     let (_server, url) = support::redis(&scratch);
     support::order::cancelled_bursts_are_resent(broker(&url, Duration::from_secs(5))).await;
 }
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_during_ordering_switch() {
+    let scratch = Scratch::new("ps-redis");
+    let (mut server, url) = support::redis(&scratch);
+    support::order::restart_during_switch(
+        broker(&url, Duration::from_secs(2)),
+        &mut server,
+        &scratch,
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_at_most_once_takeover() {
+    let scratch = Scratch::new("ps-redis");
+    let (_server, url) = support::redis(&scratch);
+    scenarios::at_most_once_takeover(broker(&url, Duration::from_secs(5)), Duration::from_secs(1))
+        .await;
+}
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_slow_receiver_across_switch() {
+    let scratch = Scratch::new("ps-redis");
+    let (_server, url) = support::redis(&scratch);
+    support::order::slow_receiver_across_switch(broker(&url, Duration::from_secs(5)), &scratch)
+        .await;
+}
+
+#[cfg(feature = "group")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_ordered_backlog_bound() {
+    let scratch = Scratch::new("ps-redis");
+    let (mut server, url) = support::redis(&scratch);
+    support::order::backlog_bound(
+        broker(&url, Duration::from_secs(1)),
+        &mut server,
+        Duration::from_secs(10),
+    )
+    .await;
+}

@@ -35,9 +35,11 @@
 //! with the new mode's first ones in order, however late the old ones come: no barrier is
 //! needed, no publisher waits for a drain, and members may switch at different moments.
 //!
-//! A publisher's burst that failed or was cancelled is published again, whole and with the
-//! same sequence numbers, before its next burst (the receivers drop the copies), so a failure
-//! never leaves a gap the receivers would wait for forever.
+//! A publisher's burst that failed or was cancelled is kept and published again, with the
+//! same sequence numbers, in front of its next burst (the receivers drop the copies), so a
+//! failure never leaves a gap the receivers would wait for forever. The application does not
+//! send it again: a failed `send` has taken its burst (except with [`Error::Backlog`], when
+//! more than [`OrderConfig::max_pending`] messages would be kept).
 //!
 //! # Example
 //!
@@ -89,9 +91,13 @@
 //!   receiver far behind at a switch (a backlog on the old mode's lanes while the new mode's
 //!   fill) can see as many early messages as that backlog. Past [`OrderConfig::capacity`] the
 //!   connection fails with [`Error::ReorderOverflow`]: it never skips a message, and never
-//!   holds more than the bound.
+//!   holds more than the bound (`tests/support/order.rs`, `slow_receiver_across_switch`: a
+//!   receiver that did not read across a switch overflows a buffer of 8; with 1,024 it gets
+//!   everything). Its pumps then wait on the full queue: the broker keeps the rest.
 //! * A publisher whose broker stays down past `op_timeout` returns the error; its next send
-//!   first re-publishes the failed burst.
+//!   first re-publishes the failed burst (at most [`OrderConfig::max_pending`] messages are
+//!   kept). A broker killed and restarted during a switch loses none of them
+//!   (`tests/support/order.rs`, `restart_during_switch`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -176,6 +182,10 @@ pub struct OrderConfig {
     /// Receivers: at most this many publisher connections are told apart (16 bytes each).
     /// Default 65,536.
     pub max_publishers: usize,
+    /// Publishers: at most this many messages of failed or cancelled sends are kept to be
+    /// published again, plus one burst (a burst that would go past it while the kept ones
+    /// still fail is refused: [`Error::Backlog`]). Default 4,096.
+    pub max_pending: usize,
 }
 
 impl Default for OrderConfig {
@@ -184,6 +194,7 @@ impl Default for OrderConfig {
             lanes: 4,
             capacity: 4096,
             max_publishers: 1 << 16,
+            max_pending: 4096,
         }
     }
 }
@@ -298,6 +309,7 @@ impl<B: Broker> Chunnel<()> for OrderedPublish<B> {
             spread,
             mode: self.mode.clone(),
             id: random_u64(),
+            max_pending: self.order.max_pending,
             state: tokio::sync::Mutex::new(PubState::default()),
         })
     }
@@ -312,15 +324,16 @@ pub struct PubStats {
     pub receiver: u64,
     /// Bursts whose mode differed from the previous burst's.
     pub switches: u64,
-    /// Bursts published again after a failure or cancellation.
+    /// Publications of kept messages (of sends that failed or were cancelled) again.
     pub resent: u64,
 }
 
 #[derive(Debug, Default)]
 struct PubState {
     next: u64,
-    /// A burst (framed) not known to be stored: published again first.
-    pending: Option<Vec<Bytes>>,
+    /// Messages (framed, in sequence order) of sends that failed or were cancelled, not known
+    /// to be stored: published again, in front of the next burst. At most `max_pending`.
+    pending: Vec<Bytes>,
     rr: usize,
     last: Option<Mode>,
     stats: PubStats,
@@ -329,12 +342,20 @@ struct PubState {
 /// An ordered publisher: numbers its messages and publishes each burst to one lane of the
 /// current mode (round-robin over the lanes in receiver mode). Bursts are published one at a
 /// time (concurrent senders queue); `send` returns once the broker stored the burst.
+///
+/// A `send` that fails (the broker stayed down past [`Config::op_timeout`]) or is cancelled
+/// has still *taken* its burst: the messages keep their sequence numbers and are published
+/// again, in front of the next burst, by the next `send` (an empty burst only does that), in
+/// the mode current then. The application must not send them again (the receivers would get
+/// them twice, under new numbers). The one exception is [`Error::Backlog`]: more than
+/// [`OrderConfig::max_pending`] messages would be kept, so the burst was refused, not taken.
 #[derive(Debug)]
 pub struct OrderedPublisher<P> {
     service: Publisher<P>,
     spread: Vec<Publisher<P>>,
     mode: ModeSource,
     id: u64,
+    max_pending: usize,
     state: tokio::sync::Mutex<PubState>,
 }
 
@@ -387,12 +408,23 @@ impl<P: Producer> ChunnelConnection for OrderedPublisher<P> {
             st.stats.switches += 1;
         }
         st.last = Some(mode);
-        if let Some(again) = st.pending.clone() {
-            self.publish_on(&mut st, mode, again).await?;
-            st.pending = None;
+        let burst = burst.into_iter();
+        let room = self.max_pending.saturating_sub(st.pending.len());
+        if !st.pending.is_empty() && burst.size_hint().0 > room {
+            // Too much kept already: publish it alone first; if that fails, refuse the burst.
+            let again = st.pending.clone();
+            if let Err(e) = self.publish_on(&mut st, mode, again).await {
+                return Err(Error::Backlog {
+                    pending: st.pending.len(),
+                    last: e.to_string(),
+                }
+                .into());
+            }
+            st.pending.clear();
             st.stats.resent += 1;
         }
-        let mut framed = Vec::new();
+        let resending = !st.pending.is_empty();
+        let mut framed = std::mem::take(&mut st.pending);
         for m in burst {
             framed.push(reorder::encode(self.id, st.next, &m));
             st.next += 1;
@@ -400,9 +432,13 @@ impl<P: Producer> ChunnelConnection for OrderedPublisher<P> {
         if framed.is_empty() {
             return Ok(());
         }
-        st.pending = Some(framed.clone());
+        // Kept (with their numbers) until the broker stored them, also if this is cancelled.
+        st.pending = framed.clone();
         self.publish_on(&mut st, mode, framed).await?;
-        st.pending = None;
+        st.pending.clear();
+        if resending {
+            st.stats.resent += 1;
+        }
         Ok(())
     }
 

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection};
-use chunnel_pubsub::{Broker, Config, Error, Member, Publish, Subscribe, Subscriber};
+use chunnel_pubsub::{Broker, Config, Delivery, Error, Member, Publish, Subscribe, Subscriber};
 
 use super::{Server, unique};
 
@@ -292,7 +292,8 @@ pub async fn restart_mid_stream<B: Broker>(
     );
 }
 
-fn unavailable(e: &chunnel::Error) -> bool {
+/// Whether `e` is this crate's `Error::Unavailable` (the broker did not answer in time).
+pub fn unavailable(e: &chunnel::Error) -> bool {
     match e {
         chunnel::Error::Layer { source, .. } => {
             matches!(
@@ -417,4 +418,171 @@ pub async fn slow_consumer<B: Broker>(broker: B) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert!(max_buffered > 0, "the subscriber never prefetched");
+}
+
+/// Receives from `sub` into `got` (every payload, asserting none comes twice) until `done(got)`
+/// or `limit` passes (then fails with `what`); transient errors are retried.
+async fn receive_until<C: chunnel_pubsub::Consumer>(
+    sub: &Subscriber<C>,
+    got: &mut std::collections::HashSet<Bytes>,
+    limit: Duration,
+    what: &str,
+    mut done: impl FnMut(&std::collections::HashSet<Bytes>) -> bool,
+) {
+    let deadline = Instant::now() + limit;
+    let mut slots = vec![None; 16];
+    while !done(got) {
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        match tokio::time::timeout(Duration::from_millis(500), sub.recv(&mut slots)).await {
+            Err(_) => {}
+            Ok(Err(e)) => {
+                eprintln!("recv: {e} (retrying)");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(Ok(n)) => {
+                for s in &mut slots[..n] {
+                    let m = s.take().unwrap();
+                    assert!(got.insert(m.clone()), "{what}: {m:?} delivered twice");
+                }
+            }
+        }
+    }
+}
+
+/// At-most-once across a takeover (issue 23 item 5): 600 messages wait at the broker; member
+/// `m0` of a group with `Delivery::AtMostOnce` hands 200 or more to its application; a `recv`
+/// is cut off at its first wait; one more batch is handed out that the application never
+/// records (it crashes with it in hand: the member is dropped at once). A new connection takes over
+/// under the same member name and receives for `settle` after the rest arrived (past the
+/// broker's redelivery delay). No message reaches the applications twice: above all, nothing
+/// of the batch in hand comes again (it was acknowledged before it was handed out; with
+/// at-least-once it would). What is lost is at most what the cut-off `recv` had taken (one
+/// batch of 16), and nothing else.
+pub async fn at_most_once_takeover<B: Broker>(broker: B, settle: Duration) {
+    use std::collections::HashSet;
+    const N: usize = 600;
+    const SLOTS: usize = 16;
+    let topic = unique("amo");
+    let cfg = Config {
+        delivery: Delivery::AtMostOnce,
+        ..config(Duration::from_secs(10))
+    };
+    let member = Member::sole("g");
+    let first = Subscribe::new(broker.clone(), &topic, member.clone(), cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("subscribe");
+    let publisher = Publish::new(broker.clone(), &topic, cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("publisher");
+    for b in 0..N / 10 {
+        publisher
+            .send((0..10).map(|k| payload(0, b * 10 + k)))
+            .await
+            .expect("publish");
+    }
+    let mut recorded = HashSet::new();
+    receive_until(
+        &first,
+        &mut recorded,
+        Duration::from_secs(60),
+        "the first member's 200 messages",
+        |got| got.len() >= 200,
+    )
+    .await;
+    let mut slots = vec![None; SLOTS];
+    // A recv cut off at its first wait (it may have taken and acknowledged a batch).
+    let _ = tokio::time::timeout(Duration::ZERO, first.recv(&mut slots)).await;
+    let n = tokio::time::timeout(Duration::from_secs(30), first.recv(&mut slots))
+        .await
+        .expect("the batch the application crashes with")
+        .expect("recv");
+    assert!(n > 0);
+    let in_hand: HashSet<Bytes> = slots[..n].iter_mut().map(|s| s.take().unwrap()).collect();
+    assert!(
+        in_hand.is_disjoint(&recorded),
+        "the first member delivered a message twice"
+    );
+    // The application crashes with that batch in hand: the member is gone.
+    let first_stats = first.stats().await;
+    drop(first);
+
+    let second = Subscribe::new(broker.clone(), &topic, member, cfg.clone())
+        .connect_wrap(())
+        .await
+        .expect("the new member subscribes");
+    let mut took_over = HashSet::new();
+    let before = recorded.len() + in_hand.len();
+    receive_until(
+        &second,
+        &mut took_over,
+        Duration::from_secs(60),
+        "the new member's share (all but at most one cut-off batch)",
+        |got| before + got.len() >= N - SLOTS,
+    )
+    .await;
+    // Whatever the broker still redelivers comes within `settle`; nothing of it may be a copy.
+    let settle_until = Instant::now() + settle;
+    receive_until(
+        &second,
+        &mut took_over,
+        settle + Duration::from_secs(5),
+        "the settle period",
+        |_| Instant::now() >= settle_until,
+    )
+    .await;
+    let again: Vec<_> = took_over.intersection(&in_hand).collect();
+    assert!(
+        again.is_empty(),
+        "at-most-once broken: {} message(s) of the batch the crashed application had in hand \
+         came again, e.g. {:?}",
+        again.len(),
+        again.first()
+    );
+    let again = took_over.intersection(&recorded).count();
+    assert_eq!(
+        again, 0,
+        "at-most-once broken: {again} messages reached both applications"
+    );
+    let all: HashSet<Bytes> = (0..N).map(|i| payload(0, i)).collect();
+    let delivered: HashSet<Bytes> = recorded
+        .iter()
+        .chain(&in_hand)
+        .chain(&took_over)
+        .cloned()
+        .collect();
+    assert!(delivered.is_subset(&all), "messages nobody sent arrived");
+    let lost = N - delivered.len();
+    assert!(
+        lost <= SLOTS,
+        "{lost} messages lost: more than the one recv that was cut off could have taken"
+    );
+    eprintln!(
+        "at-most-once takeover: {} recorded, {} lost in the crashed application's hand, {} \
+         taken over, {lost} lost in the cut-off recv; first member at the end {first_stats:?}",
+        recorded.len(),
+        in_hand.len(),
+        took_over.len()
+    );
+}
+
+/// A broker whose acknowledgements are committed later (Kafka) refuses at-most-once with
+/// `Error::Config`, before it subscribes.
+pub async fn at_most_once_refused<B: Broker>(broker: B) {
+    let cfg = Config {
+        delivery: Delivery::AtMostOnce,
+        ..config(Duration::from_secs(5))
+    };
+    let e = Subscribe::new(broker, unique("amo"), Member::sole("g"), cfg)
+        .connect_wrap(())
+        .await
+        .expect_err("at-most-once accepted on a broker that commits acknowledgements later");
+    let chunnel::Error::Layer { source, .. } = &e else {
+        panic!("not a pub/sub error: {e}")
+    };
+    assert!(
+        matches!(source.downcast_ref::<Error>(), Some(Error::Config { .. })),
+        "{e}"
+    );
 }
