@@ -26,7 +26,8 @@
 //! splits them; `chunnel_pubsub::kafka` says why). Kafka's main baseline sends plain records,
 //! one produce request per burst.
 //!
-//! Variants alternate within each repetition; figures are medians over `reps` with the
+//! Every broker first runs one unrecorded repetition of every variant (a warm-up), then
+//! `reps` recorded ones. Variants alternate within each repetition; figures are medians over `reps` with the
 //! Chunnel/direct ratios (latency ≤ 1.1 and throughput ≥ 0.9 are the bars of issue 23).
 //!
 //! `--experiments` selects `direct` (the above, JSON key `brokers`) and `ordering`
@@ -42,7 +43,7 @@ pub(crate) struct Args {
     /// Timed messages per latency measurement (throughput sends ten times as many).
     #[arg(long, default_value_t = 2000)]
     msgs: usize,
-    /// Repetitions (each runs both variants).
+    /// Recorded repetitions (each runs every variant), after one unrecorded warm-up.
     #[arg(long, default_value_t = 3)]
     reps: usize,
     /// Payload size in bytes.
@@ -179,6 +180,19 @@ mod imp {
             }
         }
         Ok(total as f64 / start.elapsed().as_secs_f64())
+    }
+
+    /// Drops the first repetition of every variant: a warm-up (the brokers, the Kafka JVM
+    /// above all, get faster over the first seconds, which would penalise whichever variant
+    /// runs first).
+    fn discard_warmup<const N: usize>(figures: [&mut Figures; N]) {
+        for f in figures {
+            for v in [&mut f.p50, &mut f.p99, &mut f.tput] {
+                if !v.is_empty() {
+                    v.remove(0);
+                }
+            }
+        }
     }
 
     struct Figures {
@@ -547,12 +561,13 @@ mod imp {
                         let broker = chunnel_pubsub::redis::RedisBroker::new(&url)?;
                         let d = if direct {
                             let (mut l, mut d) = (Figures::new(), Figures::new());
-                            for rep in 0..a.reps {
+                            for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
                                     redis_direct::direct(&broker, &topic("direct", rep)).await?;
                                 both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
                             }
+                            discard_warmup([&mut l, &mut d]);
                             Some(compare(&l, REDIS_DIRECT, &d, &[]))
                         } else {
                             None
@@ -576,7 +591,7 @@ mod imp {
                         let d = if direct {
                             let (mut l, mut d, mut x) =
                                 (Figures::new(), Figures::new(), Figures::new());
-                            for rep in 0..a.reps {
+                            for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
                                     nats_direct::direct(&broker, &topic("direct", rep), true)
@@ -592,6 +607,7 @@ mod imp {
                                     both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
                                 }
                             }
+                            discard_warmup([&mut l, &mut d, &mut x]);
                             Some(compare(&l, NATS_DIRECT, &d, &[("no_id", NATS_NO_ID, &x)]))
                         } else {
                             None
@@ -616,7 +632,7 @@ mod imp {
                         let d = if direct {
                             let (mut l, mut d, mut x) =
                                 (Figures::new(), Figures::new(), Figures::new());
-                            for rep in 0..a.reps {
+                            for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
                                     kafka_direct::direct(&broker, &topic("direct", rep), false)
@@ -632,6 +648,7 @@ mod imp {
                                     both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
                                 }
                             }
+                            discard_warmup([&mut l, &mut d, &mut x]);
                             Some(compare(&l, KAFKA_DIRECT, &d, &[("split", KAFKA_SPLIT, &x)]))
                         } else {
                             None
