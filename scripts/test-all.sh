@@ -177,11 +177,15 @@ cargo run --release --locked -q -p chunnel-bench --features pubsub -- pubsub --m
 import json, sys
 d = json.load(sys.stdin)
 assert d["bench"] == "pubsub" and set(d["brokers"]) == {"redis", "nats", "kafka"}, d
+assert set(d["brokers"]["nats"]["baselines"]) == {"no_id"} and set(d["brokers"]["kafka"]["baselines"]) == {"split"}, d
 for b, v in d["brokers"].items():
-    for side in ("chunnel", "direct"):
-        s = v[side]
-        assert s["latency_p50_us"] > 0 and s["throughput_msgs_per_s"] > 0, (b, side, s)
-print("bench JSON ok:", {b: (round(v["ratio_latency_p50"], 2), round(v["ratio_throughput"], 2)) for b, v in d["brokers"].items()})'
+    for s in [v["chunnel"], v["direct"]] + [x["direct"] for x in v["baselines"].values()]:
+        assert s["latency_p50_us"]["median"] > 0 and s["throughput_msgs_per_s"]["median"] > 0, (b, s)
+assert set(d["ordering"]) == {"redis", "nats", "kafka"}, d
+for b, o in d["ordering"].items():
+    for n in ("1", "4"):
+        assert o["receiver_over_service"][n]["latency_p50"]["median"] > 0, (b, n, o)
+print("bench JSON ok:", {b: (round(v["ratio_latency_p50"]["median"], 2), round(v["ratio_throughput"]["median"], 2)) for b, v in d["brokers"].items()})'
 
 log "chunnel-bench etl (short run: the ETL pipeline's latency against offered load, Kafka and NATS)"
 cargo run --release --locked -q -p chunnel-bench --features pubsub -- etl --secs 2 --rates 500,2000 \

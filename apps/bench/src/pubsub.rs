@@ -17,7 +17,17 @@
 //! * throughput: `msgs * 10` messages of `size` bytes published in bursts of `burst` while the
 //!   subscriber receives them; messages per second from the first send to the last receipt.
 //!
-//! Variants alternate within each repetition; figures are medians over `reps` with the
+//! The main baseline (`direct`, described in the JSON's `direct_is`) does what a user of the
+//! client crate who wants the Chunnel's guarantees does: Redis and NATS messages carry a
+//! 16-byte id (a Redis field; a JetStream `Nats-Msg-Id` of 32 hex digits, which JetStream
+//! deduplicates on, as the Chunnel's). Extra baselines of the same run, under `baselines`, with
+//! their own ratios: NATS `no_id` (publishes without the header: less broker work than the
+//! Chunnel), Kafka `split` (the direct records split into produce requests as the Chunnel
+//! splits them; `chunnel_pubsub::kafka` says why). Kafka's main baseline sends plain records,
+//! one produce request per burst.
+//!
+//! Every broker first runs one unrecorded repetition of every variant (a warm-up), then
+//! `reps` recorded ones. Variants alternate within each repetition; figures are medians over `reps` with the
 //! Chunnel/direct ratios (latency ≤ 1.1 and throughput ≥ 0.9 are the bars of issue 23).
 //!
 //! `--experiments` selects `direct` (the above, JSON key `brokers`) and `ordering`
@@ -33,13 +43,13 @@ pub(crate) struct Args {
     /// Timed messages per latency measurement (throughput sends ten times as many).
     #[arg(long, default_value_t = 2000)]
     msgs: usize,
-    /// Repetitions (each runs both variants).
+    /// Recorded repetitions (each runs every variant), after one unrecorded warm-up.
     #[arg(long, default_value_t = 3)]
     reps: usize,
     /// Payload size in bytes.
     #[arg(long, default_value_t = 64)]
     size: usize,
-    /// Messages per published burst in the throughput run.
+    /// Messages per published burst in the throughput runs (both experiments).
     #[arg(long, default_value_t = 100)]
     burst: usize,
     /// Brokers to measure, comma separated: redis, nats, kafka.
@@ -52,10 +62,6 @@ pub(crate) struct Args {
     /// Lanes of receiver-side ordering in the ordering experiment.
     #[arg(long, default_value_t = 4)]
     lanes: u32,
-    /// Messages per published burst in the ordering experiment's throughput run (50 keeps a
-    /// Kafka produce request under rskafka's delayed-ACK size; see chunnel_pubsub::kafka).
-    #[arg(long, default_value_t = 50)]
-    order_burst: usize,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -90,7 +96,7 @@ mod imp {
     use serde_json::{Value, json};
 
     use super::Args;
-    use crate::stats::{median, quantile};
+    use crate::stats::{median, quantile, spread};
 
     const WARMUP: usize = 100;
 
@@ -176,6 +182,19 @@ mod imp {
         Ok(total as f64 / start.elapsed().as_secs_f64())
     }
 
+    /// Drops the first repetition of every variant: a warm-up (the brokers, the Kafka JVM
+    /// above all, get faster over the first seconds, which would penalise whichever variant
+    /// runs first).
+    fn discard_warmup<const N: usize>(figures: [&mut Figures; N]) {
+        for f in figures {
+            for v in [&mut f.p50, &mut f.p99, &mut f.tput] {
+                if !v.is_empty() {
+                    v.remove(0);
+                }
+            }
+        }
+    }
+
     struct Figures {
         p50: Vec<f64>,
         p99: Vec<f64>,
@@ -202,9 +221,9 @@ mod imp {
         }
         fn json(&self) -> Value {
             json!({
-                "latency_p50_us": Self::med(&self.p50),
-                "latency_p99_us": Self::med(&self.p99),
-                "throughput_msgs_per_s": Self::med(&self.tput),
+                "latency_p50_us": spread(&self.p50),
+                "latency_p99_us": spread(&self.p99),
+                "throughput_msgs_per_s": spread(&self.tput),
                 "runs": {"p50_us": self.p50, "p99_us": self.p99, "throughput": self.tput},
             })
         }
@@ -217,20 +236,64 @@ mod imp {
         Ok(())
     }
 
-    fn compare(lib: &Figures, direct: &Figures) -> Value {
-        let l50 = Figures::med(&lib.p50) / Figures::med(&direct.p50);
-        let l99 = Figures::med(&lib.p99) / Figures::med(&direct.p99);
-        let t = Figures::med(&lib.tput) / Figures::med(&direct.tput);
-        json!({
-            "chunnel": lib.json(),
-            "direct": direct.json(),
-            "ratio_latency_p50": l50,
-            "ratio_latency_p99": l99,
-            "ratio_throughput": t,
-            "latency_within_1_1x": l50 <= 1.1,
-            "throughput_at_least_0_9x": t >= 0.9,
-        })
+    /// Per repetition, `a[i] / b[i]` (the two measured in the same repetition).
+    pub(super) fn paired(a: &[f64], b: &[f64]) -> Vec<f64> {
+        a.iter().zip(b).map(|(x, y)| x / y).collect()
     }
+
+    /// The Chunnel/direct ratios (per repetition, then median [min–max]), with the bars judged
+    /// on the medians.
+    fn ratios(lib: &Figures, direct: &Figures) -> serde_json::Map<String, Value> {
+        let l50 = paired(&lib.p50, &direct.p50);
+        let t = paired(&lib.tput, &direct.tput);
+        let v = json!({
+            "ratio_latency_p50": spread(&l50),
+            "ratio_latency_p99": spread(&paired(&lib.p99, &direct.p99)),
+            "ratio_throughput": spread(&t),
+            "latency_within_1_1x": Figures::med(&l50) <= 1.1,
+            "throughput_at_least_0_9x": Figures::med(&t) >= 0.9,
+        });
+        match v {
+            Value::Object(m) => m,
+            _ => serde_json::Map::new(),
+        }
+    }
+
+    /// The Chunnel against the main baseline (`direct`, described by `what`), and against any
+    /// extra baselines of the same run (`baselines`: name, description, figures).
+    fn compare(
+        lib: &Figures,
+        what: &str,
+        direct: &Figures,
+        extra: &[(&str, &str, &Figures)],
+    ) -> Value {
+        let mut out = ratios(lib, direct);
+        out.insert("chunnel".into(), lib.json());
+        out.insert("direct".into(), direct.json());
+        out.insert("direct_is".into(), what.into());
+        let mut baselines = serde_json::Map::new();
+        for (name, what, f) in extra {
+            let mut b = ratios(lib, f);
+            b.insert("direct".into(), f.json());
+            b.insert("direct_is".into(), (*what).into());
+            baselines.insert((*name).to_owned(), Value::Object(b));
+        }
+        out.insert("baselines".into(), Value::Object(baselines));
+        Value::Object(out)
+    }
+
+    const REDIS_DIRECT: &str = "the redis crate: a pipelined XADD per burst with an id field \
+        (16 bytes) like the Chunnel's, XREADGROUP and XACK";
+    const NATS_DIRECT: &str = "async-nats: JetStream publishes with a Nats-Msg-Id header of 32 \
+        hex digits like the Chunnel's (JetStream deduplicates on it), a pull consumer, an ack \
+        per message";
+    const NATS_NO_ID: &str = "async-nats as `direct` but publishing without a Nats-Msg-Id \
+        header (no deduplication by JetStream)";
+    const KAFKA_DIRECT: &str = "rskafka: one produce request per burst of plain records (no \
+        id), fetch by offset";
+
+    const KAFKA_SPLIT: &str = "rskafka as `direct` but each burst split into produce requests \
+        of at most 7 KB as the Chunnel splits them (chunnel_pubsub::kafka::split_records)";
 
     fn topic(what: &str, rep: usize) -> String {
         format!("bench-{what}-{}-{rep}", std::process::id())
@@ -325,10 +388,19 @@ mod imp {
         pub(super) struct Direct {
             js: async_nats::jetstream::Context,
             messages: consumer::pull::Stream,
-            topic: String,
+            subject: async_nats::Subject,
+            /// Publish with a `Nats-Msg-Id` header (the next id), as the Chunnel does.
+            ids: Option<u128>,
         }
 
-        pub(super) async fn direct(broker: &NatsBroker, topic: &str) -> Result<Direct> {
+        /// The client crate used directly; `with_ids`: every message carries a `Nats-Msg-Id`
+        /// of 32 hex digits (a counter), so JetStream deduplicates on it as it does for the
+        /// Chunnel's ids.
+        pub(super) async fn direct(
+            broker: &NatsBroker,
+            topic: &str,
+            with_ids: bool,
+        ) -> Result<Direct> {
             let stream = broker.ensure_stream(topic).await?;
             let consumer: consumer::PullConsumer = stream
                 .get_or_create_consumer(
@@ -351,7 +423,8 @@ mod imp {
             Ok(Direct {
                 js: broker.jetstream().clone(),
                 messages,
-                topic: topic.to_owned(),
+                subject: async_nats::Subject::from(topic),
+                ids: with_ids.then_some(0),
             })
         }
 
@@ -359,12 +432,17 @@ mod imp {
             async fn publish(&mut self, burst: &[Bytes]) -> Result<()> {
                 let mut acks = Vec::with_capacity(burst.len());
                 for b in burst {
-                    acks.push(
-                        self.js
-                            .publish(self.topic.clone(), b.clone())
-                            .await
-                            .map_err(|e| anyhow::anyhow!("{e}"))?,
-                    );
+                    let ack = match &mut self.ids {
+                        Some(next) => {
+                            let p = async_nats::jetstream::context::Publish::build()
+                                .payload(b.clone())
+                                .message_id(format!("{next:032x}"));
+                            *next += 1;
+                            self.js.send_publish(self.subject.clone(), p).await
+                        }
+                        None => self.js.publish(self.subject.clone(), b.clone()).await,
+                    };
+                    acks.push(ack.map_err(|e| anyhow::anyhow!("{e}"))?);
                 }
                 for a in acks {
                     a.await.map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -386,8 +464,7 @@ mod imp {
 
     mod kafka_direct {
         use super::*;
-        use chunnel_pubsub::kafka::KafkaBroker;
-        use chunnel_pubsub::kafka::rskafka;
+        use chunnel_pubsub::kafka::{self, KafkaBroker, rskafka};
         use rskafka::client::partition::{
             Compression, OffsetAt, PartitionClient, UnknownTopicHandling,
         };
@@ -396,21 +473,27 @@ mod imp {
         pub(super) struct Direct {
             part: PartitionClient,
             pos: i64,
+            /// Split a burst into requests as the Chunnel does (`kafka::split_records`).
+            split: bool,
         }
 
-        pub(super) async fn direct(broker: &KafkaBroker, topic: &str) -> Result<Direct> {
+        pub(super) async fn direct(
+            broker: &KafkaBroker,
+            topic: &str,
+            split: bool,
+        ) -> Result<Direct> {
             broker.ensure_topic(topic, 1).await?;
             let part = broker
                 .client()
                 .partition_client(topic, 0, UnknownTopicHandling::Retry)
                 .await?;
             let pos = part.get_offset(OffsetAt::Latest).await?;
-            Ok(Direct { part, pos })
+            Ok(Direct { part, pos, split })
         }
 
         impl Pair for Direct {
             async fn publish(&mut self, burst: &[Bytes]) -> Result<()> {
-                let records = burst
+                let records: Vec<Record> = burst
                     .iter()
                     .map(|b| Record {
                         key: None,
@@ -420,9 +503,15 @@ mod imp {
                             .unwrap_or_default(),
                     })
                     .collect();
-                self.part
-                    .produce(records, Compression::NoCompression)
-                    .await?;
+                if !self.split {
+                    self.part
+                        .produce(records, Compression::NoCompression)
+                        .await?;
+                    return Ok(());
+                }
+                for run in kafka::split_records(records, kafka::MAX_REQUEST_BYTES) {
+                    self.part.produce(run, Compression::NoCompression).await?;
+                }
                 Ok(())
             }
             async fn receive(&mut self) -> Result<usize> {
@@ -453,7 +542,7 @@ mod imp {
             msgs: a.msgs,
             reps: a.reps,
             size: a.size,
-            burst: a.order_burst,
+            burst: a.burst,
             lanes: a.lanes,
         };
         let mut out = serde_json::Map::new();
@@ -472,13 +561,14 @@ mod imp {
                         let broker = chunnel_pubsub::redis::RedisBroker::new(&url)?;
                         let d = if direct {
                             let (mut l, mut d) = (Figures::new(), Figures::new());
-                            for rep in 0..a.reps {
+                            for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
                                     redis_direct::direct(&broker, &topic("direct", rep)).await?;
                                 both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
                             }
-                            Some(compare(&l, &d))
+                            discard_warmup([&mut l, &mut d]);
+                            Some(compare(&l, REDIS_DIRECT, &d, &[]))
                         } else {
                             None
                         };
@@ -499,14 +589,26 @@ mod imp {
                         )
                         .await?;
                         let d = if direct {
-                            let (mut l, mut d) = (Figures::new(), Figures::new());
-                            for rep in 0..a.reps {
+                            let (mut l, mut d, mut x) =
+                                (Figures::new(), Figures::new(), Figures::new());
+                            for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
-                                    nats_direct::direct(&broker, &topic("direct", rep)).await?;
-                                both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                    nats_direct::direct(&broker, &topic("direct", rep), true)
+                                        .await?;
+                                let mut xp =
+                                    nats_direct::direct(&broker, &topic("noid", rep), false)
+                                        .await?;
+                                if rep.is_multiple_of(2) {
+                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                    run_pair(&mut xp, a, &mut x).await?;
+                                } else {
+                                    run_pair(&mut xp, a, &mut x).await?;
+                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                }
                             }
-                            Some(compare(&l, &d))
+                            discard_warmup([&mut l, &mut d, &mut x]);
+                            Some(compare(&l, NATS_DIRECT, &d, &[("no_id", NATS_NO_ID, &x)]))
                         } else {
                             None
                         };
@@ -528,14 +630,26 @@ mod imp {
                         )
                         .await?;
                         let d = if direct {
-                            let (mut l, mut d) = (Figures::new(), Figures::new());
-                            for rep in 0..a.reps {
+                            let (mut l, mut d, mut x) =
+                                (Figures::new(), Figures::new(), Figures::new());
+                            for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
-                                    kafka_direct::direct(&broker, &topic("direct", rep)).await?;
-                                both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                    kafka_direct::direct(&broker, &topic("direct", rep), false)
+                                        .await?;
+                                let mut xp =
+                                    kafka_direct::direct(&broker, &topic("split", rep), true)
+                                        .await?;
+                                if rep.is_multiple_of(2) {
+                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                    run_pair(&mut xp, a, &mut x).await?;
+                                } else {
+                                    run_pair(&mut xp, a, &mut x).await?;
+                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                }
                             }
-                            Some(compare(&l, &d))
+                            discard_warmup([&mut l, &mut d, &mut x]);
+                            Some(compare(&l, KAFKA_DIRECT, &d, &[("split", KAFKA_SPLIT, &x)]))
                         } else {
                             None
                         };

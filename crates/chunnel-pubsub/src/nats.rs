@@ -228,9 +228,13 @@ impl Consumer for NatsConsumer {
         let Some(messages) = self.messages.as_mut() else {
             return Ok(());
         };
-        let first = match tokio::time::timeout(wait, messages.next()).await {
-            Err(_) => return Ok(()),
-            Ok(m) => m,
+        // A message already there is taken without arming a timer.
+        let first = match messages.next().now_or_never() {
+            Some(m) => m,
+            None => match tokio::time::timeout(wait, messages.next()).await {
+                Err(_) => return Ok(()),
+                Ok(m) => m,
+            },
         };
         let mut next = first;
         let mut got = 0;

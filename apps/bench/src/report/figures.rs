@@ -246,6 +246,19 @@ pub(crate) static FIGURES: &[Figure] = &[
         ],
     },
     Figure {
+        name: "pubsub",
+        taskset: None,
+        args: &["pubsub"],
+        quick: &["pubsub", "--msgs", "200", "--reps", "1"],
+        expected_secs: 300,
+        needs: &[
+            Need::Pubsub,
+            Need::Program("redis-server"),
+            Need::Program("nats-server"),
+            Need::Program("java"),
+        ],
+    },
+    Figure {
         name: "shm",
         taskset: None,
         args: &["shm", "--msgs", "20000", "--size", "64"],

@@ -64,13 +64,14 @@ pub(crate) fn all(dir: &Path, figures: &Loaded, soak: Option<&Soak>) -> Result<V
             .map(|(_, e)| &e["result"])
     };
     type Draw = fn(&Path, &Value) -> Result<()>;
-    let plots: [(&str, &str, Draw); 12] = [
+    let plots: [(&str, &str, Draw); 13] = [
         ("overhead", "overhead", overhead),
         ("negotiate", "negotiate", negotiate),
         ("reconfig", "reconfig", reconfig),
         ("kv", "kv", kv),
         ("rendezvous", "rendezvous", rendezvous),
         ("etl", "etl", etl),
+        ("pubsub", "pubsub", pubsub),
         ("datapaths", "datapaths", datapaths),
         ("datapaths", "figure7", figure7),
         ("secure", "secure", secure),
@@ -582,6 +583,37 @@ fn etl(path: &Path, r: &Value) -> Result<()> {
         "ms",
         &series("p99_us"),
         None,
+    )?;
+    finish(root)
+}
+
+/// Per broker and baseline, Chunnel / client crate: p50 latency and throughput.
+fn pubsub(path: &Path, r: &Value) -> Result<()> {
+    let Some(b) = r["brokers"].as_object() else {
+        return Ok(());
+    };
+    let mut groups = Vec::new();
+    let (mut lat, mut tput) = (Vec::new(), Vec::new());
+    for key in ["redis", "nats", "kafka"] {
+        let Some(x) = b.get(key) else { continue };
+        groups.push(key.to_string());
+        lat.push(spread(&x["ratio_latency_p50"]));
+        tput.push(spread(&x["ratio_throughput"]));
+        for (name, e) in x["baselines"].as_object().into_iter().flatten() {
+            groups.push(format!("{key} ({name})"));
+            lat.push(spread(&e["ratio_latency_p50"]));
+            tput.push(spread(&e["ratio_throughput"]));
+        }
+    }
+    let root = canvas(path, (1000, 440))?;
+    bars(
+        &root,
+        "Pub/sub Chunnel / the broker's client crate (median, min–max)",
+        "Chunnel / direct",
+        &groups,
+        &[("p50 latency".into(), lat), ("throughput".into(), tput)],
+        &[(1.1, "latency bar"), (0.9, "throughput bar")],
+        true,
     )?;
     finish(root)
 }

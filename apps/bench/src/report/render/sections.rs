@@ -10,9 +10,11 @@ use super::{Section, Spread, spread, thousands};
 
 mod datapaths;
 mod lent;
+mod pubsub;
 mod secure;
 
 use datapaths::{datapaths, xdp};
+use pubsub::pubsub;
 use secure::secure;
 
 pub(super) fn render(f: &Figure, env: &Value) -> Section {
@@ -27,6 +29,7 @@ pub(super) fn render(f: &Figure, env: &Value) -> Section {
         "kv" => kv(r, &mut s),
         "rendezvous" => rendezvous(r, &mut s),
         "etl" => etl(r, &mut s),
+        "pubsub" => pubsub(r, &mut s),
         "shm" => shm(r, &mut s),
         "uring" => uring(r, &mut s),
         "datapaths" => datapaths(r, &mut s),
@@ -95,7 +98,7 @@ pub(super) fn med(sp: Option<Spread>) -> f64 {
 }
 
 /// `k` units: 175k, 6.7M.
-fn rate(x: f64) -> String {
+pub(super) fn rate(x: f64) -> String {
     if !x.is_finite() {
         "–".into()
     } else if x >= 1e6 {
