@@ -22,9 +22,8 @@
 //! 16-byte id (a Redis field; a JetStream `Nats-Msg-Id` of 32 hex digits, which JetStream
 //! deduplicates on, as the Chunnel's). Extra baselines of the same run, under `baselines`, with
 //! their own ratios: NATS `no_id` (publishes without the header: less broker work than the
-//! Chunnel), Kafka `split` (the direct records split into produce requests as the Chunnel
-//! splits them; `chunnel_pubsub::kafka` says why). Kafka's main baseline sends plain records,
-//! one produce request per burst.
+//! Chunnel). Kafka's baseline sends plain records, one produce request per burst (the
+//! Chunnel's records carry their id in front of the value).
 //!
 //! Every broker first runs one unrecorded repetition of every variant (a warm-up), then
 //! `reps` recorded ones. Variants alternate within each repetition; figures are medians over `reps` with the
@@ -292,8 +291,6 @@ mod imp {
     const KAFKA_DIRECT: &str = "rskafka: one produce request per burst of plain records (no \
         id), fetch by offset";
 
-    const KAFKA_SPLIT: &str = "rskafka as `direct` but each burst split into produce requests \
-        of at most 7 KB as the Chunnel splits them (chunnel_pubsub::kafka::split_records)";
 
     fn topic(what: &str, rep: usize) -> String {
         format!("bench-{what}-{}-{rep}", std::process::id())
@@ -464,7 +461,7 @@ mod imp {
 
     mod kafka_direct {
         use super::*;
-        use chunnel_pubsub::kafka::{self, KafkaBroker, rskafka};
+        use chunnel_pubsub::kafka::{KafkaBroker, rskafka};
         use rskafka::client::partition::{
             Compression, OffsetAt, PartitionClient, UnknownTopicHandling,
         };
@@ -473,22 +470,16 @@ mod imp {
         pub(super) struct Direct {
             part: PartitionClient,
             pos: i64,
-            /// Split a burst into requests as the Chunnel does (`kafka::split_records`).
-            split: bool,
         }
 
-        pub(super) async fn direct(
-            broker: &KafkaBroker,
-            topic: &str,
-            split: bool,
-        ) -> Result<Direct> {
+        pub(super) async fn direct(broker: &KafkaBroker, topic: &str) -> Result<Direct> {
             broker.ensure_topic(topic, 1).await?;
             let part = broker
                 .client()
                 .partition_client(topic, 0, UnknownTopicHandling::Retry)
                 .await?;
             let pos = part.get_offset(OffsetAt::Latest).await?;
-            Ok(Direct { part, pos, split })
+            Ok(Direct { part, pos })
         }
 
         impl Pair for Direct {
@@ -503,15 +494,9 @@ mod imp {
                             .unwrap_or_default(),
                     })
                     .collect();
-                if !self.split {
-                    self.part
-                        .produce(records, Compression::NoCompression)
-                        .await?;
-                    return Ok(());
-                }
-                for run in kafka::split_records(records, kafka::MAX_REQUEST_BYTES) {
-                    self.part.produce(run, Compression::NoCompression).await?;
-                }
+                self.part
+                    .produce(records, Compression::NoCompression)
+                    .await?;
                 Ok(())
             }
             async fn receive(&mut self) -> Result<usize> {
@@ -630,26 +615,15 @@ mod imp {
                         )
                         .await?;
                         let d = if direct {
-                            let (mut l, mut d, mut x) =
-                                (Figures::new(), Figures::new(), Figures::new());
+                            let (mut l, mut d) = (Figures::new(), Figures::new());
                             for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
-                                    kafka_direct::direct(&broker, &topic("direct", rep), false)
-                                        .await?;
-                                let mut xp =
-                                    kafka_direct::direct(&broker, &topic("split", rep), true)
-                                        .await?;
-                                if rep.is_multiple_of(2) {
-                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
-                                    run_pair(&mut xp, a, &mut x).await?;
-                                } else {
-                                    run_pair(&mut xp, a, &mut x).await?;
-                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
-                                }
+                                    kafka_direct::direct(&broker, &topic("direct", rep)).await?;
+                                both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
                             }
-                            discard_warmup([&mut l, &mut d, &mut x]);
-                            Some(compare(&l, KAFKA_DIRECT, &d, &[("split", KAFKA_SPLIT, &x)]))
+                            discard_warmup([&mut l, &mut d]);
+                            Some(compare(&l, KAFKA_DIRECT, &d, &[]))
                         } else {
                             None
                         };

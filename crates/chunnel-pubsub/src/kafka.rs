@@ -8,13 +8,14 @@
 //! `chn1`, then the 16-byte id; a value without them is delivered whole, without an id): 20
 //! bytes a record, fewer than a record header would take.
 //!
-//! Large bursts: rskafka 0.6 writes a request's length and its body as two writes on a socket
-//! without `TCP_NODELAY`, and offers no way to set it or to supply the socket, so a produce
-//! request above roughly 8 KB waits for the broker's delayed ACK (about 40 ms; the client
-//! crate alone is hit as much as this Chunnel). The producer therefore splits a burst into
-//! produce requests of at most [`MAX_REQUEST_BYTES`] of records each ([`split_records`]),
-//! sent one after the other (in order: a later request is sent once the earlier one is
-//! acknowledged), so a burst costs one round trip per 7 KB instead of a 40 ms stall.
+//! Large bursts: the producer splits a burst into produce requests of at most
+//! [`MAX_REQUEST_BYTES`] of records each ([`split_records`]), sent one after the other (a later
+//! request once the earlier one is acknowledged, so a failure never leaves a later part
+//! stored before an earlier one), so no request exceeds the broker's default
+//! `message.max.bytes` (1 MiB). The workspace builds rskafka with `TCP_NODELAY` on its broker
+//! connections (third_party/rskafka/CHUNNEL-PATCH.md): the published 0.6 writes a request
+//! larger than its 8 KiB buffer as two writes, and with Nagle's algorithm the second waits for
+//! the broker's delayed ACK (about 40 ms a request).
 //!
 //! rskafka has no consumer groups, so a group is static: member `index` of `count` owns
 //! partitions `p` with `p % count == index`. Acknowledged positions are committed by a
@@ -173,9 +174,8 @@ impl KafkaBroker {
 }
 
 /// The most record bytes (estimated by [`record_bytes`]) the producer puts in one produce
-/// request: under the size from which rskafka's requests wait for a delayed ACK (see the
-/// module documentation).
-pub const MAX_REQUEST_BYTES: usize = 7 * 1024;
+/// request: half the broker's default `message.max.bytes`, leaving room for the framing.
+pub const MAX_REQUEST_BYTES: usize = 512 * 1024;
 
 /// A record's size in a produce request, over-estimated: its key, value and headers, plus 16
 /// bytes of framing (length, attributes, timestamp and offset deltas, the lengths).
@@ -545,15 +545,17 @@ mod tests {
 
     #[test]
     fn a_burst_is_split_in_order_under_the_limit() {
-        // 100 Chunnel records of 64-byte payloads: 100 * (20 + 64 + 16) = 10_000 bytes.
+        // 100 Chunnel records of 64-byte payloads: 100 * (20 + 64 + 16) = 10_000 bytes, one
+        // request; under a 7 KB limit, two.
         let records: Vec<Record> = (0..100).map(|i| rec(PREFIX + 64, i)).collect();
-        let runs = split_records(records, MAX_REQUEST_BYTES);
+        assert_eq!(split_records(records.clone(), MAX_REQUEST_BYTES).len(), 1);
+        let runs = split_records(records, 7 * 1024);
         assert_eq!(runs.len(), 2);
         let sizes: Vec<usize> = runs
             .iter()
             .map(|r| r.iter().map(record_bytes).sum())
             .collect();
-        assert!(sizes.iter().all(|&s| s <= MAX_REQUEST_BYTES), "{sizes:?}");
+        assert!(sizes.iter().all(|&s| s <= 7 * 1024), "{sizes:?}");
         let tags: Vec<u8> = runs
             .iter()
             .flatten()
