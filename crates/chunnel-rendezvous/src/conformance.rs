@@ -90,6 +90,7 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
         proposer: "m1".into(),
         stack: b.clone(),
         deadline_ms: now_ms() + 60_000,
+        ballot_box: None,
     };
     assert!(
         !store

@@ -142,6 +142,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod ballot;
 #[doc(hidden)]
 pub mod conformance;
 mod error;

@@ -14,13 +14,22 @@
 //!   policy allows it, and it has prepared it); the proposer commits once every *live* member
 //!   voted yes, and aborts on the first no or at the deadline. Anyone aborts a transition whose
 //!   deadline passed long ago (the proposer died).
+//! * **Direct ballots** (docs/wire.md §15.4): a transition may name the proposer's ballot box;
+//!   members then send their ballot there (the `direct` box of [`Action::Vote`]) and the
+//!   proposer counts them ([`Machine::on_ballot`]) together with the ballots in the store:
+//!   only those of live members it knows, with the transition's token, once per member. It
+//!   commits when every live member said yes either way, attesting the yes ballots it
+//!   received directly (the `attested` members of [`Action::Finish`]).
 //! * **Switch**: a member that reads a higher committed epoch switches to it. Senders tag every
 //!   message with their epoch, and receivers keep the previous epoch's stack for a while, so
 //!   messages sent around the switch are decoded by the stack that encoded them.
 
 use chunnel::negotiate::{ChunnelInfo, Mismatch, Pick, StackOption, choose};
 
-use crate::store::{Ballot, Committed, News, Snapshot, Transition};
+use std::collections::BTreeMap;
+
+use crate::ballot::{BallotBox, DirectBallot};
+use crate::store::{Ballot, Committed, Member, News, Snapshot, Transition};
 
 /// How long past a transition's deadline a member other than the proposer waits before it
 /// aborts the transition itself.
@@ -65,6 +74,11 @@ pub enum Action {
         id: u64,
         /// Our ballot.
         ballot: Ballot,
+        /// The proposer's ballot box: send the ballot there as a datagram if we can (and write
+        /// it to the store if the outcome does not come); `None`: write it to the store.
+        direct: Option<BallotBox>,
+        /// The epoch the transition starts from (for the datagram).
+        from_epoch: u64,
     },
     /// End transition `id` (commit or abort).
     Finish {
@@ -74,6 +88,9 @@ pub enum Action {
         commit: bool,
         /// Why it was aborted (empty on commit).
         reason: String,
+        /// The live members whose yes we received directly (for
+        /// [`Store::finish_attested`](crate::Store::finish_attested)).
+        attested: Vec<String>,
     },
     /// The group committed epoch `epoch`: send with our option `option` from now on.
     Switch {
@@ -102,6 +119,50 @@ pub struct Machine {
     voted: Option<(u64, bool)>,
     /// Transitions we finished (the store may not show it yet): never finish twice.
     finished: Option<u64>,
+    /// The ballots on our own pending transition that has a ballot box.
+    tally: Option<Tally>,
+}
+
+/// A decision: commit, why not (empty on commit), the members whose yes came directly.
+type Decision = (bool, String, Vec<String>);
+
+/// The ballots a proposer counts on its transition with a ballot box.
+#[derive(Debug)]
+struct Tally {
+    id: u64,
+    from_epoch: u64,
+    token: u128,
+    /// The live members as of our last read: only their ballots count.
+    members: Vec<String>,
+    /// Each member's ballot (the first one received counts), and whether it came directly
+    /// (else we read it in the store).
+    votes: BTreeMap<String, (Ballot, bool)>,
+}
+
+impl Tally {
+    /// Commit (with the attested members), abort (with the reason), or wait.
+    fn decide(&self) -> Option<Decision> {
+        let live = |m: &String| self.members.contains(m);
+        if let Some(why) = self.votes.iter().find_map(|(m, (b, _))| match b {
+            Ballot::No(why) if live(m) => Some(why.clone()),
+            _ => None,
+        }) {
+            return Some((false, format!("refused by {why}"), Vec::new()));
+        }
+        let all_yes = self
+            .members
+            .iter()
+            .all(|m| matches!(self.votes.get(m), Some((Ballot::Yes, _))));
+        all_yes.then(|| {
+            let attested = self
+                .votes
+                .iter()
+                .filter(|(m, (b, direct))| *direct && *b == Ballot::Yes && live(m))
+                .map(|(m, _)| m.clone())
+                .collect();
+            (true, String::new(), attested)
+        })
+    }
 }
 
 impl std::fmt::Debug for Machine {
@@ -132,6 +193,7 @@ impl Machine {
             option,
             voted: None,
             finished: None,
+            tally: None,
         }
     }
 
@@ -159,7 +221,87 @@ impl Machine {
             proposer: self.me.clone(),
             stack: chunnel_negotiate::wire::encode_stack(&o.chunnels),
             deadline_ms,
+            ballot_box: None,
         })
+    }
+
+    /// The store recorded our proposal `t`; `members` are the live members as we last read
+    /// them. With a ballot box, we count direct ballots on it from now on
+    /// ([`Machine::on_ballot`]).
+    pub fn proposed(&mut self, t: &Transition, members: &[Member]) {
+        self.tally = t
+            .ballot_box
+            .filter(|_| t.proposer == self.me)
+            .map(|b| Tally {
+                id: t.id,
+                from_epoch: t.from_epoch,
+                token: b.token,
+                members: members.iter().map(|m| m.id.clone()).collect(),
+                votes: BTreeMap::new(),
+            });
+    }
+
+    /// Feeds a ballot datagram received on our ballot box; returns the decision it brings, if
+    /// any. Ignored: a ballot for another transition or with another token, from a member not
+    /// live as of our last read, a member's second ballot, and any ballot once we decided.
+    pub fn on_ballot(&mut self, b: &DirectBallot) -> Vec<Action> {
+        let Some(tally) = &mut self.tally else {
+            return Vec::new();
+        };
+        if b.id != tally.id
+            || b.token != tally.token
+            || b.from_epoch != tally.from_epoch
+            || self.finished == Some(tally.id)
+            || !tally.members.contains(&b.member)
+            || tally.votes.contains_key(&b.member)
+        {
+            return Vec::new();
+        }
+        tally
+            .votes
+            .insert(b.member.clone(), (b.ballot.clone(), true));
+        let id = tally.id;
+        match tally.decide() {
+            Some((commit, reason, attested)) => {
+                self.finished = Some(id);
+                vec![Action::Finish {
+                    id,
+                    commit,
+                    reason,
+                    attested,
+                }]
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Our ballot on `t`: prepare, and vote (in our own tally if `t` is our proposal with a
+    /// ballot box; else [`Action::Vote`]).
+    fn cast(&mut self, t: &Transition, out: &mut Vec<Action>) {
+        let (ballot, option) = self.judge(t);
+        if let Some(option) = option {
+            out.push(Action::Prepare {
+                epoch: t.from_epoch + 1,
+                option,
+            });
+        }
+        self.voted = Some((t.id, ballot == Ballot::Yes));
+        match &mut self.tally {
+            Some(tally) if tally.id == t.id => {
+                tally.votes.insert(self.me.clone(), (ballot, true));
+            }
+            _ => out.push(Action::Vote {
+                id: t.id,
+                ballot,
+                direct: t.ballot_box,
+                from_epoch: t.from_epoch,
+            }),
+        }
+    }
+
+    /// Whether we count the ballots on `id` ourselves (our proposal, with a ballot box).
+    fn tallies(&self, id: u64) -> bool {
+        self.tally.as_ref().is_some_and(|t| t.id == id)
     }
 
     /// The store did not commit transition `id` (its [`Store::finish`](crate::Store::finish)
@@ -263,15 +405,7 @@ impl Machine {
                 if self.finished == Some(t.id) || self.voted.map(|(id, _)| id) == Some(t.id) {
                     return Some(out);
                 }
-                let (ballot, option) = self.judge(t);
-                if let Some(option) = option {
-                    out.push(Action::Prepare {
-                        epoch: t.from_epoch + 1,
-                        option,
-                    });
-                }
-                self.voted = Some((t.id, ballot == Ballot::Yes));
-                out.push(Action::Vote { id: t.id, ballot });
+                self.cast(t, &mut out);
             }
             News::Finished { committed, .. } => {
                 self.follow(committed, &mut out);
@@ -302,53 +436,80 @@ impl Machine {
             return out;
         }
         if self.voted.map(|(id, _)| id) != Some(t.id) {
-            let (ballot, option) = self.judge(t);
-            if let Some(option) = option {
-                out.push(Action::Prepare {
-                    epoch: t.from_epoch + 1,
-                    option,
-                });
+            self.cast(t, &mut out);
+            if !self.tallies(t.id) {
+                // Our own ballot is not in this snapshot yet: decide on the next one.
+                return out;
             }
-            self.voted = Some((t.id, ballot == Ballot::Yes));
-            out.push(Action::Vote { id: t.id, ballot });
-            // Our own ballot is not in this snapshot yet: decide on the next one.
-            return out;
         }
-        let live_no = snap.ballots.iter().find_map(|(m, b)| match b {
-            Ballot::No(why) if snap.is_member(m) => Some(why.clone()),
-            _ => None,
-        });
-        let all_yes = snap.all_live_yes();
+        let decided = match &mut self.tally {
+            Some(tally) if tally.id == t.id => {
+                // The members as read now, and their ballots in the store (a direct one,
+                // received first, stays).
+                tally.members = snap.members.iter().map(|m| m.id.clone()).collect();
+                for (m, b) in &snap.ballots {
+                    tally
+                        .votes
+                        .entry(m.clone())
+                        .or_insert_with(|| (b.clone(), false));
+                }
+                tally.decide()
+            }
+            _ => {
+                let live_no = snap.ballots.iter().find_map(|(m, b)| match b {
+                    Ballot::No(why) if snap.is_member(m) => Some(why.clone()),
+                    _ => None,
+                });
+                if let Some(why) = live_no {
+                    Some((false, format!("refused by {why}"), Vec::new()))
+                } else if snap.all_live_yes() {
+                    Some((true, String::new(), Vec::new()))
+                } else {
+                    None
+                }
+            }
+        };
         let finish = if t.proposer == self.me {
-            if let Some(why) = live_no {
-                Some((false, format!("refused by {why}")))
-            } else if all_yes {
-                Some((true, String::new()))
+            if let Some(decided) = decided {
+                Some(decided)
             } else if now_ms > t.deadline_ms {
+                let voted = |id: &str| {
+                    snap.ballots.iter().any(|(m, _)| m == id)
+                        || self
+                            .tally
+                            .as_ref()
+                            .is_some_and(|tl| tl.id == t.id && tl.votes.contains_key(id))
+                };
                 let silent: Vec<&str> = snap
                     .members
                     .iter()
-                    .filter(|m| !snap.ballots.iter().any(|(id, _)| id == &m.id))
+                    .filter(|m| !voted(&m.id))
                     .map(|m| m.id.as_str())
                     .collect();
                 Some((
                     false,
                     format!("timeout: no vote from {}", silent.join(", ")),
+                    Vec::new(),
                 ))
             } else {
                 None
             }
         } else if now_ms > t.deadline_ms.saturating_add(ORPHAN_GRACE_MS) {
-            Some((false, "timeout: the proposer did not finish".to_owned()))
+            Some((
+                false,
+                "timeout: the proposer did not finish".to_owned(),
+                Vec::new(),
+            ))
         } else {
             None
         };
-        if let Some((commit, reason)) = finish {
+        if let Some((commit, reason, attested)) = finish {
             self.finished = Some(t.id);
             out.push(Action::Finish {
                 id: t.id,
                 commit,
                 reason,
+                attested,
             });
         }
         out
@@ -419,7 +580,9 @@ mod tests {
                 },
                 Action::Vote {
                     id: 7,
-                    ballot: Ballot::Yes
+                    ballot: Ballot::Yes,
+                    direct: None,
+                    from_epoch: 1,
                 }
             ]
         );
@@ -433,7 +596,8 @@ mod tests {
             vec![Action::Finish {
                 id: 7,
                 commit: true,
-                reason: String::new()
+                reason: String::new(),
+                attested: vec![],
             }]
         );
         assert!(a.on_snapshot(&s, 3).is_empty(), "finished twice");
@@ -463,7 +627,9 @@ mod tests {
                 },
                 Action::Vote {
                     id: 9,
-                    ballot: Ballot::Yes
+                    ballot: Ballot::Yes,
+                    direct: None,
+                    from_epoch: 1,
                 }
             ])
         );
@@ -555,6 +721,7 @@ mod tests {
             proposer: "a".into(),
             stack: chunnel_negotiate::wire::encode_stack(&option("total", 0).chunnels),
             deadline_ms: 100,
+            ballot_box: None,
         });
         match &b.on_snapshot(&s, 0)[..] {
             [

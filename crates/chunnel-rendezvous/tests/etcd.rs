@@ -199,6 +199,7 @@ async fn commit_transition(store: &EtcdStore, g: &str, id: u64, from_epoch: u64,
         proposer: "a".into(),
         stack: stack.clone(),
         deadline_ms: now_ms() + 60_000,
+        ballot_box: None,
     };
     if !retry("propose", within, || store.propose(g, &t)).await {
         let s = retry("snapshot", within, || store.snapshot(g)).await;
@@ -295,6 +296,7 @@ async fn etcd_down_then_back() {
         proposer: "a".into(),
         stack: Bytes::from_static(b"stack-2"),
         deadline_ms: now_ms() + 60_000,
+        ballot_box: None,
     };
     async fn unavailable<T: std::fmt::Debug>(
         what: &str,

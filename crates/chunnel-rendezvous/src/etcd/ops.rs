@@ -384,7 +384,13 @@ impl Store for EtcdStore {
         Err(contended(&k))
     }
 
-    async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
+    async fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
+    ) -> Result<bool, Error> {
         let k = Keys::new(group)?;
         // The first read is local (the finisher decided on a read at least as recent, on the
         // same member); a refusal is confirmed by a linearizable read.
@@ -395,7 +401,7 @@ impl Store for EtcdStore {
             // One read at one revision: the record, and the ballots of the members live then.
             let rec = self.read_with(&k, local).await?;
             let t = rec.snap.transition.clone().filter(|t| t.id == id);
-            let Some(t) = t.filter(|_| !commit || rec.snap.all_live_yes()) else {
+            let Some(t) = t.filter(|_| !commit || rec.snap.all_live_yes_with(attested)) else {
                 if std::mem::take(&mut local) {
                     continue;
                 }
