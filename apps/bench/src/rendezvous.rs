@@ -8,7 +8,10 @@
 //!   `--reps` times. Latency from the call to `Participant::join` to its return.
 //! * **commit**: the N members are in the group; one proposes a transition to its other
 //!   option and waits until it committed (every member read the proposal, voted, the proposer
-//!   read all N yes votes and committed), `--reps` times, alternating between two stacks.
+//!   counted all N yes votes and committed), `--reps` times, alternating between two stacks.
+//!   Every participant has a ballot socket on loopback (`Config::with_direct_ballots`): votes
+//!   travel as datagrams to the proposer, and the store holds only the proposal and the
+//!   decision; `--no-direct-ballots` sends every vote through the store instead.
 //!
 //! Every participant has its own store client (its own SQLite connection, Redis connection or
 //! etcd client), as separate processes would. It reads the group record when the store
@@ -16,7 +19,8 @@
 //! the same process), and otherwise every `--poll-ms` (while the store has no working
 //! notifications; always for SQLite, whose notifications cover one process only) or every
 //! `--poll-notified-ms` (while notified). With notifications, commit latency is a few store
-//! round trips (the proposal, N votes, the proposer's reads, the commit): voters vote on the
+//! round trips (the proposal, the proposer's reads, the commit, and, without direct ballots,
+//! N votes): voters vote on the
 //! proposal the notification carries and follow the commit it carries, without reading
 //! (Redis and etcd; SQLite's notifications carry no data); without, a few poll intervals.
 //!
@@ -57,6 +61,10 @@ pub(crate) struct Args {
     /// change, in ms (the fallback for a lost notification).
     #[arg(long, default_value_t = 500)]
     poll_notified_ms: u64,
+    /// Every ballot through the store: no participant gets a ballot socket
+    /// (`Config::with_direct_ballots`, the default here).
+    #[arg(long)]
+    no_direct_ballots: bool,
 }
 
 fn option(label: &'static str, branch: u8) -> StackOption {
@@ -74,13 +82,18 @@ fn offers() -> Vec<StackOption> {
 }
 
 fn config(a: &Args) -> Config {
-    Config {
+    let c = Config {
         poll: Duration::from_millis(a.poll_ms),
         poll_notified: Duration::from_millis(a.poll_notified_ms),
         lease: Duration::from_secs(10),
         renew_every: Duration::from_secs(3),
         transition_timeout: Duration::from_secs(10),
         ..Config::default()
+    };
+    if a.no_direct_ballots {
+        c
+    } else {
+        c.with_direct_ballots(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
     }
 }
 
@@ -238,6 +251,7 @@ async fn run_async(a: Args) -> Result<()> {
         "bench": "rendezvous",
         "poll_ms": a.poll_ms,
         "poll_notified_ms": a.poll_notified_ms,
+        "direct_ballots": !a.no_direct_ballots,
         "reps": a.reps,
         "sizes": a.sizes,
         "backends": backends,

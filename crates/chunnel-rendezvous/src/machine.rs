@@ -766,6 +766,180 @@ mod tests {
         ));
     }
 
+    /// A proposer `a` with a ballot box, its transition 7 pending in `s` (members `members`),
+    /// its own vote cast on the first read.
+    fn direct_setup(members: &[&str]) -> (Machine, Snapshot, Transition) {
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        let mut t = a.proposal(7, 1, 10_000).unwrap();
+        t.ballot_box = Some(BallotBox {
+            addr: "127.0.0.1:9".parse().unwrap(),
+            token: 0xfeed,
+        });
+        let mut s = snap(1, &option("none", 0), members);
+        a.proposed(&t, &s.members);
+        s.transition = Some(t.clone());
+        // Our own ballot goes into the tally: no store write, and (others silent) no decision.
+        assert_eq!(
+            a.on_snapshot(&s, 0),
+            vec![Action::Prepare {
+                epoch: 2,
+                option: 1
+            }]
+        );
+        (a, s, t)
+    }
+
+    fn direct(t: &Transition, member: &str, ballot: Ballot) -> DirectBallot {
+        DirectBallot {
+            token: t.ballot_box.unwrap().token,
+            group: "g".into(),
+            id: t.id,
+            from_epoch: t.from_epoch,
+            member: member.into(),
+            ballot,
+        }
+    }
+
+    fn commit(attested: &[&str]) -> Vec<Action> {
+        vec![Action::Finish {
+            id: 7,
+            commit: true,
+            reason: String::new(),
+            attested: attested.iter().map(|m| (*m).to_owned()).collect(),
+        }]
+    }
+
+    #[test]
+    fn direct_ballots_count_once_per_live_member_with_the_token() {
+        let (mut a, _, t) = direct_setup(&["a", "b", "c"]);
+        // Wrong token, another transition, another epoch, an unknown member: ignored.
+        let forged = DirectBallot {
+            token: 0xbad,
+            ..direct(&t, "b", Ballot::Yes)
+        };
+        assert!(a.on_ballot(&forged).is_empty());
+        let stale = DirectBallot {
+            id: 6,
+            ..direct(&t, "c", Ballot::Yes)
+        };
+        assert!(a.on_ballot(&stale).is_empty());
+        let old_epoch = DirectBallot {
+            from_epoch: 0,
+            ..direct(&t, "c", Ballot::Yes)
+        };
+        assert!(a.on_ballot(&old_epoch).is_empty());
+        assert!(
+            a.on_ballot(&direct(&t, "zed", Ballot::No("x".into())))
+                .is_empty()
+        );
+        // b's yes counts once: its later no (a duplicate from b) changes nothing.
+        assert!(a.on_ballot(&direct(&t, "b", Ballot::Yes)).is_empty());
+        assert!(
+            a.on_ballot(&direct(&t, "b", Ballot::No("late".into())))
+                .is_empty()
+        );
+        // c's yes completes the live members: commit, attesting the direct yes ballots.
+        assert_eq!(
+            a.on_ballot(&direct(&t, "c", Ballot::Yes)),
+            commit(&["a", "b", "c"])
+        );
+        // Decided: nothing more, whatever arrives.
+        assert!(a.on_ballot(&direct(&t, "c", Ballot::Yes)).is_empty());
+    }
+
+    #[test]
+    fn a_direct_no_aborts_and_a_refused_finish_decides_again() {
+        let (mut a, mut s, t) = direct_setup(&["a", "b", "c"]);
+        match &a.on_ballot(&direct(&t, "c", Ballot::No("c: policy".into())))[..] {
+            [
+                Action::Finish {
+                    commit: false,
+                    reason,
+                    attested,
+                    ..
+                },
+            ] => {
+                assert!(reason.contains("c: policy"), "{reason}");
+                assert!(attested.is_empty());
+            }
+            other => panic!("{other:?}"),
+        }
+        // A finish the store refused is decided again on the next read (c's no stands).
+        a.finish_refused(7);
+        assert!(matches!(
+            &a.on_snapshot(&s, 1)[..],
+            [Action::Finish { commit: false, .. }]
+        ));
+        // Without any ballot from b, the deadline aborts and names the silent member only.
+        let (mut a, _, _) = direct_setup(&["a", "b", "c"]);
+        a.on_ballot(&direct(&t, "c", Ballot::Yes));
+        s.transition.as_mut().unwrap().deadline_ms = 100;
+        match &a.on_snapshot(&s, 101)[..] {
+            [
+                Action::Finish {
+                    commit: false,
+                    reason,
+                    ..
+                },
+            ] => assert!(reason.ends_with("no vote from b"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn direct_and_store_ballots_mix_and_only_live_members_count() {
+        // b votes in the store (no ballot socket), c directly; d leaves before voting.
+        let (mut a, mut s, t) = direct_setup(&["a", "b", "c", "d"]);
+        assert!(a.on_ballot(&direct(&t, "c", Ballot::Yes)).is_empty());
+        s.ballots = vec![("b".into(), Ballot::Yes)];
+        assert!(a.on_snapshot(&s, 1).is_empty(), "d is live and silent");
+        s.members.retain(|m| m.id != "d");
+        // b's yes is in the store: only a and c are attested.
+        assert_eq!(a.on_snapshot(&s, 2), commit(&["a", "c"]));
+
+        // A member we did not know at the proposal: its ballot is ignored until a read shows
+        // it live; then it counts.
+        let (mut a, mut s, t) = direct_setup(&["a", "b"]);
+        assert!(a.on_ballot(&direct(&t, "late", Ballot::Yes)).is_empty());
+        s.members.push(Member {
+            id: "late".into(),
+            addr: String::new(),
+        });
+        s.members.sort_by(|x, y| x.id.cmp(&y.id));
+        assert!(a.on_snapshot(&s, 1).is_empty());
+        assert!(a.on_ballot(&direct(&t, "b", Ballot::Yes)).is_empty());
+        assert_eq!(
+            a.on_ballot(&direct(&t, "late", Ballot::Yes)),
+            commit(&["a", "b", "late"])
+        );
+    }
+
+    #[test]
+    fn members_vote_to_the_ballot_box_and_a_proposal_without_one_counts_nothing() {
+        let (_, s, t) = direct_setup(&["a", "b"]);
+        let mut b = Machine::new("b".into(), offers(), None, 1, 0);
+        assert_eq!(
+            b.on_snapshot(&s, 0),
+            vec![
+                Action::Prepare {
+                    epoch: 2,
+                    option: 1
+                },
+                Action::Vote {
+                    id: 7,
+                    ballot: Ballot::Yes,
+                    direct: t.ballot_box,
+                    from_epoch: 1,
+                }
+            ]
+        );
+        // Without a ballot box, `proposed` starts no tally: datagrams count for nothing.
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        let plain = a.proposal(7, 1, 10_000).unwrap();
+        a.proposed(&plain, &s.members);
+        assert!(a.on_ballot(&direct(&t, "b", Ballot::Yes)).is_empty());
+    }
+
     #[test]
     fn a_lost_lease_or_a_lost_group_means_rejoin() {
         let mut a = Machine::new("a".into(), offers(), None, 1, 0);

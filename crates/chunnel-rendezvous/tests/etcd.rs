@@ -429,6 +429,24 @@ async fn etcd_groups() {
     support::scenarios::transitions(group_store(&endpoints).await).await;
 }
 
+/// Ballots as datagrams to the proposer, the store fallback, forged ballots, mixed groups and
+/// a dead voter (tests/support/direct.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_direct_ballots() {
+    let (_scratch, _server, endpoints) = single_etcd("etcd-direct");
+    ready_store(&endpoints).await;
+    support::direct::direct_ballots(|| group_store(&endpoints)).await;
+}
+
+/// 16 members commit on datagrams alone on the three-member cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_cluster_direct_ballots() {
+    let scratch = Scratch::new("etcd3-direct");
+    let (_servers, endpoints) = support::etcd_cluster(&scratch, 3);
+    ready_store(&endpoints).await;
+    support::direct::commit_by_datagrams(&|| group_store(&endpoints), 16).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_group_survives_a_store_outage() {
     let (_scratch, server, endpoints) = single_etcd("etcd-group-outage");
