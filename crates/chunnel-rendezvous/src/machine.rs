@@ -132,6 +132,8 @@ struct Tally {
     id: u64,
     from_epoch: u64,
     token: u128,
+    /// The proposed stack (what our own successful commit installs).
+    stack: bytes::Bytes,
     /// The live members as of our last read: only their ballots count.
     members: Vec<String>,
     /// Each member's ballot (the first one received counts), and whether it came directly
@@ -227,18 +229,61 @@ impl Machine {
 
     /// The store recorded our proposal `t`; `members` are the live members as we last read
     /// them. With a ballot box, we count direct ballots on it from now on
-    /// ([`Machine::on_ballot`]).
-    pub fn proposed(&mut self, t: &Transition, members: &[Member]) {
+    /// ([`Machine::on_ballot`]), and our own ballot at once, without a read: what to do then
+    /// (prepare; finish if we are the only member, or refuse our own proposal). `None`
+    /// without a ballot box: read the record to vote, as on any transition.
+    pub fn proposed(&mut self, t: &Transition, members: &[Member]) -> Option<Vec<Action>> {
         self.tally = t
             .ballot_box
-            .filter(|_| t.proposer == self.me)
+            .filter(|_| t.proposer == self.me && t.from_epoch == self.epoch)
             .map(|b| Tally {
                 id: t.id,
                 from_epoch: t.from_epoch,
                 token: b.token,
+                stack: t.stack.clone(),
                 members: members.iter().map(|m| m.id.clone()).collect(),
                 votes: BTreeMap::new(),
             });
+        self.tally.as_ref()?;
+        let mut out = Vec::new();
+        self.cast(t, &mut out);
+        self.decide_tally(&mut out);
+        Some(out)
+    }
+
+    /// Pushes the tally's decision, if it has one and we have not finished.
+    fn decide_tally(&mut self, out: &mut Vec<Action>) {
+        let Some(tally) = &self.tally else {
+            return;
+        };
+        if self.finished == Some(tally.id) {
+            return;
+        }
+        if let Some((commit, reason, attested)) = tally.decide() {
+            self.finished = Some(tally.id);
+            out.push(Action::Finish {
+                id: tally.id,
+                commit,
+                reason,
+                attested,
+            });
+        }
+    }
+
+    /// The store applied our finish of our own transition `id` (counted in a tally): its
+    /// commit installed the proposed stack at the next epoch, so we follow it without reading
+    /// the record (pushes [`Action::Switch`], or [`Action::Incompatible`] for a stack we
+    /// cannot build, which our own proposal never is).
+    pub fn finished_own(&mut self, id: u64, commit: bool) -> Vec<Action> {
+        let mut out = Vec::new();
+        if let Some(tally) = self.tally.as_ref().filter(|t| t.id == id && commit) {
+            let committed = Committed {
+                epoch: tally.from_epoch + 1,
+                stack: tally.stack.clone(),
+            };
+            self.follow(&committed, &mut out);
+        }
+        out
     }
 
     /// Feeds a ballot datagram received on our ballot box; returns the decision it brings, if
@@ -260,19 +305,9 @@ impl Machine {
         tally
             .votes
             .insert(b.member.clone(), (b.ballot.clone(), true));
-        let id = tally.id;
-        match tally.decide() {
-            Some((commit, reason, attested)) => {
-                self.finished = Some(id);
-                vec![Action::Finish {
-                    id,
-                    commit,
-                    reason,
-                    attested,
-                }]
-            }
-            None => Vec::new(),
-        }
+        let mut out = Vec::new();
+        self.decide_tally(&mut out);
+        out
     }
 
     /// Our ballot on `t`: prepare, and vote (in our own tally if `t` is our proposal with a
@@ -776,16 +811,17 @@ mod tests {
             token: 0xfeed,
         });
         let mut s = snap(1, &option("none", 0), members);
-        a.proposed(&t, &s.members);
-        s.transition = Some(t.clone());
-        // Our own ballot goes into the tally: no store write, and (others silent) no decision.
+        // Our own ballot goes into the tally at once: no read, no store write, and (others
+        // silent) no decision.
         assert_eq!(
-            a.on_snapshot(&s, 0),
-            vec![Action::Prepare {
+            a.proposed(&t, &s.members),
+            Some(vec![Action::Prepare {
                 epoch: 2,
                 option: 1
-            }]
+            }])
         );
+        s.transition = Some(t.clone());
+        assert!(a.on_snapshot(&s, 0).is_empty());
         (a, s, t)
     }
 
@@ -936,8 +972,36 @@ mod tests {
         // Without a ballot box, `proposed` starts no tally: datagrams count for nothing.
         let mut a = Machine::new("a".into(), offers(), None, 1, 0);
         let plain = a.proposal(7, 1, 10_000).unwrap();
-        a.proposed(&plain, &s.members);
+        assert_eq!(a.proposed(&plain, &s.members), None);
         assert!(a.on_ballot(&direct(&t, "b", Ballot::Yes)).is_empty());
+    }
+
+    #[test]
+    fn a_lone_proposer_decides_at_once_and_follows_its_own_commit() {
+        let mut a = Machine::new("a".into(), offers(), None, 1, 0);
+        let mut t = a.proposal(7, 1, 10_000).unwrap();
+        t.ballot_box = Some(BallotBox {
+            addr: "127.0.0.1:9".parse().unwrap(),
+            token: 1,
+        });
+        let members = snap(1, &option("none", 0), &["a"]).members;
+        let mut want = vec![Action::Prepare {
+            epoch: 2,
+            option: 1,
+        }];
+        want.extend(commit(&["a"]));
+        assert_eq!(a.proposed(&t, &members), Some(want));
+        // An abort, or another transition, installs nothing.
+        assert!(a.finished_own(7, false).is_empty());
+        assert!(a.finished_own(8, true).is_empty());
+        assert_eq!(
+            a.finished_own(7, true),
+            vec![Action::Switch {
+                epoch: 2,
+                option: 1
+            }]
+        );
+        assert_eq!(a.epoch(), 2);
     }
 
     #[test]

@@ -636,9 +636,20 @@ impl<St: Store> Driver<St> {
             Ok(true) => {
                 self.pending = Some((id, reply, None));
                 let members = self.view.borrow().members.clone();
-                self.machine.proposed(&t, &members);
-                // Vote (and, alone, decide) at once rather than at the next poll.
-                let _ = self.step().await;
+                match self.machine.proposed(&t, &members) {
+                    // With a ballot box our own vote needs no read (and, alone, we decide).
+                    Some(actions) => {
+                        for action in actions {
+                            if self.execute(action).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    // Vote (and, alone, decide) at once rather than at the next poll.
+                    None => {
+                        let _ = self.step().await;
+                    }
+                }
             }
             Ok(false) => {
                 let _ = reply.send(Err(Error::Busy(
@@ -844,8 +855,14 @@ impl<St: Store> Driver<St> {
                 .await
                 {
                     // We ended our own proposal: we know its fate without reading it back
-                    // (the outcome may be overwritten by another transition before then).
-                    Ok(true) => self.answer(id, commit),
+                    // (the outcome may be overwritten by another transition before then),
+                    // and, for one we counted ourselves, the stack it installed.
+                    Ok(true) => {
+                        for action in self.machine.finished_own(id, commit) {
+                            Box::pin(self.execute(action)).await?;
+                        }
+                        self.answer(id, commit);
+                    }
                     // Not pending any more, or (a commit) someone live has not said yes:
                     // decide again on the next read.
                     Ok(false) => self.machine.finish_refused(id),
@@ -969,9 +986,9 @@ impl<St: Store> Driver<St> {
         for action in actions {
             self.execute(action).await?;
         }
-        if decided {
-            // Know the epoch our decision installed before the next command, as after a
-            // decision taken on a read.
+        // A finish the store refused (a member we did not know joined) or that failed: read
+        // and decide again. (One it applied has answered and switched us already.)
+        if decided && self.pending.is_some() {
             self.step().await?;
         }
         Ok(())
