@@ -70,7 +70,8 @@
 //!
 //! * `join`: R the whole group; W `meta` (when creating) and `members/<id>`; C `meta` and
 //!   `members/<id>` (the latter so the lease it replaces, revoked afterwards, is the one read);
-//! * `propose`: R `meta`, `transition`; W `transition`, deletes `ballots/*`; C both;
+//! * `propose`: R `meta`, `transition` (serializably first, linearizably before refusing);
+//!   W `transition`, deletes `ballots/*`; C both;
 //! * `vote`: R `transition` (serializably first: the member it asks answers from what it
 //!   applied, without a round through the leader; linearizably after a failed compare, and
 //!   before refusing because the transition is not pending); W `ballots/<id>`; C

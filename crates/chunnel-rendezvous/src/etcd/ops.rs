@@ -293,19 +293,26 @@ impl Store for EtcdStore {
         let k = Keys::new(group)?;
         check_name("member id", &t.proposer)?;
         let record = encode_transition(t);
-        for attempt in 0..Self::MAX_ATTEMPTS {
+        // The first read is local (the proposer proposes from the epoch it read, so the
+        // member its client talks to has it): a stale answer only fails the compare, and a
+        // refusal is confirmed by a linearizable read.
+        let mut local = true;
+        let mut attempt = 0;
+        while attempt < Self::MAX_ATTEMPTS {
             backoff(attempt).await;
-            let [meta, pending] = self.get_keys([&k.meta, &k.transition]).await?;
-            if pending.is_some() {
-                return Ok(false);
-            }
+            let [meta, pending] = self.get_keys_with([&k.meta, &k.transition], local).await?;
             let epoch = match &meta {
                 Some(kv) => Meta::decode(kv.value())?.epoch,
                 None => 0,
             };
-            if t.from_epoch == 0 || epoch != t.from_epoch {
+            if pending.is_some() || t.from_epoch == 0 || epoch != t.from_epoch {
+                if std::mem::take(&mut local) {
+                    continue;
+                }
                 return Ok(false);
             }
+            local = false;
+            attempt += 1;
             let txn = Txn::new()
                 .when([
                     Compare::mod_revision(k.meta.as_str(), CompareOp::Equal, mod_rev(&meta)),
