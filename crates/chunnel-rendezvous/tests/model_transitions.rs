@@ -182,7 +182,7 @@ struct Mem {
 
 #[derive(Clone, Debug)]
 enum MIn {
-    Snap(Snapshot, u64),
+    Snap(Box<Snapshot>, u64),
     Rejoined(u64, usize),
     /// The store refused the member's finish of this transition (`Machine::finish_refused`).
     FinishRefused(u64),
@@ -353,7 +353,7 @@ fn poll(cfg: &Config, s: &mut State, m: usize) {
     let (start, log) = &s.logs[m];
     let mut mc = replay(cfg, m, *start, log);
     let actions = mc.on_snapshot(&snap, now);
-    s.logs[m].1.push(MIn::Snap(snap.clone(), now));
+    s.logs[m].1.push(MIn::Snap(Box::new(snap.clone()), now));
     let mem = &mut s.key.mems[m];
     for a in actions {
         match a {
