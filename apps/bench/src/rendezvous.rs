@@ -12,6 +12,11 @@
 //!   Every participant has a ballot socket on loopback (`Config::with_direct_ballots`): votes
 //!   travel as datagrams to the proposer, and the store holds only the proposal and the
 //!   decision; `--no-direct-ballots` sends every vote through the store instead.
+//! * **store alone** (`store_propose`, `store_finish`): with the N members in the group, a
+//!   store client that is not a member proposes a transition (naming a ballot box nobody
+//!   reads) and aborts it, `--reps` times: the two store writes a direct-ballot commit cannot
+//!   do without, under the load of N members handling the notifications (direct ballots
+//!   only: without ballot sockets the members would add their votes to the store).
 //!
 //! Every participant has its own store client (its own SQLite connection, Redis connection or
 //! etcd client), as separate processes would. It reads the group record when the store
@@ -171,17 +176,59 @@ where
                 .with_context(|| format!("{name}: transition {rep} with {n} members"))?;
             commits.push(t.elapsed().as_secs_f64() * 1e3);
         }
+        // The store's part of a commit: a client that is not a member proposes (naming a
+        // ballot box nobody reads, so the members' ballots add no store write) and aborts,
+        // while the N members are in the group and handle the proposal's notification.
+        let (mut proposes, mut finishes) = (Vec::new(), Vec::new());
+        let raw = connect().await?;
+        let sink = std::net::UdpSocket::bind("127.0.0.1:0")?;
+        // Without ballot sockets the members would vote in the store: not the floor.
+        let floor_reps = if a.no_direct_ballots { 0 } else { a.reps };
+        for rep in 0..floor_reps {
+            let t = chunnel_rendezvous::Transition {
+                id: 0x00f1_0000_0000 + rep as u64,
+                from_epoch: proposer.view().epoch,
+                proposer: "floor".into(),
+                stack: chunnel_negotiate::wire::encode_stack(&offers()[0].chunnels),
+                deadline_ms: chunnel_rendezvous::store::now_ms() + 60_000,
+                ballot_box: Some(chunnel_rendezvous::ballot::BallotBox {
+                    addr: sink.local_addr()?,
+                    token: 1,
+                }),
+            };
+            let t0 = Instant::now();
+            if !raw.propose(&group, &t).await? {
+                bail!("{name}: the store-floor proposal {rep} with {n} members was refused");
+            }
+            let t1 = Instant::now();
+            raw.finish(&group, t.id, false).await?;
+            proposes.push((t1 - t0).as_secs_f64() * 1e3);
+            finishes.push(t1.elapsed().as_secs_f64() * 1e3);
+            // Let the members see the outcome before the next round.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         proposer.leave().await?;
         for r in residents {
             r.leave().await?;
         }
         let (j, c) = (summary(joins), summary(commits));
+        let (sp, sf) = (summary(proposes), summary(finishes));
+        let p = |v: &Value, q: &str| v[q].as_f64().unwrap_or(f64::NAN);
         eprintln!(
-            "{name:>6} N={n:>2}: join p50 {:.2} ms, commit p50 {:.2} ms",
-            j["p50_ms"].as_f64().unwrap_or(f64::NAN),
-            c["p50_ms"].as_f64().unwrap_or(f64::NAN)
+            "{name:>6} N={n:>2}: join p50 {:.2} ms, commit p50 {:.2} p90 {:.2} ms \
+             (store alone: propose p50 {:.2}, finish p50 {:.2} ms)",
+            p(&j, "p50_ms"),
+            p(&c, "p50_ms"),
+            p(&c, "p90_ms"),
+            p(&sp, "p50_ms"),
+            p(&sf, "p50_ms"),
         );
-        out.insert(n.to_string(), json!({ "join": j, "commit": c }));
+        let mut row = json!({ "join": j, "commit": c });
+        if floor_reps > 0 {
+            row["store_propose"] = sp;
+            row["store_finish"] = sf;
+        }
+        out.insert(n.to_string(), row);
     }
     Ok(Value::Object(out))
 }
