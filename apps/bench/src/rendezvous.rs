@@ -214,14 +214,20 @@ where
         let (j, c) = (summary(joins), summary(commits));
         let (sp, sf) = (summary(proposes), summary(finishes));
         let p = |v: &Value, q: &str| v[q].as_f64().unwrap_or(f64::NAN);
+        let floor = if floor_reps > 0 {
+            format!(
+                " (store alone: propose p50 {:.2}, finish p50 {:.2} ms)",
+                p(&sp, "p50_ms"),
+                p(&sf, "p50_ms")
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "{name:>6} N={n:>2}: join p50 {:.2} ms, commit p50 {:.2} p90 {:.2} ms \
-             (store alone: propose p50 {:.2}, finish p50 {:.2} ms)",
+            "{name:>6} N={n:>2}: join p50 {:.2} ms, commit p50 {:.2} p90 {:.2} ms{floor}",
             p(&j, "p50_ms"),
             p(&c, "p50_ms"),
             p(&c, "p90_ms"),
-            p(&sp, "p50_ms"),
-            p(&sf, "p50_ms"),
         );
         let mut row = json!({ "join": j, "commit": c });
         if floor_reps > 0 {
