@@ -167,7 +167,7 @@ pub use crate::error::Error;
 #[cfg(feature = "etcd")]
 pub use crate::etcd::EtcdStore;
 pub use crate::machine::Policy;
-pub use crate::participant::{Config, Participant, View};
+pub use crate::participant::{Config, DirectBallots, Participant, View};
 pub use crate::plane::{EpochBase, Group};
 #[cfg(feature = "redis")]
 pub use crate::redis::RedisStore;
