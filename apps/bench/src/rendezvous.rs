@@ -8,7 +8,15 @@
 //!   `--reps` times. Latency from the call to `Participant::join` to its return.
 //! * **commit**: the N members are in the group; one proposes a transition to its other
 //!   option and waits until it committed (every member read the proposal, voted, the proposer
-//!   read all N yes votes and committed), `--reps` times, alternating between two stacks.
+//!   counted all N yes votes and committed), `--reps` times, alternating between two stacks.
+//!   Every participant has a ballot socket on loopback (`Config::with_direct_ballots`): votes
+//!   travel as datagrams to the proposer, and the store holds only the proposal and the
+//!   decision; `--no-direct-ballots` sends every vote through the store instead.
+//! * **store alone** (`store_propose`, `store_finish`): with the N members in the group, a
+//!   store client that is not a member proposes a transition (naming a ballot box nobody
+//!   reads) and aborts it, `--reps` times: the two store writes a direct-ballot commit cannot
+//!   do without, under the load of N members handling the notifications (direct ballots
+//!   only: without ballot sockets the members would add their votes to the store).
 //!
 //! Every participant has its own store client (its own SQLite connection, Redis connection or
 //! etcd client), as separate processes would. It reads the group record when the store
@@ -16,7 +24,8 @@
 //! the same process), and otherwise every `--poll-ms` (while the store has no working
 //! notifications; always for SQLite, whose notifications cover one process only) or every
 //! `--poll-notified-ms` (while notified). With notifications, commit latency is a few store
-//! round trips (the proposal, N votes, the proposer's reads, the commit): voters vote on the
+//! round trips (the proposal, the proposer's reads, the commit, and, without direct ballots,
+//! N votes): voters vote on the
 //! proposal the notification carries and follow the commit it carries, without reading
 //! (Redis and etcd; SQLite's notifications carry no data); without, a few poll intervals.
 //!
@@ -57,6 +66,10 @@ pub(crate) struct Args {
     /// change, in ms (the fallback for a lost notification).
     #[arg(long, default_value_t = 500)]
     poll_notified_ms: u64,
+    /// Every ballot through the store: no participant gets a ballot socket
+    /// (`Config::with_direct_ballots`, the default here).
+    #[arg(long)]
+    no_direct_ballots: bool,
 }
 
 fn option(label: &'static str, branch: u8) -> StackOption {
@@ -74,13 +87,18 @@ fn offers() -> Vec<StackOption> {
 }
 
 fn config(a: &Args) -> Config {
-    Config {
+    let c = Config {
         poll: Duration::from_millis(a.poll_ms),
         poll_notified: Duration::from_millis(a.poll_notified_ms),
         lease: Duration::from_secs(10),
         renew_every: Duration::from_secs(3),
         transition_timeout: Duration::from_secs(10),
         ..Config::default()
+    };
+    if a.no_direct_ballots {
+        c
+    } else {
+        c.with_direct_ballots(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
     }
 }
 
@@ -158,17 +176,65 @@ where
                 .with_context(|| format!("{name}: transition {rep} with {n} members"))?;
             commits.push(t.elapsed().as_secs_f64() * 1e3);
         }
+        // The store's part of a commit: a client that is not a member proposes (naming a
+        // ballot box nobody reads, so the members' ballots add no store write) and aborts,
+        // while the N members are in the group and handle the proposal's notification.
+        let (mut proposes, mut finishes) = (Vec::new(), Vec::new());
+        let raw = connect().await?;
+        let sink = std::net::UdpSocket::bind("127.0.0.1:0")?;
+        // Without ballot sockets the members would vote in the store: not the floor.
+        let floor_reps = if a.no_direct_ballots { 0 } else { a.reps };
+        for rep in 0..floor_reps {
+            let t = chunnel_rendezvous::Transition {
+                id: 0x00f1_0000_0000 + rep as u64,
+                from_epoch: proposer.view().epoch,
+                proposer: "floor".into(),
+                stack: chunnel_negotiate::wire::encode_stack(&offers()[0].chunnels),
+                deadline_ms: chunnel_rendezvous::store::now_ms() + 60_000,
+                ballot_box: Some(chunnel_rendezvous::ballot::BallotBox {
+                    addr: sink.local_addr()?,
+                    token: 1,
+                }),
+            };
+            let t0 = Instant::now();
+            if !raw.propose(&group, &t).await? {
+                bail!("{name}: the store-floor proposal {rep} with {n} members was refused");
+            }
+            let t1 = Instant::now();
+            raw.finish(&group, t.id, false).await?;
+            proposes.push((t1 - t0).as_secs_f64() * 1e3);
+            finishes.push(t1.elapsed().as_secs_f64() * 1e3);
+            // Let the members see the outcome before the next round.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         proposer.leave().await?;
         for r in residents {
             r.leave().await?;
         }
         let (j, c) = (summary(joins), summary(commits));
+        let (sp, sf) = (summary(proposes), summary(finishes));
+        let p = |v: &Value, q: &str| v[q].as_f64().unwrap_or(f64::NAN);
+        let floor = if floor_reps > 0 {
+            format!(
+                " (store alone: propose p50 {:.2}, finish p50 {:.2} ms)",
+                p(&sp, "p50_ms"),
+                p(&sf, "p50_ms")
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "{name:>6} N={n:>2}: join p50 {:.2} ms, commit p50 {:.2} ms",
-            j["p50_ms"].as_f64().unwrap_or(f64::NAN),
-            c["p50_ms"].as_f64().unwrap_or(f64::NAN)
+            "{name:>6} N={n:>2}: join p50 {:.2} ms, commit p50 {:.2} p90 {:.2} ms{floor}",
+            p(&j, "p50_ms"),
+            p(&c, "p50_ms"),
+            p(&c, "p90_ms"),
         );
-        out.insert(n.to_string(), json!({ "join": j, "commit": c }));
+        let mut row = json!({ "join": j, "commit": c });
+        if floor_reps > 0 {
+            row["store_propose"] = sp;
+            row["store_finish"] = sf;
+        }
+        out.insert(n.to_string(), row);
     }
     Ok(Value::Object(out))
 }
@@ -238,6 +304,7 @@ async fn run_async(a: Args) -> Result<()> {
         "bench": "rendezvous",
         "poll_ms": a.poll_ms,
         "poll_notified_ms": a.poll_notified_ms,
+        "direct_ballots": !a.no_direct_ballots,
         "reps": a.reps,
         "sizes": a.sizes,
         "backends": backends,

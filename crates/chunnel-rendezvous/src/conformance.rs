@@ -90,6 +90,7 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
         proposer: "m1".into(),
         stack: b.clone(),
         deadline_ms: now_ms() + 60_000,
+        ballot_box: None,
     };
     assert!(
         !store
@@ -169,6 +170,43 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
     assert_eq!(s.committed.as_ref().unwrap().stack, b);
     assert_eq!(s.outcome.map(|o| (o.id, o.committed)), Some((3, true)));
     assert!(s.ballots.is_empty(), "ballots outlived their transition");
+    // Direct ballots (docs/wire.md §15.4): the ballot box is stored with the transition, and a
+    // commit counts the proposer's attested yes ballots, but never for a live member that is
+    // neither attested nor voted yes in the store.
+    let t4 = Transition {
+        id: 4,
+        from_epoch: 2,
+        stack: a.clone(),
+        ballot_box: Some(crate::ballot::BallotBox {
+            addr: "[::1]:4000".parse().expect("an address"),
+            token: u128::MAX - 5,
+        }),
+        ..t.clone()
+    };
+    assert!(store.propose(&g, &t4).await.unwrap());
+    assert_eq!(
+        store.snapshot(&g).await.unwrap().transition,
+        Some(t4.clone())
+    );
+    assert!(store.vote(&g, 4, "m3", &Ballot::Yes).await.unwrap());
+    let attested = |ids: &[&str]| ids.iter().map(|m| (*m).to_owned()).collect::<Vec<_>>();
+    assert!(
+        !store
+            .finish_attested(&g, 4, true, &attested(&["m1"]))
+            .await
+            .unwrap(),
+        "committed without the yes of m2 (neither attested nor stored)"
+    );
+    assert!(
+        store
+            .finish_attested(&g, 4, true, &attested(&["m1", "m2"]))
+            .await
+            .unwrap(),
+        "m1 and m2 attested, m3 voted yes in the store: the commit was refused"
+    );
+    let s = store.snapshot(&g).await.unwrap();
+    assert_eq!((s.epoch(), &s.committed.as_ref().unwrap().stack), (3, &a));
+    assert!(s.transition.is_none());
 
     // A group created at a given epoch (re-created after the store lost it) starts there,
     // and only creation uses it.
@@ -193,7 +231,7 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
     // A lease longer than the store keeps (even `Duration::MAX`) is capped, never wrapped
     // into one long past: the member is live.
     store
-        .join(&g, &member("forever"), None, Some(2), Duration::MAX)
+        .join(&g, &member("forever"), None, Some(3), Duration::MAX)
         .await
         .unwrap();
     assert!(store.snapshot(&g).await.unwrap().is_member("forever"));
@@ -211,7 +249,7 @@ pub async fn store_semantics<S: Store>(store: &S, prefix: &str) {
     // Names the stores cannot hold are refused.
     assert!(
         store
-            .join(&g, &member("a/b"), None, Some(2), lease)
+            .join(&g, &member("a/b"), None, Some(3), lease)
             .await
             .is_err()
     );

@@ -80,6 +80,9 @@ pub enum Error {
         /// The cluster id in this answer's header.
         found: u64,
     },
+    /// A datagram on a ballot socket that is not a ballot (docs/wire.md §15.4); it is ignored.
+    #[error("invalid ballot datagram: {0}")]
+    Ballot(crate::ballot::BallotFault),
     /// This participant is no longer in the group (it left, or was closed).
     #[error("participant has left the group")]
     Closed,

@@ -18,6 +18,12 @@
 //!   [`Config::poll_notified`] with them), vote on transitions (compatibility and a
 //!   [`Policy`]), commit or abort the ones it proposed, and publish a [`View`] (members,
 //!   epoch, store reachability) on every change.
+//! * [`ballot`]: direct ballots ([`Config::with_direct_ballots`]). A participant with a UDP
+//!   ballot socket names it and a fresh token in the transitions it proposes; members with one
+//!   send their ballot there as a datagram (resent until they see the outcome, written to the
+//!   store after a fallback delay), members without one vote in the store, and the proposer
+//!   commits with [`Store::finish_attested`] once every live member's yes is counted either
+//!   way. The store then holds the proposal and the decision, not a write per member.
 //! * [`Group`] adds a data plane: a UDP fan-out to every live member, each epoch's stack built
 //!   on its own [`EpochBase`], so messages sent around a switch are decoded by the stack that
 //!   encoded them. Members keep talking while the store is down.
@@ -34,9 +40,9 @@
 //!
 //! | backend | a live group holds | removed by |
 //! |---------|--------------------|------------|
-//! | [`SqliteStore`] | 1 `chunnel_groups` row, 1 `chunnel_members` row per live member; while a transition is pending, 1 `chunnel_transitions` row and 1 `chunnel_ballots` row per voter | the next write to the group (expired members, and the group once it is gone), and a background sweep of the whole file, in batches of [`SqliteStore::SWEEP_BATCH`], that any store handle starts at most every `sweep_every` (default 10 s) when it is used |
+//! | [`SqliteStore`] | 1 `chunnel_groups` row, 1 `chunnel_members` row per live member; while a transition is pending, 1 `chunnel_transitions` row and 1 `chunnel_ballots` row per member that voted in the store | the next write to the group (expired members, and the group once it is gone), and a background sweep of the whole file, in batches of [`SqliteStore::SWEEP_BATCH`], that any store handle starts at most every `sweep_every` (default 10 s) when it is used |
 //! | `RedisStore` | 3 keys (`meta`, `members`, `addrs`); 5 while a transition is pending (`transition`, `ballots`) | Redis: every write sets the group's keys to expire at the last lease expiry + grace |
-//! | `EtcdStore` | `meta`, 1 key per live member; while a transition is pending, `transition` and 1 ballot per voter. Leases: 1 per member, 1 for the group | etcd: member keys and ballots are on the member's lease, the group's record on a group lease of lease + grace kept alive by every renewal |
+//! | `EtcdStore` | `meta`, 1 key per live member; while a transition is pending, `transition` and 1 ballot per member that voted in the store. Leases: 1 per member, 1 for the group | etcd: member keys and ballots are on the member's lease, the group's record on a group lease of lease + grace kept alive by every renewal |
 //!
 //! A member that stopped renewing is out of every snapshot once its lease ran out; its entry
 //! goes with its etcd lease, with the next script on its group in Redis (a live member's
@@ -142,6 +148,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod ballot;
 #[doc(hidden)]
 pub mod conformance;
 mod error;
@@ -160,7 +167,7 @@ pub use crate::error::Error;
 #[cfg(feature = "etcd")]
 pub use crate::etcd::EtcdStore;
 pub use crate::machine::Policy;
-pub use crate::participant::{Config, Participant, View};
+pub use crate::participant::{Config, DirectBallots, Participant, View};
 pub use crate::plane::{EpochBase, Group};
 #[cfg(feature = "redis")]
 pub use crate::redis::RedisStore;

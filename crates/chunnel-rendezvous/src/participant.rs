@@ -2,14 +2,24 @@
 //! the lease alive, reads the group record when the store notifies a change ([`Store::watch`])
 //! and at least every [`Config::poll`] (every [`Config::poll_notified`] while notifications
 //! work), votes, finishes transitions, and publishes what it sees as a [`View`].
+//!
+//! With [`Config::with_direct_ballots`], it also holds a UDP ballot socket: the transitions it
+//! proposes name it (a [`BallotBox`]) and it counts the ballot datagrams that arrive there;
+//! on transitions that name another member's box it sends its ballot there, resends it every
+//! [`DirectBallots::resend`] until it sees the outcome, and writes it to the store after
+//! [`DirectBallots::fallback`] (docs/wire.md §15.4).
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chunnel::negotiate::{ChunnelInfo, StackOption};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use tokio::net::UdpSocket;
+
 use crate::Error;
+use crate::ballot::{BallotBox, DirectBallot, MAX_DATAGRAM};
 use crate::machine::{Action, Machine, Policy, join_choice};
 use crate::store::{Changes, JoinReply, Member, News, Snapshot, Store, Watch, now_ms};
 
@@ -37,6 +47,54 @@ pub struct Config {
     pub join_attempts: u32,
     /// Bound on each store operation (a store that hangs counts as unavailable).
     pub op_timeout: Duration,
+    /// Ballots as datagrams to the proposer (docs/wire.md §15.4); `None` (the default):
+    /// every ballot goes through the store.
+    pub direct_ballots: Option<DirectBallots>,
+}
+
+/// The ballot socket of a participant that sends and collects ballots directly
+/// ([`Config::with_direct_ballots`]).
+#[derive(Clone, Debug)]
+pub struct DirectBallots {
+    /// Where the ballot socket is bound (port 0: any).
+    pub bind: SocketAddr,
+    /// The address other members send ballots to; `None`: the bound address (which must then
+    /// not be unspecified, e.g. `0.0.0.0`).
+    pub advertise: Option<SocketAddr>,
+    /// How often a member resends its ballot datagram until it sees the outcome.
+    pub resend: Duration,
+    /// How long a member waits for the outcome after its first datagram before it writes its
+    /// ballot to the store as well (datagrams may all be lost; the store always decides).
+    pub fallback: Duration,
+    /// Testing aid: the number of this participant's first ballot datagrams that are not sent
+    /// (as if lost).
+    #[doc(hidden)]
+    pub drop_first: u32,
+}
+
+impl Config {
+    /// Sends and collects ballots as datagrams on a UDP socket bound at `bind` (docs/wire.md
+    /// §15.4), with a resend interval of 10 ms and a store fallback after 250 ms. Members
+    /// without it, and proposers without it, use the store only; a group may mix both.
+    pub fn with_direct_ballots(mut self, bind: SocketAddr) -> Config {
+        self.direct_ballots = Some(DirectBallots {
+            bind,
+            advertise: None,
+            resend: Duration::from_millis(10),
+            fallback: Duration::from_millis(250),
+            drop_first: 0,
+        });
+        self
+    }
+
+    /// The address other members reach our ballot socket at (for a socket bound to an
+    /// unspecified address, or behind a translation); needs [`Config::with_direct_ballots`].
+    pub fn with_advertised_ballots(mut self, addr: SocketAddr) -> Config {
+        if let Some(d) = &mut self.direct_ballots {
+            d.advertise = Some(addr);
+        }
+        self
+    }
 }
 
 impl Default for Config {
@@ -49,6 +107,7 @@ impl Default for Config {
             transition_timeout: Duration::from_secs(3),
             join_attempts: 64,
             op_timeout: Duration::from_secs(3),
+            direct_ballots: None,
         }
     }
 }
@@ -238,6 +297,20 @@ impl Participant {
         }
         crate::store::check_name("group name", group)?;
         crate::store::check_name("member id", &me.id)?;
+        let ballots = match &config.direct_ballots {
+            Some(d) => {
+                let sock = UdpSocket::bind(d.bind).await?;
+                let addr = d.advertise.unwrap_or(sock.local_addr()?);
+                if addr.ip().is_unspecified() {
+                    return Err(Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "a ballot socket bound to an unspecified address needs an advertised address",
+                    )));
+                }
+                Some((Arc::new(sock), addr))
+            }
+            None => None,
+        };
         let (snap, epoch, option, created) =
             join_once(&*store, group, &me, &offers, Some(0), 1, &config).await?;
         let view = View {
@@ -262,6 +335,9 @@ impl Participant {
             view: view_tx,
             pending: None,
             notified: false,
+            ballots,
+            out_vote: None,
+            dropped: 0,
         };
         let task = tokio::spawn(driver.run(cmd_rx));
         Ok(Participant {
@@ -350,6 +426,44 @@ struct Driver<St: Store> {
     /// Whether the store's notifications covered every write when the current event began
     /// ([`Watch::is_complete`]).
     notified: bool,
+    /// Our ballot socket and its advertised address ([`Config::direct_ballots`]).
+    ballots: Option<(Arc<UdpSocket>, SocketAddr)>,
+    /// Our ballot datagram in flight (resent until we see the outcome).
+    out_vote: Option<OutVote>,
+    /// Ballot datagrams not sent so far ([`DirectBallots::drop_first`]).
+    dropped: u32,
+}
+
+/// A ballot sent as a datagram, until the transition's outcome is seen.
+struct OutVote {
+    /// The transition.
+    id: u64,
+    /// The proposer's ballot box.
+    to: SocketAddr,
+    /// The datagram.
+    datagram: Vec<u8>,
+    /// The ballot, for the store fallback.
+    ballot: crate::store::Ballot,
+    /// When to resend.
+    next: tokio::time::Instant,
+    /// When to write the ballot to the store too.
+    fallback_at: tokio::time::Instant,
+}
+
+/// The next datagram on `sock`; never, without a socket.
+async fn recv_ballot(sock: Option<&UdpSocket>, buf: &mut [u8]) -> std::io::Result<usize> {
+    match sock {
+        Some(s) => s.recv_from(buf).await.map(|(n, _)| n),
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until `at`; never, without one.
+async fn sleep_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 impl<St: Store> Driver<St> {
@@ -391,12 +505,23 @@ impl<St: Store> Driver<St> {
         // While our proposal is pending: the ballots' notifications, from a store whose main
         // watch leaves them out (`Store::watch_ballots`).
         let mut ballots: Option<Watch> = None;
+        let sock = self.ballots.as_ref().map(|(s, _)| s.clone());
+        let mut buf = vec![0u8; MAX_DATAGRAM + 1];
         loop {
             self.notified = watch.as_ref().is_some_and(Watch::is_complete);
             if self.pending.is_none() {
                 ballots = None;
             }
+            let resend_at = self.out_vote.as_ref().map(|o| o.next.min(o.fallback_at));
             tokio::select! {
+                r = recv_ballot(sock.as_deref(), &mut buf) => {
+                    if let Ok(n) = r
+                        && self.on_datagram(&buf[..n]).await.is_err()
+                    {
+                        return;
+                    }
+                }
+                () = sleep_opt(resend_at) => self.resend().await,
                 c = cmd.recv() => match c {
                     Some(Command::Propose { option, reply }) => {
                         ballots = self.propose(option, reply).await;
@@ -480,12 +605,19 @@ impl<St: Store> Driver<St> {
         }
         let id = random_id(&self.me.id);
         let deadline = now_ms() + self.config.transition_timeout.as_millis() as u64;
-        let Some(t) = self.machine.proposal(id, option, deadline) else {
+        let Some(mut t) = self.machine.proposal(id, option, deadline) else {
             let _ = reply.send(Err(Error::Busy("no such option")));
             return None;
         };
+        t.ballot_box = self.ballots.as_ref().map(|&(_, addr)| BallotBox {
+            addr,
+            token: u128::from(chunnel::util::random_u64()) << 64
+                | u128::from(chunnel::util::random_u64()),
+        });
         let mut ballots = self.store.watch_ballots(&self.group);
-        if let Some(w) = &mut ballots {
+        // With a ballot box, store ballots come only after the members' fallback delay: the
+        // watch has that long to come up (meanwhile the fast poll covers them).
+        if let Some(w) = ballots.as_mut().filter(|_| t.ballot_box.is_none()) {
             // Until it covers every write (else the fast poll covers the ballots).
             let _ = tokio::time::timeout(self.config.op_timeout, async {
                 while !w.is_complete() {
@@ -503,8 +635,21 @@ impl<St: Store> Driver<St> {
         {
             Ok(true) => {
                 self.pending = Some((id, reply, None));
-                // Vote (and, alone, decide) at once rather than at the next poll.
-                let _ = self.step().await;
+                let members = self.view.borrow().members.clone();
+                match self.machine.proposed(&t, &members) {
+                    // With a ballot box our own vote needs no read (and, alone, we decide).
+                    Some(actions) => {
+                        for action in actions {
+                            if self.execute(action).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    // Vote (and, alone, decide) at once rather than at the next poll.
+                    None => {
+                        let _ = self.step().await;
+                    }
+                }
             }
             Ok(false) => {
                 let _ = reply.send(Err(Error::Busy(
@@ -595,7 +740,11 @@ impl<St: Store> Driver<St> {
         for action in self.machine.on_snapshot(&snap, now_ms()) {
             match action {
                 Action::Finish { .. } => wrote = Wrote::Decision,
-                Action::Vote { .. } if wrote == Wrote::Nothing => wrote = Wrote::Vote,
+                Action::Vote { direct, .. }
+                    if wrote == Wrote::Nothing && (direct.is_none() || self.ballots.is_none()) =>
+                {
+                    wrote = Wrote::Vote
+                }
                 _ => {}
             }
             match action {
@@ -607,6 +756,12 @@ impl<St: Store> Driver<St> {
                 }
                 action => self.execute(action).await?,
             }
+        }
+        // Our ballot datagram's transition is over (or was never seen by this read's store).
+        if let Some(o) = &self.out_vote
+            && snap.transition.as_ref().map(|t| t.id) != Some(o.id)
+        {
+            self.out_vote = None;
         }
         // Membership, and a prepared epoch that never came (aborted).
         let aborted = snap.transition.is_none();
@@ -651,18 +806,41 @@ impl<St: Store> Driver<St> {
                 self.view
                     .send_modify(|v| v.prepared = Some((epoch, option)));
             }
-            Action::Vote { id, ballot } => {
-                if let Err(e) = bounded(
-                    self.backend(),
-                    self.config.op_timeout,
-                    self.store.vote(&self.group, id, &self.me.id, &ballot),
-                )
-                .await
-                {
-                    tracing::warn!(group = %self.group, error = %e, "vote failed");
+            Action::Vote {
+                id,
+                ballot,
+                direct,
+                from_epoch,
+            } => match (direct, &self.config.direct_ballots) {
+                (Some(bb), Some(d)) if self.ballots.is_some() => {
+                    let datagram = DirectBallot {
+                        token: bb.token,
+                        group: self.group.clone(),
+                        id,
+                        from_epoch,
+                        member: self.me.id.clone(),
+                        ballot: ballot.clone(),
+                    }
+                    .encode();
+                    let now = tokio::time::Instant::now();
+                    self.out_vote = Some(OutVote {
+                        id,
+                        to: bb.addr,
+                        datagram,
+                        ballot,
+                        next: now + d.resend,
+                        fallback_at: now + d.fallback,
+                    });
+                    self.send_out_vote().await;
                 }
-            }
-            Action::Finish { id, commit, reason } => {
+                _ => self.store_vote(id, &ballot).await,
+            },
+            Action::Finish {
+                id,
+                commit,
+                reason,
+                attested,
+            } => {
                 if let Some((pid, _, why)) = &mut self.pending
                     && *pid == id
                 {
@@ -671,13 +849,20 @@ impl<St: Store> Driver<St> {
                 match bounded(
                     self.backend(),
                     self.config.op_timeout,
-                    self.store.finish(&self.group, id, commit),
+                    self.store
+                        .finish_attested(&self.group, id, commit, &attested),
                 )
                 .await
                 {
                     // We ended our own proposal: we know its fate without reading it back
-                    // (the outcome may be overwritten by another transition before then).
-                    Ok(true) => self.answer(id, commit),
+                    // (the outcome may be overwritten by another transition before then),
+                    // and, for one we counted ourselves, the stack it installed.
+                    Ok(true) => {
+                        for action in self.machine.finished_own(id, commit) {
+                            Box::pin(self.execute(action)).await?;
+                        }
+                        self.answer(id, commit);
+                    }
                     // Not pending any more, or (a commit) someone live has not said yes:
                     // decide again on the next read.
                     Ok(false) => self.machine.finish_refused(id),
@@ -723,12 +908,90 @@ impl<St: Store> Driver<St> {
             self.execute(action).await?;
         }
         if let News::Finished { outcome, .. } = news {
+            if self.out_vote.as_ref().is_some_and(|o| o.id == outcome.id) {
+                self.out_vote = None;
+            }
             if !outcome.committed {
                 self.view.send_if_modified(|v| v.prepared.take().is_some());
             }
             self.answer(outcome.id, outcome.committed);
         }
         Ok(false)
+    }
+
+    /// Writes our ballot on `id` to the store.
+    async fn store_vote(&mut self, id: u64, ballot: &crate::store::Ballot) {
+        if let Err(e) = bounded(
+            self.backend(),
+            self.config.op_timeout,
+            self.store.vote(&self.group, id, &self.me.id, ballot),
+        )
+        .await
+        {
+            tracing::warn!(group = %self.group, error = %e, "vote failed");
+        }
+    }
+
+    /// Sends our ballot datagram (unless a test drops it).
+    async fn send_out_vote(&mut self) {
+        let (Some(o), Some((sock, _)), Some(d)) =
+            (&self.out_vote, &self.ballots, &self.config.direct_ballots)
+        else {
+            return;
+        };
+        if self.dropped < d.drop_first {
+            self.dropped += 1;
+            return;
+        }
+        if let Err(e) = sock.send_to(&o.datagram, o.to).await {
+            tracing::debug!(group = %self.group, error = %e, "sending a ballot failed");
+        }
+    }
+
+    /// Our ballot datagram's timer: resend it, or, past the fallback delay, write the ballot
+    /// to the store (and stop resending: the store path decides from then on).
+    async fn resend(&mut self) {
+        let Some(o) = &mut self.out_vote else {
+            return;
+        };
+        let now = tokio::time::Instant::now();
+        if now >= o.fallback_at {
+            let (id, ballot) = (o.id, o.ballot.clone());
+            self.out_vote = None;
+            self.store_vote(id, &ballot).await;
+            return;
+        }
+        let resend = self
+            .config
+            .direct_ballots
+            .as_ref()
+            .map_or(Duration::from_millis(10), |d| d.resend);
+        o.next = now + resend;
+        self.send_out_vote().await;
+    }
+
+    /// A datagram on our ballot socket: a ballot on our proposal counts (see
+    /// [`Machine::on_ballot`]); anything else is dropped. `Err` ends the participant.
+    async fn on_datagram(&mut self, bytes: &[u8]) -> Result<(), ()> {
+        let b = match DirectBallot::decode(bytes) {
+            Ok(b) if b.group == self.group => b,
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                tracing::debug!(group = %self.group, error = %e, "dropped a datagram");
+                return Ok(());
+            }
+        };
+        let actions = self.machine.on_ballot(&b);
+        let decided = !actions.is_empty();
+        for action in actions {
+            self.execute(action).await?;
+        }
+        // A finish the store refused (a member we did not know joined) or that failed: read
+        // and decide again. (One it applied has answered and switched us already.)
+        if decided && self.pending.is_some() {
+            self.step().await?;
+        }
+        Ok(())
     }
 
     /// Tells the caller of our pending proposal `id` (if it is still waiting) how it ended.

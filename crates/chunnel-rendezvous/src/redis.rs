@@ -16,7 +16,7 @@
 //! | `chunnel:{g}:meta`       | hash       | `epoch`, `stack` (binary), `outcome_id`, `outcome_committed` (`1`/`0`) |
 //! | `chunnel:{g}:members`    | sorted set | member id, scored by its lease expiry (Unix ms)       |
 //! | `chunnel:{g}:addrs`      | hash       | member id → address                                   |
-//! | `chunnel:{g}:transition` | hash       | `id`, `from_epoch`, `next_epoch`, `proposer`, `stack` (binary), `deadline_ms` |
+//! | `chunnel:{g}:transition` | hash       | `id`, `from_epoch`, `next_epoch`, `proposer`, `stack` (binary), `deadline_ms`, and `ballot_box` if the proposer collects direct ballots |
 //! | `chunnel:{g}:ballots`    | hash       | member id → [`Ballot::encode`]                        |
 //!
 //! and the pub/sub channel `chunnel:{g}:changed` (below).
@@ -58,7 +58,9 @@
 //! that publishes nothing, since only the proposer acts on ballots and it could not decide
 //! yet). The kinds may be followed by `\n` and news, the change itself, so a participant
 //! need not read the record: the proposing script appends
-//! `P\n<id>\n<from epoch>\n<deadline ms>\n<proposer>\n<stack>`, the finishing one
+//! `P\n<id>\n<from epoch>\n<deadline ms>\n<proposer>\n<stack>` (or, for a transition with a
+//! ballot box, `Q\n<id>\n<from epoch>\n<deadline ms>\n<ballot box>\n<proposer>\n<stack>`),
+//! the finishing one
 //! `F\n<id>\n<1|0>\n<epoch>\n<stack>` (the committed stack after it); numbers in decimal,
 //! the stack's bytes to the end. A renewal that removes nobody and a snapshot publish
 //! nothing. [`Store::watch`] subscribes to the channel on a connection
@@ -106,6 +108,7 @@ use ::redis::{AsyncConnectionConfig, Client, Msg, RedisError, Script, Value};
 use bytes::Bytes;
 
 use crate::Error;
+use crate::ballot::BallotBox;
 use crate::store::{
     Ballot, Changes, Committed, JoinReply, Member, News, Notifier, Outcome, Snapshot, Store,
     Transition, Watch, check_name,
@@ -211,8 +214,9 @@ const SNAPSHOT: &str = r"
 return read()
 ";
 
-/// ARGV: id, from epoch, next epoch, proposer, stack, deadline ms. Returns 1 if recorded (and
-/// publishes `t`), 0 if the group is not at `from_epoch` or a transition is pending.
+/// ARGV: id, from epoch, next epoch, proposer, stack, deadline ms, ballot box (stored form, or
+/// empty for none). Returns 1 if recorded (and publishes `t`), 0 if the group is not at
+/// `from_epoch` or a transition is pending.
 const PROPOSE: &str = r"
 local epoch = redis.call('HGET', meta, 'epoch')
 if not epoch or epoch ~= ARGV[2] or redis.call('EXISTS', transition) == 1 then
@@ -222,7 +226,12 @@ redis.call('DEL', ballots)
 redis.call('HSET', transition, 'id', ARGV[1], 'from_epoch', ARGV[2], 'next_epoch', ARGV[3],
   'proposer', ARGV[4], 'stack', ARGV[5], 'deadline_ms', ARGV[6])
 touch()
-publish('t\nP\n' .. ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. ARGV[6] .. '\n' .. ARGV[4] .. '\n' .. ARGV[5])
+if ARGV[7] == '' then
+  publish('t\nP\n' .. ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. ARGV[6] .. '\n' .. ARGV[4] .. '\n' .. ARGV[5])
+else
+  redis.call('HSET', transition, 'ballot_box', ARGV[7])
+  publish('t\nQ\n' .. ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. ARGV[6] .. '\n' .. ARGV[7] .. '\n' .. ARGV[4] .. '\n' .. ARGV[5])
+end
 return 1
 ";
 
@@ -242,9 +251,10 @@ end
 return 1
 ";
 
-/// ARGV: transition id, `1` to commit (else `0`). Returns 1 if finished (and publishes `t`), 0
-/// if `id` is not pending or (commit) a live member has no yes ballot, -1 (nothing written) if the pending
-/// transition lacks its next epoch or stack.
+/// ARGV: transition id, `1` to commit (else `0`), then the member ids whose yes the proposer
+/// attests (received directly). Returns 1 if finished (and publishes `t`), 0 if `id` is not
+/// pending or (commit) a live member has neither a yes ballot nor an attested yes, -1 (nothing
+/// written) if the pending transition lacks its next epoch or stack.
 const FINISH: &str = r"
 local t = redis.call('HMGET', transition, 'id', 'from_epoch', 'next_epoch', 'stack')
 if t[1] ~= ARGV[1] then
@@ -254,8 +264,12 @@ if not t[2] or not t[3] or not t[4] then
   return -1
 end
 if ARGV[2] == '1' then
+  local attested = {}
+  for i = 3, #ARGV do
+    attested[ARGV[i]] = true
+  end
   for _, m in ipairs(redis.call('ZRANGE', members, 0, -1)) do
-    if redis.call('HGET', ballots, m) ~= 'y' then
+    if not attested[m] and redis.call('HGET', ballots, m) ~= 'y' then
       return 0
     end
   end
@@ -508,13 +522,20 @@ fn message(payload: &[u8]) -> (Changes, Option<News>) {
 /// <proposer>\n<stack>` or `F\n<id>\n<1|0>\n<epoch>\n<stack>` (the stack is the rest, any
 /// bytes).
 fn news(data: &[u8]) -> Option<News> {
-    let mut parts = data.splitn(6, |&b| b == b'\n');
+    let with_box = data.starts_with(b"Q\n");
+    let mut parts = data.splitn(if with_box { 7 } else { 6 }, |&b| b == b'\n');
     let what = parts.next()?;
     let num = |p: Option<&[u8]>| number(p?, "").ok();
     match what {
-        b"P" => {
+        b"P" | b"Q" => {
             let (id, from_epoch, deadline_ms) =
                 (num(parts.next())?, num(parts.next())?, num(parts.next())?);
+            let ballot_box = if with_box {
+                let bb = std::str::from_utf8(parts.next()?).ok()?;
+                Some(BallotBox::decode(bb).ok()?)
+            } else {
+                None
+            };
             let proposer = String::from_utf8(parts.next()?.to_vec()).ok()?;
             let stack = Bytes::copy_from_slice(parts.next()?);
             Some(News::Proposed(Transition {
@@ -523,6 +544,7 @@ fn news(data: &[u8]) -> Option<News> {
                 proposer,
                 stack,
                 deadline_ms,
+                ballot_box,
             }))
         }
         b"F" => {
@@ -782,6 +804,14 @@ fn parse_snapshot(v: Value) -> Result<Snapshot, Error> {
                 &field(&mut t, "deadline_ms", "a redis transition has no deadline")?,
                 "a redis transition deadline is not a u64",
             )?,
+            ballot_box: t
+                .remove(&b"ballot_box"[..])
+                .map(|b| {
+                    std::str::from_utf8(&b)
+                        .map_err(|_| Error::Corrupt("a redis ballot box is not UTF-8"))
+                        .and_then(BallotBox::decode)
+                })
+                .transpose()?,
         });
     }
 
@@ -878,6 +908,7 @@ impl Store for RedisStore {
             next_epoch.to_string(),
             t.deadline_ms.to_string(),
         );
+        let ballot_box = t.ballot_box.map(|b| b.encode()).unwrap_or_default();
         self.run_flag(
             &self.inner.scripts.propose,
             group,
@@ -888,6 +919,7 @@ impl Store for RedisStore {
                 t.proposer.as_bytes(),
                 &t.stack[..],
                 deadline.as_bytes(),
+                ballot_box.as_bytes(),
             ],
         )
         .await
@@ -911,17 +943,18 @@ impl Store for RedisStore {
         .await
     }
 
-    async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
+    async fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
+    ) -> Result<bool, Error> {
         check_name("group name", group)?;
         let id = id.to_string();
-        match self
-            .run(
-                &self.inner.scripts.finish,
-                group,
-                &[id.as_bytes(), flag(commit)],
-            )
-            .await?
-        {
+        let mut args: Vec<&[u8]> = vec![id.as_bytes(), flag(commit)];
+        args.extend(attested.iter().map(String::as_bytes));
+        match self.run(&self.inner.scripts.finish, group, &args).await? {
             Value::Int(1) => Ok(true),
             Value::Int(0) => Ok(false),
             Value::Int(-1) => Err(Error::Corrupt(
@@ -975,6 +1008,7 @@ mod tests {
                 proposer: "the proposer".into(),
                 stack: Bytes::from_static(b"st\nack"),
                 deadline_ms: 99,
+                ballot_box: None,
             }))
         );
         let (kinds, news) = message(b"t\nF\n7\n1\n4\n\n\xff");

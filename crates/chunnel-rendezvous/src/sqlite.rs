@@ -58,6 +58,7 @@ use bytes::Bytes;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use crate::Error;
+use crate::ballot::BallotBox;
 use crate::store::{
     Ballot, Changes, Committed, JoinReply, Member, Outcome, Snapshot, Store, Transition, Watch,
     check_name, now_ms,
@@ -160,13 +161,27 @@ impl SqliteStore {
                  expires_ms INTEGER NOT NULL, PRIMARY KEY (grp, id));
              CREATE TABLE IF NOT EXISTS chunnel_transitions (
                  grp TEXT PRIMARY KEY, id INTEGER NOT NULL, from_epoch INTEGER NOT NULL,
-                 proposer TEXT NOT NULL, stack BLOB NOT NULL, deadline_ms INTEGER NOT NULL);
+                 proposer TEXT NOT NULL, stack BLOB NOT NULL, deadline_ms INTEGER NOT NULL,
+                 ballot_box TEXT);
              CREATE TABLE IF NOT EXISTS chunnel_ballots (
                  grp TEXT NOT NULL, tid INTEGER NOT NULL, member TEXT NOT NULL,
                  ballot TEXT NOT NULL, PRIMARY KEY (grp, member));
              CREATE INDEX IF NOT EXISTS chunnel_members_expiry ON chunnel_members (expires_ms);",
         )
         .map_err(db)?;
+        // Files from before direct ballots lack `ballot_box` (NULL: members vote in the file).
+        let has_box: bool = conn
+            .query_row(
+                "SELECT COUNT(*) FROM pragma_table_info('chunnel_transitions') WHERE name = 'ballot_box'",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+            .map_err(db)?
+            > 0;
+        if !has_box {
+            conn.execute_batch("ALTER TABLE chunnel_transitions ADD COLUMN ballot_box TEXT")
+                .map_err(db)?;
+        }
         // Files from before groups were collected lack `gc_after_ms`: 0 makes their groups
         // collectable as soon as they have no live member.
         let has_gc: bool = conn
@@ -509,7 +524,7 @@ fn read(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<Snapshot, Error> 
     }
     snap.transition = tx
         .query_row(
-            "SELECT id, from_epoch, proposer, stack, deadline_ms FROM chunnel_transitions WHERE grp = ?1",
+            "SELECT id, from_epoch, proposer, stack, deadline_ms, ballot_box FROM chunnel_transitions WHERE grp = ?1",
             params![group],
             |r| {
                 Ok(Transition {
@@ -518,11 +533,20 @@ fn read(tx: &rusqlite::Transaction<'_>, group: &str) -> Result<Snapshot, Error> 
                     proposer: r.get(2)?,
                     stack: Bytes::from(r.get::<_, Vec<u8>>(3)?),
                     deadline_ms: from_sql(r.get(4)?),
+                    ballot_box: None,
                 })
+                .map(|t| (t, r.get::<_, Option<String>>(5)))
             },
         )
         .optional()
-        .map_err(db)?;
+        .map_err(db)?
+        .map(|(mut t, bb)| {
+            if let Some(bb) = bb.map_err(db)? {
+                t.ballot_box = Some(BallotBox::decode(&bb)?);
+            }
+            Ok::<_, Error>(t)
+        })
+        .transpose()?;
     if let Some(t) = &snap.transition {
         let mut q = tx
             .prepare_cached(
@@ -672,15 +696,16 @@ impl Store for SqliteStore {
                     return Ok(false);
                 }
                 tx.execute(
-                "INSERT INTO chunnel_transitions (grp, id, from_epoch, proposer, stack, deadline_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                "INSERT INTO chunnel_transitions (grp, id, from_epoch, proposer, stack, deadline_ms, ballot_box)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                 params![
                     group,
                     to_sql(t.id),
                     to_sql(t.from_epoch),
                     t.proposer,
                     &t.stack[..],
-                    to_sql(t.deadline_ms)
+                    to_sql(t.deadline_ms),
+                    t.ballot_box.map(|b| b.encode())
                 ],
             )
             .map_err(db)?;
@@ -735,15 +760,22 @@ impl Store for SqliteStore {
         Ok(done)
     }
 
-    async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
+    async fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
+    ) -> Result<bool, Error> {
         let group_name = group;
         let group = group.to_owned();
+        let attested = attested.to_vec();
         let grace = self.grace_ms;
         let done = self
             .txn(move |tx| {
                 collect(tx, &group)?;
                 let snap = read(tx, &group)?;
-                if commit && !snap.all_live_yes() {
+                if commit && !snap.all_live_yes_with(&attested) {
                     return Ok(false);
                 }
                 let Some(t) = snap.transition.filter(|t| t.id == id) else {

@@ -25,6 +25,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::Error;
+use crate::ballot::BallotBox;
 
 /// One participant of a group.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,6 +59,9 @@ pub struct Transition {
     /// Unix time in milliseconds after which any participant may abort it (the proposer may
     /// have died).
     pub deadline_ms: u64,
+    /// Where the proposer collects ballots sent directly (docs/wire.md §15.4); `None`: members
+    /// vote in the store only.
+    pub ballot_box: Option<BallotBox>,
 }
 
 /// A member's answer to a proposed transition.
@@ -128,10 +132,18 @@ impl Snapshot {
     /// Whether every live member has a yes ballot on the pending transition (what a commit
     /// needs, checked again by [`Store::finish`] when it writes).
     pub fn all_live_yes(&self) -> bool {
+        self.all_live_yes_with(&[])
+    }
+
+    /// [`Snapshot::all_live_yes`], counting the members in `attested` (whose yes the proposer
+    /// received directly, docs/wire.md §15.4) as yes ballots too.
+    pub fn all_live_yes_with(&self, attested: &[String]) -> bool {
         self.members.iter().all(|m| {
-            self.ballots
-                .iter()
-                .any(|(id, b)| id == &m.id && *b == Ballot::Yes)
+            attested.contains(&m.id)
+                || self
+                    .ballots
+                    .iter()
+                    .any(|(id, b)| id == &m.id && *b == Ballot::Yes)
         })
     }
 }
@@ -236,6 +248,20 @@ pub trait Store: Send + Sync + 'static {
         group: &str,
         id: u64,
         commit: bool,
+    ) -> impl Future<Output = Result<bool, Error>> + Send {
+        self.finish_attested(group, id, commit, &[])
+    }
+
+    /// [`Store::finish`] by a proposer that received yes ballots directly (docs/wire.md
+    /// §15.4): a commit needs every member live at the write to have a yes ballot in the
+    /// store or to be in `attested`. A member that joined after the proposer's last read is in
+    /// neither, so the commit is refused as with [`Store::finish`].
+    fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
     ) -> impl Future<Output = Result<bool, Error>> + Send;
 
     /// Change notifications for `group`, if the backend has them: the [`Watch`] wakes when

@@ -199,6 +199,7 @@ async fn commit_transition(store: &EtcdStore, g: &str, id: u64, from_epoch: u64,
         proposer: "a".into(),
         stack: stack.clone(),
         deadline_ms: now_ms() + 60_000,
+        ballot_box: None,
     };
     if !retry("propose", within, || store.propose(g, &t)).await {
         let s = retry("snapshot", within, || store.snapshot(g)).await;
@@ -295,6 +296,7 @@ async fn etcd_down_then_back() {
         proposer: "a".into(),
         stack: Bytes::from_static(b"stack-2"),
         deadline_ms: now_ms() + 60_000,
+        ballot_box: None,
     };
     async fn unavailable<T: std::fmt::Debug>(
         what: &str,
@@ -425,6 +427,24 @@ async fn etcd_groups() {
     support::scenarios::incompatible_late_joiner(group_store(&endpoints).await).await;
     support::scenarios::killed_member_expires(group_store(&endpoints).await).await;
     support::scenarios::transitions(group_store(&endpoints).await).await;
+}
+
+/// Ballots as datagrams to the proposer, the store fallback, forged ballots, mixed groups and
+/// a dead voter (tests/support/direct.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_direct_ballots() {
+    let (_scratch, _server, endpoints) = single_etcd("etcd-direct");
+    ready_store(&endpoints).await;
+    support::direct::direct_ballots(|| group_store(&endpoints)).await;
+}
+
+/// 16 members commit on datagrams alone on the three-member cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_cluster_direct_ballots() {
+    let scratch = Scratch::new("etcd3-direct");
+    let (_servers, endpoints) = support::etcd_cluster(&scratch, 3);
+    ready_store(&endpoints).await;
+    support::direct::commit_by_datagrams(&|| group_store(&endpoints), 16).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

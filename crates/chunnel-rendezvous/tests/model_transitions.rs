@@ -105,6 +105,7 @@ impl Store {
                     proposer: name(p),
                     stack: stack_bytes(l),
                     deadline_ms,
+                    ballot_box: None,
                 }),
             ballots: self
                 .ballots
@@ -181,7 +182,7 @@ struct Mem {
 
 #[derive(Clone, Debug)]
 enum MIn {
-    Snap(Snapshot, u64),
+    Snap(Box<Snapshot>, u64),
     Rejoined(u64, usize),
     /// The store refused the member's finish of this transition (`Machine::finish_refused`).
     FinishRefused(u64),
@@ -352,7 +353,7 @@ fn poll(cfg: &Config, s: &mut State, m: usize) {
     let (start, log) = &s.logs[m];
     let mut mc = replay(cfg, m, *start, log);
     let actions = mc.on_snapshot(&snap, now);
-    s.logs[m].1.push(MIn::Snap(snap.clone(), now));
+    s.logs[m].1.push(MIn::Snap(Box::new(snap.clone()), now));
     let mem = &mut s.key.mems[m];
     for a in actions {
         match a {
@@ -362,7 +363,7 @@ fn poll(cfg: &Config, s: &mut State, m: usize) {
                 fresh: false,
             }),
             Action::Prepare { .. } => {}
-            Action::Vote { id, ballot } => mem.ops.push_back(Op::Vote {
+            Action::Vote { id, ballot, .. } => mem.ops.push_back(Op::Vote {
                 id,
                 yes: ballot == Ballot::Yes,
             }),
@@ -1032,7 +1033,7 @@ async fn on_sqlite_a_member_joining_before_the_finish_has_its_say() {
     for (m, mc) in [(0, &mut m0), (1, &mut m1)] {
         let s = store.snapshot(g).await.unwrap();
         for a in mc.on_snapshot(&s, chunnel_rendezvous::store::now_ms()) {
-            if let Action::Vote { id, ballot } = a {
+            if let Action::Vote { id, ballot, .. } = a {
                 store.vote(g, id, &name(m), &ballot).await.unwrap();
             }
         }
@@ -1044,7 +1045,8 @@ async fn on_sqlite_a_member_joining_before_the_finish_has_its_say() {
         decision.contains(&Action::Finish {
             id: 7,
             commit: true,
-            reason: String::new()
+            reason: String::new(),
+            attested: vec![],
         }),
         "{decision:?}"
     );
@@ -1065,7 +1067,7 @@ async fn on_sqlite_a_member_joining_before_the_finish_has_its_say() {
         (1, Some(7))
     );
     for a in m2.on_snapshot(&s, chunnel_rendezvous::store::now_ms()) {
-        if let Action::Vote { id, ballot } = a {
+        if let Action::Vote { id, ballot, .. } = a {
             assert!(matches!(ballot, Ballot::No(_)), "{ballot:?}");
             store.vote(g, id, &name(2), &ballot).await.unwrap();
         }

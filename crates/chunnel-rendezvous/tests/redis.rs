@@ -271,6 +271,15 @@ async fn redis_groups() {
     support::scenarios::transitions(group_store(&url).await).await;
 }
 
+/// Ballots as datagrams to the proposer, the store fallback, forged ballots, mixed groups and
+/// a dead voter (tests/support/direct.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_direct_ballots() {
+    let scratch = support::Scratch::new("redis-direct");
+    let (_server, url) = support::redis(&scratch);
+    support::direct::direct_ballots(|| group_store(&url)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_group_survives_a_store_outage() {
     let scratch = support::Scratch::new("redis-outage");

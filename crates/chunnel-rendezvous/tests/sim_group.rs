@@ -308,7 +308,15 @@ impl Store for MemStore {
         }))
     }
 
-    async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
+    // The simulation has no ballot sockets: `attested` is always empty, and the property
+    // below holds every commit to the store's ballots alone.
+    async fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
+    ) -> Result<bool, Error> {
         let committed = self.with(group, |g, _| {
             let planted = !commit && self.checks.plant_commit_on_abort;
             let commit = commit || planted;
@@ -321,7 +329,7 @@ impl Store for MemStore {
                 && !g
                     .members
                     .keys()
-                    .all(|m| g.ballots.get(m) == Some(&Ballot::Yes))
+                    .all(|m| attested.contains(m) || g.ballots.get(m) == Some(&Ballot::Yes))
             {
                 *self.refused.lock().unwrap() += 1;
                 return None;
@@ -498,7 +506,13 @@ impl Store for SimStore {
     ) -> Result<bool, Error> {
         self.op(self.inner.vote(group, id, member_id, ballot)).await
     }
-    async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
+    async fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
+    ) -> Result<bool, Error> {
         {
             let mut st = self.st.lock().unwrap();
             if st.fail_finishes > 0 {
@@ -506,7 +520,8 @@ impl Store for SimStore {
                 return Err(Error::unavailable(BACKEND, "injected: finish failed"));
             }
         }
-        self.op(self.inner.finish(group, id, commit)).await
+        self.op(self.inner.finish_attested(group, id, commit, attested))
+            .await
     }
 }
 
@@ -600,6 +615,7 @@ fn params(seed: u64) -> Params {
         transition_timeout: Duration::from_millis([300, 1_000, 3_000][r.below(3) as usize]),
         join_attempts: 64,
         op_timeout: Duration::from_millis(500),
+        direct_ballots: None,
     };
     Params {
         members,

@@ -19,6 +19,14 @@ async fn sqlite_store_semantics() {
     chunnel_rendezvous::conformance::store_semantics(&*open(&s), "conf").await;
 }
 
+/// Ballots as datagrams to the proposer, the store fallback, forged ballots, mixed groups and
+/// a dead voter (tests/support/direct.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_direct_ballots() {
+    let s = Scratch::new("sqlite-direct");
+    support::direct::direct_ballots(|| async { open(&s) }).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_64_racing_joiners_agree_on_one_stack() {
     let s = Scratch::new("sqlite-race");

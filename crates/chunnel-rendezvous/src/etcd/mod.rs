@@ -14,8 +14,10 @@
 //!
 //! `meta` is `[1] ++ epoch (u64 BE) ++ outcome tag (0 none, 1 aborted, 2 committed) ++
 //! outcome id (u64 BE) ++ stack`; `transition` is `[1] ++ id ++ from_epoch ++ deadline_ms
-//! (u64 BE each) ++ proposer length (u16 BE) ++ proposer ++ stack`. The leading byte is a
-//! format version; anything unreadable is [`Error::Corrupt`].
+//! (u64 BE each) ++ proposer length (u16 BE) ++ proposer ++ stack`, or, for a transition
+//! with a ballot box (docs/wire.md §15.4), `[2] ++` the same fields with the box's stored form
+//! (length u16 BE ++ text) between the proposer and the stack. The leading byte is a format
+//! version; anything unreadable is [`Error::Corrupt`].
 //!
 //! # Leases
 //!
@@ -43,7 +45,8 @@
 //! lease + grace (each rounded up to whole seconds) holds no key and no lease; etcd deletes
 //! them itself, no client needs to be alive. A live group holds `meta`, one key per live
 //! member (and, for a member that crashed, until its lease runs out), and, while a
-//! transition is pending, `transition` and one ballot per voter; leases: one per member key
+//! transition is pending, `transition` and one ballot per member that voted in the store;
+//! leases: one per member key
 //! and one for the group. (etcd revokes expired leases at a bounded rate, 1,000 a second in
 //! 3.4, so a mass expiry takes that long to show; and its history of old revisions is
 //! compacted by its own settings, not by this store.)
@@ -67,7 +70,8 @@
 //!
 //! * `join`: R the whole group; W `meta` (when creating) and `members/<id>`; C `meta` and
 //!   `members/<id>` (the latter so the lease it replaces, revoked afterwards, is the one read);
-//! * `propose`: R `meta`, `transition`; W `transition`, deletes `ballots/*`; C both;
+//! * `propose`: R `meta`, `transition` (serializably first, linearizably before refusing);
+//!   W `transition`, deletes `ballots/*`; C both;
 //! * `vote`: R `transition` (serializably first: the member it asks answers from what it
 //!   applied, without a round through the leader; linearizably after a failed compare, and
 //!   before refusing because the transition is not pending); W `ballots/<id>`; C
@@ -76,7 +80,7 @@
 //! * `finish`: R the whole group (serializably first, linearizably after a failed compare
 //!   and before refusing); W `meta`, deletes `transition` and `ballots/*`; C `meta`,
 //!   `transition` and, for a commit, that no key under `members/` or `ballots/` changed
-//!   since the read;
+//!   since the read (each member then live has a yes ballot or is attested by the proposer);
 //! * `renew`, when moving a member to a new lease: C `members/<id>`.
 //!
 //! Leases are not part of `Txn`s: `join` grants the member's lease (and, when it creates the

@@ -293,19 +293,26 @@ impl Store for EtcdStore {
         let k = Keys::new(group)?;
         check_name("member id", &t.proposer)?;
         let record = encode_transition(t);
-        for attempt in 0..Self::MAX_ATTEMPTS {
+        // The first read is local (the proposer proposes from the epoch it read, so the
+        // member its client talks to has it): a stale answer only fails the compare, and a
+        // refusal is confirmed by a linearizable read.
+        let mut local = true;
+        let mut attempt = 0;
+        while attempt < Self::MAX_ATTEMPTS {
             backoff(attempt).await;
-            let [meta, pending] = self.get_keys([&k.meta, &k.transition]).await?;
-            if pending.is_some() {
-                return Ok(false);
-            }
+            let [meta, pending] = self.get_keys_with([&k.meta, &k.transition], local).await?;
             let epoch = match &meta {
                 Some(kv) => Meta::decode(kv.value())?.epoch,
                 None => 0,
             };
-            if t.from_epoch == 0 || epoch != t.from_epoch {
+            if pending.is_some() || t.from_epoch == 0 || epoch != t.from_epoch {
+                if std::mem::take(&mut local) {
+                    continue;
+                }
                 return Ok(false);
             }
+            local = false;
+            attempt += 1;
             let txn = Txn::new()
                 .when([
                     Compare::mod_revision(k.meta.as_str(), CompareOp::Equal, mod_rev(&meta)),
@@ -384,7 +391,13 @@ impl Store for EtcdStore {
         Err(contended(&k))
     }
 
-    async fn finish(&self, group: &str, id: u64, commit: bool) -> Result<bool, Error> {
+    async fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
+    ) -> Result<bool, Error> {
         let k = Keys::new(group)?;
         // The first read is local (the finisher decided on a read at least as recent, on the
         // same member); a refusal is confirmed by a linearizable read.
@@ -395,7 +408,7 @@ impl Store for EtcdStore {
             // One read at one revision: the record, and the ballots of the members live then.
             let rec = self.read_with(&k, local).await?;
             let t = rec.snap.transition.clone().filter(|t| t.id == id);
-            let Some(t) = t.filter(|_| !commit || rec.snap.all_live_yes()) else {
+            let Some(t) = t.filter(|_| !commit || rec.snap.all_live_yes_with(attested)) else {
                 if std::mem::take(&mut local) {
                     continue;
                 }

@@ -5,6 +5,7 @@ use bytes::Bytes;
 use etcd_client::{GetOptions, GetResponse, KeyValue, TxnOp};
 
 use crate::Error;
+use crate::ballot::BallotBox;
 use crate::store::{Ballot, Committed, Member, Outcome, Snapshot, Transition, check_name};
 
 use super::BACKEND;
@@ -165,6 +166,9 @@ pub(super) struct Meta {
 
 /// Format version of the binary records.
 const RECORD_V1: u8 = 1;
+/// Format version of a transition record with a ballot box (docs/wire.md §15.4); one without
+/// is written as version 1.
+const RECORD_V2: u8 = 2;
 
 impl Meta {
     pub(super) fn encode(&self) -> Vec<u8> {
@@ -207,14 +211,23 @@ impl Meta {
 }
 
 /// The stored form of a pending transition (the proposer is at most 128 bytes, checked).
+/// A ballot box makes it version 2, with the box's stored form
+/// ([`crate::ballot::BallotBox::encode`], length-prefixed) after the proposer.
 pub(super) fn encode_transition(t: &Transition) -> Vec<u8> {
-    let mut out = Vec::with_capacity(27 + t.proposer.len() + t.stack.len());
-    out.push(RECORD_V1);
+    let bb = t.ballot_box.map(|b| b.encode());
+    let mut out = Vec::with_capacity(
+        29 + t.proposer.len() + t.stack.len() + bb.as_ref().map_or(0, String::len),
+    );
+    out.push(if bb.is_some() { RECORD_V2 } else { RECORD_V1 });
     out.extend_from_slice(&t.id.to_be_bytes());
     out.extend_from_slice(&t.from_epoch.to_be_bytes());
     out.extend_from_slice(&t.deadline_ms.to_be_bytes());
     out.extend_from_slice(&(t.proposer.len() as u16).to_be_bytes());
     out.extend_from_slice(t.proposer.as_bytes());
+    if let Some(bb) = &bb {
+        out.extend_from_slice(&(bb.len() as u16).to_be_bytes());
+        out.extend_from_slice(bb.as_bytes());
+    }
     out.extend_from_slice(&t.stack);
     out
 }
@@ -224,7 +237,10 @@ pub(super) fn decode_transition(b: &[u8]) -> Result<Transition, Error> {
         b,
         "a transition record is truncated or of an unknown format",
     );
-    r.version()?;
+    let version = r.u8()?;
+    if version != RECORD_V1 && version != RECORD_V2 {
+        return Err(Error::Corrupt(r.corrupt));
+    }
     let id = r.u64()?;
     let from_epoch = r.u64()?;
     let deadline_ms = r.u64()?;
@@ -232,12 +248,21 @@ pub(super) fn decode_transition(b: &[u8]) -> Result<Transition, Error> {
     let proposer = std::str::from_utf8(r.take(usize::from(len))?)
         .map_err(|_| Error::Corrupt("a transition's proposer is not UTF-8"))?
         .to_owned();
+    let ballot_box = if version == RECORD_V2 {
+        let len = u16::from_be_bytes([r.u8()?, r.u8()?]);
+        let bb = std::str::from_utf8(r.take(usize::from(len))?)
+            .map_err(|_| Error::Corrupt("a transition's ballot box is not UTF-8"))?;
+        Some(BallotBox::decode(bb)?)
+    } else {
+        None
+    };
     Ok(Transition {
         id,
         from_epoch,
         proposer,
         stack: Bytes::copy_from_slice(r.rest()),
         deadline_ms,
+        ballot_box,
     })
 }
 

@@ -719,17 +719,25 @@ fn rendezvous(r: &Value, s: &mut Section) {
             "join and commit p50 against group size per backend",
         ),
     );
+    // Runs from before direct ballots have no `direct_ballots`: every ballot went to the store.
+    let ballots = if r["direct_ballots"].as_bool() == Some(true) {
+        "ballots sent directly to the proposer (datagrams)"
+    } else {
+        "every ballot written to the store"
+    };
     let mut t = format!(
         "p50 / p90 in ms over {} repetitions, notified (polling every {} ms without \
-         notifications, every {} ms with them):\n\n\
-         | backend | N | join p50 | join p90 | commit p50 | commit p90 |\n\
-         |---|---:|---:|---:|---:|---:|\n",
+         notifications, every {} ms with them), {ballots}; *store alone* = p50 of a \
+         proposal and of an abort written by a client outside the group while its N members \
+         handle them (runs with direct ballots only):\n\n\
+         | backend | N | join p50 | join p90 | commit p50 | commit p90 | store alone: propose / finish |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
         r["reps"], r["poll_ms"], r["poll_notified_ms"]
     );
     for (name, sizes) in b {
         let Some(sizes) = sizes.as_object() else {
             if let Some(why) = sizes["skipped"].as_str().or(sizes.as_str()) {
-                let _ = writeln!(t, "| {name} | – | skipped: {why} | | | |");
+                let _ = writeln!(t, "| {name} | – | skipped: {why} | | | | |");
             }
             continue;
         };
@@ -741,9 +749,16 @@ fn rendezvous(r: &Value, s: &mut Section) {
         for (n, v) in ns {
             let ms =
                 |w: &str, q: &str| v[w][q].as_f64().map_or("–".into(), |x| format!("{x:.2}"));
+            let floor = match (
+                v["store_propose"]["p50_ms"].as_f64(),
+                v["store_finish"]["p50_ms"].as_f64(),
+            ) {
+                (Some(p), Some(f)) => format!("{p:.2} / {f:.2}"),
+                _ => "–".into(),
+            };
             let _ = writeln!(
                 t,
-                "| {name} | {n} | {} | {} | {} | {} |",
+                "| {name} | {n} | {} | {} | {} | {} | {floor} |",
                 ms("join", "p50_ms"),
                 ms("join", "p90_ms"),
                 ms("commit", "p50_ms"),
