@@ -291,7 +291,6 @@ mod imp {
     const KAFKA_DIRECT: &str = "rskafka: one produce request per burst of plain records (no \
         id), fetch by offset";
 
-
     fn topic(what: &str, rep: usize) -> String {
         format!("bench-{what}-{}-{rep}", std::process::id())
     }

@@ -21,9 +21,8 @@
 //! Every participant has its own store client (its own SQLite connection, Redis connection or
 //! etcd client), as separate processes would. It reads the group record when the store
 //! notifies a change (`Store::watch`: an etcd watch, a Redis subscription, SQLite's wake-up of
-//! the same process), and otherwise every `--poll-ms` (while the store has no working
-//! notifications; always for SQLite, whose notifications cover one process only) or every
-//! `--poll-notified-ms` (while notified). With notifications, commit latency is a few store
+//! every process on the host), and otherwise every `--poll-ms` (while the store's
+//! notifications are not working) or every `--poll-notified-ms` (while they are). With notifications, commit latency is a few store
 //! round trips (the proposal, the proposer's reads, the commit, and, without direct ballots,
 //! N votes): voters vote on the
 //! proposal the notification carries and follow the commit it carries, without reading

@@ -12,9 +12,9 @@
 //! [`DirectBallot::decode`] reads bytes from the network: it never panics and reports what is
 //! wrong as [`Error::Ballot`] with a [`BallotFault`].
 
-use std::net::SocketAddr;
-
 use crate::Error;
+pub use crate::error::BallotFault;
+pub use crate::store::BallotBox;
 use crate::store::{Ballot, check_name};
 
 /// The first two bytes of every ballot datagram (`"CB"`).
@@ -25,70 +25,6 @@ pub const VERSION: u8 = 1;
 pub const MAX_REASON: usize = 256;
 /// The longest ballot datagram: header, two names of 128 bytes and the longest reason.
 pub const MAX_DATAGRAM: usize = 2 + 1 + 16 + 8 + 8 + 1 + 128 + 1 + 128 + 1 + 2 + MAX_REASON;
-
-/// Where a proposer collects direct ballots, and the token they must carry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BallotBox {
-    /// The proposer's ballot socket, as members reach it.
-    pub addr: SocketAddr,
-    /// Fresh per transition: a ballot without it is ignored.
-    pub token: u128,
-}
-
-impl BallotBox {
-    /// The stored form: the token as 32 lowercase hex digits, `@`, the address
-    /// (`SocketAddr`'s display form, e.g. `127.0.0.1:4000` or `[::1]:4000`).
-    pub fn encode(&self) -> String {
-        format!("{:032x}@{}", self.token, self.addr)
-    }
-
-    /// Reads the stored form back.
-    pub fn decode(s: &str) -> Result<BallotBox, Error> {
-        const BAD: Error = Error::Corrupt("a ballot box is not `<32 hex digits>@<address>`");
-        let (token, addr) = s.split_once('@').ok_or(BAD)?;
-        if token.len() != 32 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(BAD);
-        }
-        Ok(BallotBox {
-            token: u128::from_str_radix(token, 16).map_err(|_| BAD)?,
-            addr: addr.parse().map_err(|_| BAD)?,
-        })
-    }
-}
-
-/// What is wrong with a ballot datagram.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BallotFault {
-    /// It ends before a field it must hold.
-    Truncated,
-    /// It does not start with [`MAGIC`].
-    Magic,
-    /// Its version is not [`VERSION`].
-    Version(u8),
-    /// The ballot tag is neither 0 (yes) nor 1 (no).
-    Tag(u8),
-    /// The group name or member id is not a valid name (1 to 128 bytes of UTF-8, no control
-    /// characters, no `/`).
-    Name,
-    /// The reason is longer than [`MAX_REASON`] or not UTF-8.
-    Reason,
-    /// Bytes follow the ballot.
-    Trailing,
-}
-
-impl std::fmt::Display for BallotFault {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            BallotFault::Truncated => f.write_str("truncated"),
-            BallotFault::Magic => f.write_str("not a ballot (wrong magic)"),
-            BallotFault::Version(v) => write!(f, "unknown version {v}"),
-            BallotFault::Tag(t) => write!(f, "unknown ballot tag {t}"),
-            BallotFault::Name => f.write_str("invalid group name or member id"),
-            BallotFault::Reason => f.write_str("reason too long or not UTF-8"),
-            BallotFault::Trailing => f.write_str("trailing bytes"),
-        }
-    }
-}
 
 /// One member's ballot on one transition, as sent to the proposer's [`BallotBox`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -209,6 +145,8 @@ fn decode(b: &[u8]) -> Result<DirectBallot, BallotFault> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
     use proptest::prelude::*;
 
     use super::*;

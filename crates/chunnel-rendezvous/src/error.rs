@@ -82,7 +82,7 @@ pub enum Error {
     },
     /// A datagram on a ballot socket that is not a ballot (docs/wire.md §15.4); it is ignored.
     #[error("invalid ballot datagram: {0}")]
-    Ballot(crate::ballot::BallotFault),
+    Ballot(BallotFault),
     /// This participant is no longer in the group (it left, or was closed).
     #[error("participant has left the group")]
     Closed,
@@ -100,6 +100,40 @@ impl Error {
         Error::Unavailable {
             backend,
             detail: detail.to_string(),
+        }
+    }
+}
+
+/// What is wrong with a ballot datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BallotFault {
+    /// It ends before a field it must hold.
+    Truncated,
+    /// It does not start with [`MAGIC`](crate::ballot::MAGIC).
+    Magic,
+    /// Its version is not [`VERSION`](crate::ballot::VERSION).
+    Version(u8),
+    /// The ballot tag is neither 0 (yes) nor 1 (no).
+    Tag(u8),
+    /// The group name or member id is not a valid name (1 to 128 bytes of UTF-8, no control
+    /// characters, no `/`).
+    Name,
+    /// The reason is longer than [`MAX_REASON`](crate::ballot::MAX_REASON) or not UTF-8.
+    Reason,
+    /// Bytes follow the ballot.
+    Trailing,
+}
+
+impl std::fmt::Display for BallotFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BallotFault::Truncated => f.write_str("truncated"),
+            BallotFault::Magic => f.write_str("not a ballot (wrong magic)"),
+            BallotFault::Version(v) => write!(f, "unknown version {v}"),
+            BallotFault::Tag(t) => write!(f, "unknown ballot tag {t}"),
+            BallotFault::Name => f.write_str("invalid group name or member id"),
+            BallotFault::Reason => f.write_str("reason too long or not UTF-8"),
+            BallotFault::Trailing => f.write_str("trailing bytes"),
         }
     }
 }

@@ -33,7 +33,8 @@ pub struct Config {
     pub renew_every: Duration,
     /// How often the group record is read (membership changes, transitions) while the store
     /// does not notify changes (it has no notifications, its notification stream is down, or
-    /// they cover only some writers, as SQLite's do): the delay with which a participant
+    /// they cover only some writers, as SQLite's do while this process has no wake-up
+    /// socket): the delay with which a participant
     /// notices a change then.
     pub poll: Duration,
     /// How often the group record is read while the store notifies every change

@@ -18,6 +18,7 @@
 //! a [`Watch`] wakes them so they read the record at once instead of at their next poll.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
@@ -25,7 +26,6 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::Error;
-use crate::ballot::BallotBox;
 
 /// One participant of a group.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -495,4 +495,35 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Where a proposer collects direct ballots (docs/wire.md §15.4, [`crate::ballot`]), and the
+/// token they must carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BallotBox {
+    /// The proposer's ballot socket, as members reach it.
+    pub addr: SocketAddr,
+    /// Fresh per transition: a ballot without it is ignored.
+    pub token: u128,
+}
+
+impl BallotBox {
+    /// The stored form: the token as 32 lowercase hex digits, `@`, the address
+    /// (`SocketAddr`'s display form, e.g. `127.0.0.1:4000` or `[::1]:4000`).
+    pub fn encode(&self) -> String {
+        format!("{:032x}@{}", self.token, self.addr)
+    }
+
+    /// Reads the stored form back.
+    pub fn decode(s: &str) -> Result<BallotBox, Error> {
+        const BAD: Error = Error::Corrupt("a ballot box is not `<32 hex digits>@<address>`");
+        let (token, addr) = s.split_once('@').ok_or(BAD)?;
+        if token.len() != 32 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(BAD);
+        }
+        Ok(BallotBox {
+            token: u128::from_str_radix(token, 16).map_err(|_| BAD)?,
+            addr: addr.parse().map_err(|_| BAD)?,
+        })
+    }
 }
