@@ -94,14 +94,13 @@ pub trait Broker: Clone + Send + Sync + 'static {
         prefetch: usize,
     ) -> impl Future<Output = Result<Self::Consumer, Error>> + Send;
 
-    /// Whether [`Consumer::ack`] has handed the acknowledgement to the broker when it returns,
-    /// which [`crate::Delivery::AtMostOnce`] needs (acknowledge, then hand out: a member taking
-    /// over must not get the message again). Kafka's positions are committed by a background
-    /// task at most every 200 ms, so it answers `false` (this default tells the three backends
-    /// apart by name; a backend that can wait for its commit overrides it) and subscribers
-    /// refuse at-most-once on it.
+    /// Whether [`Consumer::ack_confirmed`] returns only once the broker has stored the
+    /// acknowledgements, which [`crate::Delivery::AtMostOnce`] needs (acknowledge, then hand
+    /// out: a member taking over must not get the message again). Default `true`; Kafka's
+    /// positions are committed by a background task at most every 200 ms, so it answers
+    /// `false` and subscribers refuse at-most-once on it.
     fn acks_before_return(&self) -> bool {
-        Self::NAME != "kafka"
+        true
     }
 
     /// The lane of service-side ordering on `topic` ([`crate::order::Mode::Service`]): one
@@ -167,6 +166,17 @@ pub trait Consumer: Send + 'static {
         &'a mut self,
         tokens: &'a mut Vec<Self::Token>,
     ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
+
+    /// As [`Consumer::ack`], but returns `Ok` only once the broker confirmed it stored every
+    /// acknowledgement (what [`crate::Delivery::AtMostOnce`] waits for before it hands messages
+    /// out). Default: [`Consumer::ack`], for brokers whose acknowledgement is a request the
+    /// broker answers (Redis `XACK`); NATS asks JetStream for a reply to each.
+    fn ack_confirmed<'a>(
+        &'a mut self,
+        tokens: &'a mut Vec<Self::Token>,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a {
+        self.ack(tokens)
+    }
 }
 
 /// Topic and group names every broker accepts as they are: 1 to 200 ASCII letters, digits,

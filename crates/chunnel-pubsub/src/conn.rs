@@ -338,10 +338,11 @@ pub struct SubStats {
 ///
 /// At-most-once holds across members: a member that fails (or is dropped) after a `recv`
 /// returned leaves nothing of it for the member taking over (`tests/support/scenarios.rs`,
-/// `at_most_once_takeover`, on Redis and NATS). It is refused on a broker whose
-/// acknowledgements are committed later ([`Broker::acks_before_return`]: Kafka). On NATS an
-/// acknowledgement is a message the client sends without waiting for the server: a process
-/// killed before the client wrote it out leaves the message to be redelivered.
+/// `at_most_once_takeover`, on Redis and NATS): messages are handed out only once the broker
+/// confirmed their acknowledgements ([`Consumer::ack_confirmed`]; on NATS, JetStream's reply
+/// to each acknowledgement), so not even a process killed right after the acknowledgement
+/// left gets them again. It is refused on a broker whose acknowledgements are committed
+/// later ([`Broker::acks_before_return`]: Kafka).
 ///
 /// Backpressure: messages are fetched only when the buffer is empty, at most
 /// [`Config::prefetch`] at a time, so a slow application holds at most that many in memory and
@@ -389,7 +390,14 @@ impl<C: Consumer> Subscriber<C> {
         if tokens.is_empty() {
             return Ok(());
         }
-        match tokio::time::timeout(self.config.op_timeout, consumer.ack(tokens)).await {
+        let ack = async {
+            if self.config.delivery == Delivery::AtMostOnce {
+                consumer.ack_confirmed(tokens).await
+            } else {
+                consumer.ack(tokens).await
+            }
+        };
+        match tokio::time::timeout(self.config.op_timeout, ack).await {
             Ok(r) => r,
             Err(_) => {
                 tokens.clear();

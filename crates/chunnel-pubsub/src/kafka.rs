@@ -262,6 +262,12 @@ impl Broker for KafkaBroker {
     type Producer = KafkaProducer;
     type Consumer = KafkaConsumer;
 
+    /// Positions are committed by a background task (at most every 200 ms), not by the
+    /// acknowledgement: no at-most-once.
+    fn acks_before_return(&self) -> bool {
+        false
+    }
+
     fn ordering(&self) -> Ordering {
         if self.partitions == 1 {
             Ordering::Total

@@ -267,6 +267,26 @@ impl Consumer for NatsConsumer {
         }
     }
 
+    /// JetStream answers an acknowledgement sent as a request (its "ack ack") once it
+    /// recorded it; the requests of one call are in flight together.
+    async fn ack_confirmed(&mut self, tokens: &mut Vec<NatsToken>) -> Result<(), Error> {
+        let client = &self.client;
+        let mut pending: futures::stream::FuturesUnordered<_> = tokens
+            .drain(..)
+            .filter_map(|NatsToken(reply)| reply)
+            .map(|reply| client.request(reply, Bytes::from_static(b"+ACK")))
+            .collect();
+        let mut result = Ok(());
+        while let Some(r) = futures::StreamExt::next(&mut pending).await {
+            if let Err(e) = r
+                && result.is_ok()
+            {
+                result = Err(unavailable("ack", e));
+            }
+        }
+        result
+    }
+
     async fn ack(&mut self, tokens: &mut Vec<NatsToken>) -> Result<(), Error> {
         let mut result = Ok(());
         for NatsToken(reply) in tokens.drain(..) {
