@@ -346,7 +346,8 @@ pub struct SubStats {
 ///
 /// Backpressure: messages are fetched only when the buffer is empty, at most
 /// [`Config::prefetch`] at a time, so a slow application holds at most that many in memory and
-/// the broker keeps the rest. `recv` is cancel safe with [`Delivery::AtLeastOnce`]: a message
+/// the broker keeps the rest (Kafka: plus the rest of one fetch response; see the `kafka`
+/// module). `recv` is cancel safe with [`Delivery::AtLeastOnce`]: a message
 /// fetched by a cancelled `recv` is redelivered by the broker. With [`Delivery::AtMostOnce`] a
 /// `recv` cancelled while it acknowledges loses the messages it took (they may be acknowledged
 /// already); it never hands them out later.

@@ -17,6 +17,12 @@
 //! larger than its 8 KiB buffer as two writes, and with Nagle's algorithm the second waits for
 //! the broker's delayed ACK (about 40 ms a request).
 //!
+//! Fetching: a fetch response holds whole record batches (a producer's burst is one), so it
+//! often brings more records than the subscriber has room for; the consumer keeps the rest
+//! (at most one response, 4 MiB) and hands it out on the next fetches without asking the
+//! broker again. A slow application on Kafka therefore holds up to `prefetch` messages plus
+//! the rest of one response.
+//!
 //! rskafka has no consumer groups, so a group is static: member `index` of `count` owns
 //! partitions `p` with `p % count == index`. Acknowledged positions are committed by a
 //! background task to the topic `chunnel-offsets` (key `group/topic/partition`, value the next
@@ -338,6 +344,7 @@ impl Broker for KafkaBroker {
             next: 0,
             commit,
             acked: Vec::new(),
+            stash: VecDeque::new(),
         })
     }
 }
@@ -460,6 +467,11 @@ pub struct KafkaConsumer {
     commit: tokio::sync::watch::Sender<Vec<i64>>,
     /// The next offset after the highest acknowledged one, per owned partition (-1: none).
     acked: Vec<i64>,
+    /// Records of the last fetch response beyond what that fetch could hand out: the next
+    /// fetches take them first (a response holds whole record batches, so it often brings
+    /// more than `max`; fetching them again would cost a round trip and the transfer). At
+    /// most one response's records (`FETCH_MAX_BYTES`).
+    stash: VecDeque<Incoming<KafkaToken>>,
 }
 
 /// Acknowledges one Kafka record: its owned-partition index and offset.
@@ -478,6 +490,11 @@ impl Consumer for KafkaConsumer {
         wait: Duration,
         out: &mut VecDeque<Incoming<KafkaToken>>,
     ) -> Result<(), Error> {
+        if !self.stash.is_empty() {
+            let take = max.min(self.stash.len());
+            out.extend(self.stash.drain(..take));
+            return Ok(());
+        }
         let n = self.parts.len();
         if n == 0 {
             // More members than partitions: this one owns none.
@@ -499,14 +516,16 @@ impl Consumer for KafkaConsumer {
                 if r.offset < part.pos {
                     continue;
                 }
-                if got == max {
-                    break;
-                }
                 part.pos = r.offset + 1;
                 got += 1;
                 let value = r.record.value.map(Bytes::from).unwrap_or_default();
                 let (id, payload) = split_value(value);
-                out.push_back(Incoming {
+                let to = if got <= max {
+                    &mut *out
+                } else {
+                    &mut self.stash
+                };
+                to.push_back(Incoming {
                     id,
                     key: r.record.key.map(Bytes::from),
                     payload,
