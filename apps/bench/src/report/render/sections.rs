@@ -767,6 +767,27 @@ fn rendezvous(r: &Value, s: &mut Section) {
         }
     }
     s.part("table", t);
+    // Issue 23's bar: a group of 64 commits in under 10 ms on Redis and on the etcd cluster.
+    let at64 = |backend: &str| {
+        b.get(backend)
+            .and_then(|v| v["64"]["commit"]["p50_ms"].as_f64())
+    };
+    if let (Some(e), Some(r)) = (at64("etcd3"), at64("redis")) {
+        s.headline(
+            "rendezvous",
+            format!(
+                "commit p50, 64 members: three-member etcd cluster / Redis ({})",
+                if ballots.starts_with("every") {
+                    "ballots in the store"
+                } else {
+                    "direct ballots"
+                }
+            ),
+            format!("{e:.2} / {r:.2} ms"),
+            "< 10 ms",
+            Some(e < 10.0 && r < 10.0),
+        );
+    }
 }
 
 // ---- etl ---------------------------------------------------------------------------------
