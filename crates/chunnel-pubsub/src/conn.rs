@@ -340,9 +340,9 @@ pub struct SubStats {
 /// returned leaves nothing of it for the member taking over (`tests/support/scenarios.rs`,
 /// `at_most_once_takeover`, on Redis and NATS): messages are handed out only once the broker
 /// confirmed their acknowledgements ([`Consumer::ack_confirmed`]; on NATS, JetStream's reply
-/// to each acknowledgement), so not even a process killed right after the acknowledgement
-/// left gets them again. It is refused on a broker whose acknowledgements are committed
-/// later ([`Broker::acks_before_return`]: Kafka).
+/// to each acknowledgement). The test drops the member inside one process; a process killed
+/// between the confirmation and the hand-out is not tested. It is refused on a broker whose
+/// acknowledgements are committed later ([`Broker::acks_before_return`]: Kafka).
 ///
 /// Backpressure: messages are fetched only when the buffer is empty, at most
 /// [`Config::prefetch`] at a time, so a slow application holds at most that many in memory and
