@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\n==> %s\n' "$*"; }
+# Each step's line carries the time since the script started, so a CI log shows where the
+# minutes go.
+log() { printf '\n==> [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 # --- system packages --------------------------------------------------------------------
 # valgrind: callgrind instruction counts in chunnel-bench. redis-server and etcd: the
