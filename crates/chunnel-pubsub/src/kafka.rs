@@ -35,6 +35,9 @@
 //! partition, receiver-side the topic `{t}-r` with one partition per lane, both through
 //! [`KafkaBroker::with_partitions`] on the same cluster connection.
 
+#[cfg(feature = "group")]
+pub mod group;
+
 /// The rskafka crate this backend uses (for direct use beside the Chunnels).
 pub use rskafka;
 
