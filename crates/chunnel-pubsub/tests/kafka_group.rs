@@ -79,8 +79,7 @@ async fn join(broker: &Broker, topic: &str, name: &str, counts: &Counts) -> Read
         tokio::spawn(async move {
             let mut slots = vec![None; 16];
             while !stop.load(Ordering::Acquire) {
-                match tokio::time::timeout(Duration::from_millis(200), sub.recv(&mut slots)).await
-                {
+                match tokio::time::timeout(Duration::from_millis(200), sub.recv(&mut slots)).await {
                     Ok(Ok(n)) => {
                         let mut c = counts.lock().unwrap();
                         let mut g = got.lock().unwrap();
@@ -276,28 +275,39 @@ async fn join_leave_die(broker: Broker) {
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let mut b = join(&broker, &topic, "b", &counts).await;
-    until("a and b split the partitions", Duration::from_secs(20), || {
-        holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3
-    })
+    until(
+        "a and b split the partitions",
+        Duration::from_secs(20),
+        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3,
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut c = join(&broker, &topic, "c", &counts).await;
-    until("a, b and c split the partitions", Duration::from_secs(20), || {
-        [&a, &b, &c]
-            .iter()
-            .all(|r| holding(&broker, &topic, r).len() == 2)
-    })
+    until(
+        "a, b and c split the partitions",
+        Duration::from_secs(20),
+        || {
+            [&a, &b, &c]
+                .iter()
+                .all(|r| holding(&broker, &topic, r).len() == 2)
+        },
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!b.got().is_empty() && !c.got().is_empty(), "b and c got messages");
+    assert!(
+        !b.got().is_empty() && !c.got().is_empty(),
+        "b and c got messages"
+    );
 
     // b leaves cleanly: everything it handed out acknowledged and committed.
     b.stop().await;
     b.sub.ack().await.expect("ack");
     broker.leave(&topic, &b.member).await.expect("leave");
-    until("a and c split the partitions", Duration::from_secs(20), || {
-        holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &c).len() == 3
-    })
+    until(
+        "a and c split the partitions",
+        Duration::from_secs(20),
+        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &c).len() == 3,
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Nothing handed out twice so far: every handover was clean.
@@ -310,9 +320,11 @@ async fn join_leave_die(broker: Broker) {
     let Reader { sub, .. } = c;
     drop(sub);
     let dropped = Instant::now();
-    until("a holds every partition again", Duration::from_secs(20), || {
-        holding(&broker, &topic, &a).len() == 6
-    })
+    until(
+        "a holds every partition again",
+        Duration::from_secs(20),
+        || holding(&broker, &topic, &a).len() == 6,
+    )
     .await;
     let took = dropped.elapsed();
     assert!(
@@ -356,11 +368,15 @@ async fn eight_at_once(broker: Broker) {
     for h in handles {
         readers.push(h.await.unwrap());
     }
-    until("every member holds one partition", Duration::from_secs(30), || {
-        readers
-            .iter()
-            .all(|r| holding(&broker, &topic, r).len() == 1)
-    })
+    until(
+        "every member holds one partition",
+        Duration::from_secs(30),
+        || {
+            readers
+                .iter()
+                .all(|r| holding(&broker, &topic, r).len() == 1)
+        },
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     let sent = pubs.finish().await;
@@ -383,17 +399,26 @@ async fn stalled_member_keeps_its_partitions(broker: Broker) {
     let counts = Counts::default();
     let mut a = join(&broker, &topic, "a", &counts).await;
     let b = join(&broker, &topic, "b", &counts).await;
-    until("a and b split the partitions", Duration::from_secs(20), || {
-        holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3
-    })
+    until(
+        "a and b split the partitions",
+        Duration::from_secs(20),
+        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3,
+    )
     .await;
     let a_parts = holding(&broker, &topic, &a);
     let pubs = publishers(&broker, &topic, 2).await;
-    until("a got some", Duration::from_secs(20), || a.got().len() >= 10).await;
+    until("a got some", Duration::from_secs(20), || {
+        a.got().len() >= 10
+    })
+    .await;
     a.stop().await;
     // Three leases long, a reads nothing; its partitions stay its own.
     tokio::time::sleep(Duration::from_secs(6)).await;
-    assert_eq!(holding(&broker, &topic, &a), a_parts, "a kept its partitions");
+    assert_eq!(
+        holding(&broker, &topic, &a),
+        a_parts,
+        "a kept its partitions"
+    );
     let stats = a.sub.stats().await;
     assert!(
         stats.buffered <= 64 && stats.unacked <= 64,
@@ -435,5 +460,7 @@ async fn kafka_group_rebalances() {
     );
     eight_at_once(eight).await;
     eprintln!("kafka group: a member that stops reading");
-    stalled_member_keeps_its_partitions(broker).await;
+    stalled_member_keeps_its_partitions(broker.clone()).await;
+    eprintln!("kafka group: at-most-once takeover");
+    scenarios::at_most_once_takeover(broker, Duration::from_secs(1)).await;
 }

@@ -542,9 +542,10 @@ impl<St: Store> Broker for KafkaGroupBroker<St> {
     type Producer = KafkaProducer;
     type Consumer = KafkaGroupConsumer;
 
-    /// Positions are committed by a background task, not by the acknowledgement.
+    /// [`Consumer::ack_confirmed`] commits the positions and waits for the broker (and fails
+    /// for records of partitions given up meanwhile, or once the lease may have run out).
     fn acks_before_return(&self) -> bool {
-        false
+        true
     }
 
     fn ordering(&self) -> Ordering {
@@ -705,6 +706,25 @@ struct Ctl {
 impl Ctl {
     fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the acknowledgements of `tokens` (emptying it) and wakes the committer; a
+    /// partition whose token belongs to a holding given up since (ignored), if any.
+    fn ack(&self, tokens: &mut Vec<KafkaGroupToken>) -> Option<i32> {
+        let mut stale = None;
+        {
+            let mut st = self.lock();
+            for t in tokens.drain(..) {
+                match st.slots.get_mut(&t.part) {
+                    Some(s) if s.generation == t.generation => {
+                        s.acked = s.acked.max(t.offset + 1);
+                    }
+                    _ => stale = Some(t.part),
+                }
+            }
+        }
+        self.acked.notify_one();
+        stale
     }
 
     /// Whether our lease is certainly still valid (renewed within 3/4 of it).
@@ -1150,17 +1170,37 @@ impl Consumer for KafkaGroupConsumer {
     }
 
     async fn ack(&mut self, tokens: &mut Vec<KafkaGroupToken>) -> Result<(), Error> {
-        {
-            let mut st = self.ctl.lock();
-            for t in tokens.drain(..) {
-                if let Some(s) = st.slots.get_mut(&t.part)
-                    && s.generation == t.generation
-                {
-                    s.acked = s.acked.max(t.offset + 1);
-                }
-            }
+        self.ctl.ack(tokens);
+        Ok(())
+    }
+
+    /// Acknowledges, then commits the positions at once and returns when the broker stored
+    /// them, while this member's lease certainly holds (so no member has taken its
+    /// partitions over). Fails ([`Error::Refused`]) if a record belongs to a partition this
+    /// member gave up since it fetched it: its new owner gets it.
+    async fn ack_confirmed(&mut self, tokens: &mut Vec<KafkaGroupToken>) -> Result<(), Error> {
+        let stale = self.ctl.ack(tokens);
+        if let Some(p) = stale {
+            return Err(Error::Refused {
+                broker: super::NAME,
+                op: "commit",
+                reason: format!("partition {p} went to another member since it was fetched"),
+            });
         }
-        self.ctl.acked.notify_one();
+        let lease_lost = || Error::Unavailable {
+            broker: super::NAME,
+            op: "commit",
+            waited: Duration::ZERO,
+            last: "the group lease was not renewed in time".into(),
+        };
+        let _order = self.ctl.commit_lock.lock().await;
+        if !self.ctl.leased() {
+            return Err(lease_lost());
+        }
+        self.ctl.commit_locked(None).await?;
+        if !self.ctl.leased() {
+            return Err(lease_lost());
+        }
         Ok(())
     }
 }
