@@ -23,13 +23,19 @@
 //! broker again. A slow application on Kafka therefore holds up to `prefetch` messages plus
 //! the rest of one response.
 //!
-//! rskafka has no consumer groups, so a group is static: member `index` of `count` owns
-//! partitions `p` with `p % count == index`. Acknowledged positions are committed by a
-//! background task to the topic `chunnel-offsets` (key `group/topic/partition`, value the next
-//! offset), the latest ones at most every 200 ms; a member starts at its group's last
-//! committed position, or at the earliest record, so a member that restarts gets again what
-//! was acknowledged in its last 200 ms (its new dedup window does not know those ids). Rebalancing when members come and go is not
-//! implemented. rskafka takes records as `Vec<u8>`, so publishing copies each payload once.
+//! rskafka has no consumer-group protocol. A group through [`KafkaBroker`] is static: member
+//! `index` of `count` owns partitions `p` with `p % count == index`. A group through
+//! `group::KafkaGroupBroker` (feature `group`) rebalances as members join, leave or die:
+//! its members agree on the assignment through a chunnel-rendezvous store, and a member
+//! giving up a partition commits its position before the new owner starts there (see
+//! the `group` module). Either way acknowledged positions are committed to the topic
+//! `chunnel-offsets` (key `group/topic/partition`, value the next offset): by a background
+//! task, the latest ones at most every 200 ms, and at once by [`Consumer::ack_confirmed`],
+//! which returns when the broker acknowledged the commit (so at-most-once works on Kafka). A
+//! member starts at its group's last committed position, or at the earliest record, so a
+//! member that restarts gets again what was acknowledged in its last 200 ms (its new dedup
+//! window does not know those ids). rskafka takes records as `Vec<u8>`, so publishing copies
+//! each payload once.
 //!
 //! Ordering lanes ([`crate::order`]): service-side ordering uses the topic `{t}-s` with one
 //! partition, receiver-side the topic `{t}-r` with one partition per lane, both through
