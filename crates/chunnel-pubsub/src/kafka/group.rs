@@ -893,6 +893,8 @@ impl<St: Store> Driver<St> {
                     .await?
                 }
                 Some(c) => {
+                    // Not a Kafka group's record (the name is taken by something else).
+                    decode_members(&c.stack)?;
                     self.bounded(
                         self.store
                             .join(&self.rgroup, &me, None, Some(c.epoch), lease),
