@@ -23,9 +23,17 @@
 //! * A member that dies (or stops renewing its lease) leaves the live list when its lease
 //!   runs out; the transition then commits without it. A member fences itself first: it
 //!   fetches and commits nothing once its last successful renewal is older than 3/4 of the
-//!   lease, so it has stopped before the store lets anyone else take its partitions. What it
-//!   acknowledged in its last 200 ms (not committed yet) and what it fetched without
-//!   acknowledging is fetched again by the new owner.
+//!   lease, so it has stopped before the store lets anyone else take its partitions (the
+//!   fence counts from when the renewal was sent, on the member's clock; it assumes the
+//!   store's clock does not run faster). What it acknowledged in its last 200 ms (not
+//!   committed yet) and what it fetched without acknowledging is fetched again by the new
+//!   owner.
+//! * At-most-once: [`Consumer::ack_confirmed`] commits at once and returns `Ok` only if the
+//!   member's lease still certainly held when the broker acknowledged the commit, and fails
+//!   for records of a partition the member gave up since it fetched them (the new owner hands
+//!   those out), so a message handed out is never handed out by another member.
+//! * Member names must be unique in the group: two live consumers under one name would both
+//!   take that name's partitions.
 //! * A member that stops reading keeps its partitions (no one else reads them) until it
 //!   leaves or its lease runs out; it holds at most `prefetch` messages.
 //! * [`KafkaGroupBroker::leave`] leaves cleanly: the member stops fetching, commits its
@@ -37,7 +45,7 @@
 //! [`KafkaConsumer`](super::KafkaConsumer).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -588,6 +596,19 @@ impl<St: Store> Broker for KafkaGroupBroker<St> {
         member: &Member,
         _prefetch: usize,
     ) -> Result<KafkaGroupConsumer, Error> {
+        let cfg = &self.config;
+        if cfg.renew_every.is_zero()
+            || cfg.renew_every * 2 > cfg.lease
+            || cfg.drain >= cfg.transition_timeout
+            || cfg.poll.is_zero()
+        {
+            return Err(Error::Config {
+                what: format!(
+                    "kafka group timing {cfg:?}: renew at least twice a lease, drain within \
+                     the transition timeout, poll above zero"
+                ),
+            });
+        }
         let rgroup = rendezvous_group(&member.group, topic)?;
         chunnel_rendezvous::store::check_name("member id", &member.name)?;
         let kafka = &self.kafka;
@@ -604,6 +625,7 @@ impl<St: Store> Broker for KafkaGroupBroker<St> {
             lease_ms: self.config.lease.as_millis() as u64,
             op_timeout: kafka.inner.op_timeout,
             acked: tokio::sync::Notify::new(),
+            left: AtomicBool::new(false),
             cmd,
         });
         let mut driver = Driver {
@@ -700,6 +722,8 @@ struct Ctl {
     op_timeout: Duration,
     /// Wakes the committer.
     acked: tokio::sync::Notify,
+    /// Set when the member leaves: it renews its lease no more.
+    left: AtomicBool,
     cmd: mpsc::Sender<Cmd>,
 }
 
@@ -848,6 +872,9 @@ async fn renew<St: Store>(
         let started = chunnel_rendezvous::store::now_ms();
         let r = tokio::time::timeout(config.lease, store.renew(&rgroup, &me, config.lease)).await;
         let Some(c) = ctl.upgrade() else { return };
+        if c.left.load(AtomicOrdering::Acquire) {
+            return;
+        }
         match r {
             Ok(Ok(true)) => c.renewed_ms.fetch_max(started, AtomicOrdering::AcqRel),
             // Not a member any more (the driver rejoins), or the store did not answer.
@@ -966,6 +993,7 @@ impl<St: Store> Driver<St> {
     }
 
     async fn leave(&mut self) -> Result<(), Error> {
+        self.ctl.left.store(true, AtomicOrdering::Release);
         let parts = self.core.leave();
         let r = self.ctl.release(&parts, Duration::ZERO).await;
         self.ctl.lock().slots.clear();
@@ -1135,6 +1163,10 @@ impl Consumer for KafkaGroupConsumer {
                 .fetch_records(pos, 1..FETCH_MAX_BYTES, wait_ms)
                 .await
                 .map_err(|e| unavailable("fetch", e))?;
+            if !self.ctl.leased() {
+                // Fenced while the fetch was out: the partitions may be another's by now.
+                return Ok(());
+            }
             let mut st = self.ctl.lock();
             // Given up (or taken again) while the fetch was out: its records are not ours.
             let Some(slot) = st
