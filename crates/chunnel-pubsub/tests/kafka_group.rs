@@ -1,7 +1,8 @@
 //! Kafka groups that rebalance ([`chunnel_pubsub::kafka::group`]) against a real Kafka 4.1
 //! broker (started here, as in `tests/kafka.rs`) and an embedded SQLite rendezvous store:
 //! members join mid-stream, leave cleanly, are dropped without leaving (lease expiry), join
-//! eight at once, and stop reading, while several publishers keep publishing.
+//! eight at once, stop reading, and are cut off from the store, while several publishers keep
+//! publishing.
 #![cfg(all(feature = "kafka", feature = "group"))]
 
 mod support;
@@ -16,11 +17,96 @@ use chunnel::{Chunnel, ChunnelConnection};
 use chunnel_pubsub::kafka::KafkaBroker;
 use chunnel_pubsub::kafka::group::{GroupConfig, KafkaGroupBroker, KafkaGroupConsumer};
 use chunnel_pubsub::{Member, Publish, Subscribe, Subscriber};
-use chunnel_rendezvous::SqliteStore;
+use chunnel_rendezvous::{
+    Ballot, JoinReply, Member as RdvMember, Snapshot, SqliteStore, Store, Transition,
+};
 use support::{Scratch, scenarios, unique};
 
-type Broker = KafkaGroupBroker<SqliteStore>;
+type Broker = KafkaGroupBroker<Cuttable>;
 type Sub = Subscriber<KafkaGroupConsumer>;
+
+/// The SQLite store, which a test can make unreachable for the members that use this handle
+/// (a member cut off from the store while the Kafka broker still answers it).
+struct Cuttable {
+    inner: Arc<SqliteStore>,
+    cut: AtomicBool,
+}
+
+impl Cuttable {
+    fn check(&self) -> Result<(), chunnel_rendezvous::Error> {
+        if self.cut.load(Ordering::Acquire) {
+            return Err(chunnel_rendezvous::Error::unavailable("sqlite", "cut off"));
+        }
+        Ok(())
+    }
+}
+
+impl Store for Cuttable {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+    async fn join_creating_at(
+        &self,
+        group: &str,
+        member: &RdvMember,
+        propose: Option<&Bytes>,
+        expect_epoch: Option<u64>,
+        create_epoch: u64,
+        lease: Duration,
+    ) -> Result<JoinReply, chunnel_rendezvous::Error> {
+        self.check()?;
+        self.inner
+            .join_creating_at(group, member, propose, expect_epoch, create_epoch, lease)
+            .await
+    }
+    async fn renew(
+        &self,
+        group: &str,
+        member_id: &str,
+        lease: Duration,
+    ) -> Result<bool, chunnel_rendezvous::Error> {
+        self.check()?;
+        self.inner.renew(group, member_id, lease).await
+    }
+    async fn leave(&self, group: &str, member_id: &str) -> Result<(), chunnel_rendezvous::Error> {
+        self.check()?;
+        self.inner.leave(group, member_id).await
+    }
+    async fn snapshot(&self, group: &str) -> Result<Snapshot, chunnel_rendezvous::Error> {
+        self.check()?;
+        self.inner.snapshot(group).await
+    }
+    async fn propose(
+        &self,
+        group: &str,
+        t: &Transition,
+    ) -> Result<bool, chunnel_rendezvous::Error> {
+        self.check()?;
+        self.inner.propose(group, t).await
+    }
+    async fn vote(
+        &self,
+        group: &str,
+        id: u64,
+        member_id: &str,
+        ballot: &Ballot,
+    ) -> Result<bool, chunnel_rendezvous::Error> {
+        self.check()?;
+        self.inner.vote(group, id, member_id, ballot).await
+    }
+    async fn finish_attested(
+        &self,
+        group: &str,
+        id: u64,
+        commit: bool,
+        attested: &[String],
+    ) -> Result<bool, chunnel_rendezvous::Error> {
+        self.check()?;
+        self.inner
+            .finish_attested(group, id, commit, attested)
+            .await
+    }
+}
 /// How often each payload was handed to an application, across the group.
 type Counts = Arc<Mutex<HashMap<Bytes, usize>>>;
 
@@ -441,6 +527,54 @@ async fn stalled_member_keeps_its_partitions(broker: Broker) {
     check(&counts, &sent, &a_got, "stalled member");
 }
 
+/// (d) A member cut off from the store (it cannot renew its lease) while it keeps reading from
+/// Kafka: once its lease is past the fence (3/4 of it) it hands out nothing more, and the
+/// other member takes its partitions when the lease has run out and gets everything.
+async fn member_cut_off_from_the_store_stops(
+    broker: Broker,
+    zombie_broker: Broker,
+    cut: &Cuttable,
+) {
+    let topic = unique("kg-cut");
+    let counts = Counts::default();
+    let a = join(&broker, &topic, "a", &counts).await;
+    let z = join(&zombie_broker, &topic, "z", &counts).await;
+    until(
+        "a and z split the partitions",
+        Duration::from_secs(20),
+        || {
+            holding(&broker, &topic, &a).len() == 3
+                && holding(&zombie_broker, &topic, &z).len() == 3
+        },
+    )
+    .await;
+    let pubs = publishers(&broker, &topic, 2).await;
+    until("z got some", Duration::from_secs(20), || {
+        z.got().len() >= 10
+    })
+    .await;
+    cut.cut.store(true, Ordering::Release);
+    // Past the fence (1.5 s of the 2 s lease; its last renewal was at most 300 ms before).
+    tokio::time::sleep(Duration::from_millis(1_700)).await;
+    let fenced = z.got().len();
+    until("a holds every partition", Duration::from_secs(20), || {
+        holding(&broker, &topic, &a).len() == 6
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let sent = pubs.finish().await;
+    wait_all(&counts, &sent, "member cut off").await;
+    assert_eq!(
+        z.got().len(),
+        fenced,
+        "the member cut off from the store handed out messages after its fence"
+    );
+    let z_got = z.got();
+    check(&counts, &sent, &z_got, "member cut off");
+    drop(z);
+    drop(a);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_group_rebalances() {
     let scratch = Scratch::new("ps-kgroup");
@@ -448,7 +582,11 @@ async fn kafka_group_rebalances() {
     let kafka = KafkaBroker::connect(vec![addr], 6, Duration::from_secs(30))
         .await
         .expect("connect to kafka");
-    let store = Arc::new(SqliteStore::open(scratch.0.join("groups.sqlite")).expect("sqlite"));
+    let sqlite = Arc::new(SqliteStore::open(scratch.0.join("groups.sqlite")).expect("sqlite"));
+    let store = Arc::new(Cuttable {
+        inner: sqlite.clone(),
+        cut: AtomicBool::new(false),
+    });
     let broker = KafkaGroupBroker::new(kafka.clone(), store.clone(), group_config());
     eprintln!("kafka group: join, leave, die");
     join_leave_die(broker.clone()).await;
@@ -462,5 +600,12 @@ async fn kafka_group_rebalances() {
     eprintln!("kafka group: a member that stops reading");
     stalled_member_keeps_its_partitions(broker.clone()).await;
     eprintln!("kafka group: at-most-once takeover");
-    scenarios::at_most_once_takeover(broker, Duration::from_secs(1)).await;
+    scenarios::at_most_once_takeover(broker.clone(), Duration::from_secs(1)).await;
+    eprintln!("kafka group: a member cut off from the store");
+    let zombie_store = Arc::new(Cuttable {
+        inner: sqlite,
+        cut: AtomicBool::new(false),
+    });
+    let zombie = KafkaGroupBroker::new(kafka, zombie_store.clone(), group_config());
+    member_cut_off_from_the_store_stops(broker, zombie, &zombie_store).await;
 }
