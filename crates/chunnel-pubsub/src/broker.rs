@@ -171,7 +171,8 @@ pub trait Consumer: Send + 'static {
     /// As [`Consumer::ack`], but returns `Ok` only once the broker confirmed it stored every
     /// acknowledgement (what [`crate::Delivery::AtMostOnce`] waits for before it hands messages
     /// out). Default: [`Consumer::ack`], for brokers whose acknowledgement is a request the
-    /// broker answers (Redis `XACK`); NATS asks JetStream for a reply to each.
+    /// broker answers (Redis `XACK`); NATS asks JetStream for a reply to each; Kafka commits
+    /// the positions to `chunnel-offsets` and waits for the broker's acknowledgement.
     fn ack_confirmed<'a>(
         &'a mut self,
         tokens: &'a mut Vec<Self::Token>,
