@@ -41,8 +41,9 @@ pub struct Member {
     pub group: String,
     /// This member's name, unique in the group.
     pub name: String,
-    /// This member's index among `count` (Kafka assigns partitions `p` with
-    /// `p % count == index`; NATS and Redis share messages dynamically and ignore both).
+    /// This member's index among `count` (a static Kafka group assigns partitions `p` with
+    /// `p % count == index`; NATS, Redis and a rebalancing Kafka group, `kafka::group`, share
+    /// messages dynamically and ignore both).
     pub index: u32,
     /// How many members the group has (Kafka).
     pub count: u32,
@@ -96,9 +97,9 @@ pub trait Broker: Clone + Send + Sync + 'static {
 
     /// Whether [`Consumer::ack_confirmed`] returns only once the broker has stored the
     /// acknowledgements, which [`crate::Delivery::AtMostOnce`] needs (acknowledge, then hand
-    /// out: a member taking over must not get the message again). Default `true`; Kafka's
-    /// positions are committed by a background task at most every 200 ms, so it answers
-    /// `false` and subscribers refuse at-most-once on it.
+    /// out: a member taking over must not get the message again). Default `true` (Kafka:
+    /// `ack_confirmed` commits the positions and waits for the broker); a broker that answers
+    /// `false` gets no at-most-once subscribers.
     fn acks_before_return(&self) -> bool {
         true
     }
@@ -170,7 +171,8 @@ pub trait Consumer: Send + 'static {
     /// As [`Consumer::ack`], but returns `Ok` only once the broker confirmed it stored every
     /// acknowledgement (what [`crate::Delivery::AtMostOnce`] waits for before it hands messages
     /// out). Default: [`Consumer::ack`], for brokers whose acknowledgement is a request the
-    /// broker answers (Redis `XACK`); NATS asks JetStream for a reply to each.
+    /// broker answers (Redis `XACK`); NATS asks JetStream for a reply to each; Kafka commits
+    /// the positions to `chunnel-offsets` and waits for the broker's acknowledgement.
     fn ack_confirmed<'a>(
         &'a mut self,
         tokens: &'a mut Vec<Self::Token>,

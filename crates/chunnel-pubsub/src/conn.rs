@@ -338,11 +338,13 @@ pub struct SubStats {
 ///
 /// At-most-once holds across members: a member that fails (or is dropped) after a `recv`
 /// returned leaves nothing of it for the member taking over (`tests/support/scenarios.rs`,
-/// `at_most_once_takeover`, on Redis and NATS): messages are handed out only once the broker
-/// confirmed their acknowledgements ([`Consumer::ack_confirmed`]; on NATS, JetStream's reply
-/// to each acknowledgement). The test drops the member inside one process; a process killed
-/// between the confirmation and the hand-out is not tested. It is refused on a broker whose
-/// acknowledgements are committed later ([`Broker::acks_before_return`]: Kafka).
+/// `at_most_once_takeover`, on Redis, NATS and Kafka): messages are handed out only once the
+/// broker confirmed their acknowledgements ([`Consumer::ack_confirmed`]; on NATS, JetStream's
+/// reply to each acknowledgement; on Kafka, a commit of the positions the broker
+/// acknowledged). The test drops the member inside one process; a process killed between the
+/// confirmation and the hand-out is not tested. It is refused on a broker whose
+/// acknowledgements are committed later ([`Broker::acks_before_return`] `false`; none of the
+/// three).
 ///
 /// Backpressure: messages are fetched only when the buffer is empty, at most
 /// [`Config::prefetch`] at a time, so a slow application holds at most that many in memory and

@@ -58,9 +58,19 @@ pub enum Error {
         /// Why publishing the kept ones failed.
         last: String,
     },
-    /// The rendezvous store of an ordering group failed (feature `group`).
+    /// Bytes read from the broker or a rendezvous store do not decode (written by something
+    /// else, or damaged): nothing was taken from them.
+    #[error("undecodable {what}: {why}")]
+    Corrupt {
+        /// What was read.
+        what: &'static str,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The rendezvous store of an ordering group or a rebalancing Kafka group failed (feature
+    /// `group`).
     #[cfg(feature = "group")]
-    #[error("ordering group: {0}")]
+    #[error("rendezvous: {0}")]
     Rendezvous(#[from] chunnel_rendezvous::Error),
 }
 

@@ -23,17 +23,26 @@
 //! broker again. A slow application on Kafka therefore holds up to `prefetch` messages plus
 //! the rest of one response.
 //!
-//! rskafka has no consumer groups, so a group is static: member `index` of `count` owns
-//! partitions `p` with `p % count == index`. Acknowledged positions are committed by a
-//! background task to the topic `chunnel-offsets` (key `group/topic/partition`, value the next
-//! offset), the latest ones at most every 200 ms; a member starts at its group's last
-//! committed position, or at the earliest record, so a member that restarts gets again what
-//! was acknowledged in its last 200 ms (its new dedup window does not know those ids). Rebalancing when members come and go is not
-//! implemented. rskafka takes records as `Vec<u8>`, so publishing copies each payload once.
+//! rskafka has no consumer-group protocol. A group through [`KafkaBroker`] is static: member
+//! `index` of `count` owns partitions `p` with `p % count == index`. A group through
+//! `group::KafkaGroupBroker` (feature `group`) rebalances as members join, leave or die:
+//! its members agree on the assignment through a chunnel-rendezvous store, and a member
+//! giving up a partition commits its position before the new owner starts there (see
+//! the `group` module). Either way acknowledged positions are committed to the topic
+//! `chunnel-offsets` (key `group/topic/partition`, value the next offset): by a background
+//! task, the latest ones at most every 200 ms, and at once by [`Consumer::ack_confirmed`],
+//! which returns when the broker acknowledged the commit (so at-most-once works on Kafka). A
+//! member starts at its group's last committed position, or at the earliest record, so a
+//! member that restarts gets again what was acknowledged in its last 200 ms (its new dedup
+//! window does not know those ids). rskafka takes records as `Vec<u8>`, so publishing copies
+//! each payload once.
 //!
 //! Ordering lanes ([`crate::order`]): service-side ordering uses the topic `{t}-s` with one
 //! partition, receiver-side the topic `{t}-r` with one partition per lane, both through
 //! [`KafkaBroker::with_partitions`] on the same cluster connection.
+
+#[cfg(feature = "group")]
+pub mod group;
 
 /// The rskafka crate this backend uses (for direct use beside the Chunnels).
 pub use rskafka;
@@ -268,10 +277,9 @@ impl Broker for KafkaBroker {
     type Producer = KafkaProducer;
     type Consumer = KafkaConsumer;
 
-    /// Positions are committed by a background task (at most every 200 ms), not by the
-    /// acknowledgement: no at-most-once.
+    /// [`Consumer::ack_confirmed`] commits the positions and waits for the broker.
     fn acks_before_return(&self) -> bool {
-        false
+        true
     }
 
     fn ordering(&self) -> Ordering {
@@ -338,13 +346,20 @@ impl Broker for KafkaBroker {
             parts.push(Part { client, pos });
         }
         let (commit, rx) = tokio::sync::watch::channel(Vec::new());
-        tokio::spawn(committer(offsets, keys, rx, self.inner.op_timeout));
+        let commits = Arc::new(Commits {
+            done: tokio::sync::Mutex::new(vec![-1; keys.len()]),
+            offsets,
+            keys,
+            op_timeout: self.inner.op_timeout,
+        });
+        tokio::spawn(committer(commits.clone(), rx));
         Ok(KafkaConsumer {
             parts,
             next: 0,
             commit,
             acked: Vec::new(),
             stash: VecDeque::new(),
+            commits,
         })
     }
 }
@@ -380,21 +395,28 @@ async fn read_commits(offsets: &PartitionClient) -> Result<HashMap<String, i64>,
     Ok(out)
 }
 
-/// Commits the latest positions (one per owned partition, -1 for none yet) until the consumer
-/// is dropped; a failed commit is retried with whatever is latest then.
-async fn committer(
+/// A static member's commits to the offsets topic: one per owned partition.
+struct Commits {
     offsets: Arc<PartitionClient>,
+    /// `group/topic/partition` per owned partition.
     keys: Vec<String>,
-    mut rx: tokio::sync::watch::Receiver<Vec<i64>>,
+    /// The positions stored, per owned partition (-1: none). Held around every produce, so
+    /// the background commits and the synchronous ones are stored in the order they were
+    /// taken, and a position never goes back.
+    done: tokio::sync::Mutex<Vec<i64>>,
     op_timeout: Duration,
-) {
-    let mut done = vec![-1i64; keys.len()];
-    while rx.changed().await.is_ok() {
-        let latest = rx.borrow_and_update().clone();
-        let records: Vec<Record> = keys
+}
+
+impl Commits {
+    /// Stores the positions of `latest` above the stored ones; returns once the broker
+    /// acknowledged the produce.
+    async fn commit(&self, latest: &[i64]) -> Result<(), Error> {
+        let mut done = self.done.lock().await;
+        let records: Vec<Record> = self
+            .keys
             .iter()
-            .zip(&latest)
-            .zip(&done)
+            .zip(latest)
+            .zip(done.iter())
             .filter(|((_, new), old)| *new > *old)
             .map(|((k, new), _)| Record {
                 key: Some(k.clone().into_bytes()),
@@ -404,19 +426,40 @@ async fn committer(
             })
             .collect();
         if records.is_empty() {
-            continue;
+            return Ok(());
         }
-        let r = tokio::time::timeout(
-            op_timeout,
-            offsets.produce(records, Compression::NoCompression),
+        match tokio::time::timeout(
+            self.op_timeout,
+            self.offsets.produce(records, Compression::NoCompression),
         )
-        .await;
-        match r {
-            Ok(Ok(_)) => done = latest,
-            _ => {
-                tracing::debug!("kafka offset commit failed; retrying");
-                rx.mark_changed();
+        .await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(unavailable("commit", e)),
+            Err(_) => {
+                return Err(Error::Unavailable {
+                    broker: NAME,
+                    op: "commit",
+                    waited: self.op_timeout,
+                    last: "timed out".into(),
+                });
             }
+        }
+        for (d, new) in done.iter_mut().zip(latest) {
+            *d = (*d).max(*new);
+        }
+        Ok(())
+    }
+}
+
+/// Commits the latest positions (one per owned partition, -1 for none yet) until the consumer
+/// is dropped; a failed commit is retried with whatever is latest then.
+async fn committer(commits: Arc<Commits>, mut rx: tokio::sync::watch::Receiver<Vec<i64>>) {
+    while rx.changed().await.is_ok() {
+        let latest = rx.borrow_and_update().clone();
+        if commits.commit(&latest).await.is_err() {
+            tracing::debug!("kafka offset commit failed; retrying");
+            rx.mark_changed();
         }
         // Positions acknowledged meanwhile are committed together, the latest only.
         tokio::time::sleep(COMMIT_EVERY).await;
@@ -472,6 +515,8 @@ pub struct KafkaConsumer {
     /// more than `max`; fetching them again would cost a round trip and the transfer). At
     /// most one response's records (`FETCH_MAX_BYTES`).
     stash: VecDeque<Incoming<KafkaToken>>,
+    /// Stores positions (the background task's and [`Consumer::ack_confirmed`]'s).
+    commits: Arc<Commits>,
 }
 
 /// Acknowledges one Kafka record: its owned-partition index and offset.
@@ -552,6 +597,13 @@ impl Consumer for KafkaConsumer {
         }
         self.commit.send_replace(self.acked.clone());
         Ok(())
+    }
+
+    /// Acknowledges, then commits the positions at once and returns when the broker stored
+    /// them: a member starting after that starts behind these messages.
+    async fn ack_confirmed(&mut self, tokens: &mut Vec<KafkaToken>) -> Result<(), Error> {
+        self.ack(tokens).await?;
+        self.commits.commit(&self.acked).await
     }
 }
 

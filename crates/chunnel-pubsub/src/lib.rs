@@ -45,8 +45,14 @@
 //! Deduplication is per subscriber connection. With [`Delivery::AtMostOnce`] messages are
 //! acknowledged before the application gets them, so a member taking over from a failed one
 //! never gets again what the failed one handed out (it may lose what the failed one had in
-//! hand); Kafka commits acknowledgements in the background, so it refuses at-most-once
-//! ([`Error::Config`]).
+//! hand); on Kafka this waits for a commit of the positions the broker acknowledged.
+//!
+//! # Kafka groups
+//!
+//! A `kafka::KafkaBroker` group is static (member `index` of `count` owns a fixed share of
+//! the partitions); a `kafka::group::KafkaGroupBroker` group rebalances as members join,
+//! leave or die, agreeing on the assignment through a chunnel-rendezvous store (features
+//! `kafka` and `group`).
 //!
 //! # Backpressure
 //!

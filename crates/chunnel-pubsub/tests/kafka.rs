@@ -48,8 +48,12 @@ async fn kafka_scenarios() {
         Duration::from_secs(60),
     )
     .await;
-    eprintln!("kafka: at-most-once refused (positions are committed in the background)");
-    scenarios::at_most_once_refused(broker(&addr, 1, Duration::from_secs(30)).await).await;
+    eprintln!("kafka: at-most-once takeover (acknowledgements committed before the hand-out)");
+    scenarios::at_most_once_takeover(
+        broker(&addr, 1, Duration::from_secs(30)).await,
+        Duration::from_secs(1),
+    )
+    .await;
     #[cfg(feature = "group")]
     {
         eprintln!("kafka: restart during an ordering switch");

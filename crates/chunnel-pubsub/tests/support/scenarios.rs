@@ -566,23 +566,3 @@ pub async fn at_most_once_takeover<B: Broker>(broker: B, settle: Duration) {
         took_over.len()
     );
 }
-
-/// A broker whose acknowledgements are committed later (Kafka) refuses at-most-once with
-/// `Error::Config`, before it subscribes.
-pub async fn at_most_once_refused<B: Broker>(broker: B) {
-    let cfg = Config {
-        delivery: Delivery::AtMostOnce,
-        ..config(Duration::from_secs(5))
-    };
-    let e = Subscribe::new(broker, unique("amo"), Member::sole("g"), cfg)
-        .connect_wrap(())
-        .await
-        .expect_err("at-most-once accepted on a broker that commits acknowledgements later");
-    let chunnel::Error::Layer { source, .. } = &e else {
-        panic!("not a pub/sub error: {e}")
-    };
-    assert!(
-        matches!(source.downcast_ref::<Error>(), Some(Error::Config { .. })),
-        "{e}"
-    );
-}
