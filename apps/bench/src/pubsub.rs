@@ -14,8 +14,9 @@
 //! * latency: one message in flight, `msgs` timed messages after a warm-up; the time from the
 //!   start of the publish (which waits for the broker's acknowledgement) to the subscriber's
 //!   receive returning the message, the two done one after the other by one task.
-//! * throughput: `msgs * 10` messages of `size` bytes published in bursts of `burst` while the
-//!   subscriber receives them; messages per second from the first send to the last receipt.
+//! * throughput: `msgs * 10` messages (or `--throughput-msgs`) of `size` bytes published in
+//!   bursts of `burst` while the subscriber receives them; messages per second from the first
+//!   send to the last receipt.
 //!
 //! The main baseline (`direct`, described in the JSON's `direct_is`) does what a user of the
 //! client crate who wants the Chunnel's guarantees does: Redis and NATS messages carry a
@@ -61,6 +62,20 @@ pub(crate) struct Args {
     /// Lanes of receiver-side ordering in the ordering experiment.
     #[arg(long, default_value_t = 4)]
     lanes: u32,
+    /// Messages per throughput measurement (0: ten times `--msgs`).
+    #[arg(long, default_value_t = 0)]
+    throughput_msgs: usize,
+    /// Variants of the `direct` experiment to run, comma separated: `chunnel`, `direct` (the
+    /// main baseline) and `extra` (the extra baselines). A variant left out has no figures
+    /// (its ratios are null); for profiling one variant's client alone.
+    #[arg(long, default_value = "chunnel,direct,extra")]
+    variants: String,
+}
+
+impl Args {
+    fn runs(&self, variant: &str) -> bool {
+        self.variants.split(',').any(|v| v.trim() == variant)
+    }
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -228,9 +243,17 @@ mod imp {
         }
     }
 
-    async fn run_pair(p: &mut impl Pair, a: &Args, f: &mut Figures) -> Result<()> {
+    /// Measures `p` unless `variant` is left out of `--variants`.
+    async fn run_pair(variant: &str, p: &mut impl Pair, a: &Args, f: &mut Figures) -> Result<()> {
+        if !a.runs(variant) {
+            return Ok(());
+        }
         let lat = latency(p, a.msgs, a.size).await?;
-        let t = throughput(p, a.msgs * 10, a).await?;
+        let total = match a.throughput_msgs {
+            0 => a.msgs * 10,
+            n => n,
+        };
+        let t = throughput(p, total, a).await?;
         f.add(&lat, t);
         Ok(())
     }
@@ -585,9 +608,9 @@ mod imp {
                                         .await?;
                                 if rep.is_multiple_of(2) {
                                     both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
-                                    run_pair(&mut xp, a, &mut x).await?;
+                                    run_pair("extra", &mut xp, a, &mut x).await?;
                                 } else {
-                                    run_pair(&mut xp, a, &mut x).await?;
+                                    run_pair("extra", &mut xp, a, &mut x).await?;
                                     both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
                                 }
                             }
@@ -664,11 +687,11 @@ mod imp {
         d: &mut Figures,
     ) -> Result<()> {
         if rep.is_multiple_of(2) {
-            run_pair(lp, a, l).await?;
-            run_pair(dp, a, d).await?;
+            run_pair("chunnel", lp, a, l).await?;
+            run_pair("direct", dp, a, d).await?;
         } else {
-            run_pair(dp, a, d).await?;
-            run_pair(lp, a, l).await?;
+            run_pair("direct", dp, a, d).await?;
+            run_pair("chunnel", lp, a, l).await?;
         }
         Ok(())
     }
