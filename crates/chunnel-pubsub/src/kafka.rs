@@ -43,7 +43,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use rskafka::BackoffConfig;
 use rskafka::client::error::{Error as KError, ProtocolError};
 use rskafka::client::partition::{Compression, OffsetAt, PartitionClient, UnknownTopicHandling};
@@ -216,6 +216,13 @@ pub fn split_records(records: Vec<Record>, max: usize) -> Vec<Vec<Record>> {
 /// Produces `records` to `part` in requests of at most [`MAX_REQUEST_BYTES`], one after the
 /// other.
 async fn produce(part: &PartitionClient, records: Vec<Record>) -> Result<(), Error> {
+    if records.iter().map(record_bytes).sum::<usize>() <= MAX_REQUEST_BYTES {
+        // One request (the usual burst): the records as they are, not regrouped.
+        part.produce(records, Compression::NoCompression)
+            .await
+            .map_err(|e| unavailable("produce", e))?;
+        return Ok(());
+    }
     for run in split_records(records, MAX_REQUEST_BYTES) {
         part.produce(run, Compression::NoCompression)
             .await
@@ -224,7 +231,7 @@ async fn produce(part: &PartitionClient, records: Vec<Record>) -> Result<(), Err
     Ok(())
 }
 
-/// The wall-clock time of a record.
+/// The wall-clock time of a record (read once per burst: its records share it).
 fn now() -> rskafka::chrono::DateTime<rskafka::chrono::Utc> {
     let ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -239,7 +246,7 @@ fn fnv1a(key: &[u8]) -> u64 {
     })
 }
 
-fn record(m: &Outgoing) -> Record {
+fn record(m: &Outgoing, timestamp: rskafka::chrono::DateTime<rskafka::chrono::Utc>) -> Record {
     let mut value = Vec::with_capacity(PREFIX + m.payload.len());
     value.extend_from_slice(MAGIC);
     value.extend_from_slice(&m.id.to_bytes());
@@ -248,16 +255,18 @@ fn record(m: &Outgoing) -> Record {
         key: m.key.as_ref().map(|k| k.to_vec()),
         value: Some(value),
         headers: BTreeMap::new(),
-        timestamp: now(),
+        timestamp,
     }
 }
 
 /// A record value's message id and payload: the id if the value starts with [`MAGIC`] (then
 /// the payload follows it), else no id and the whole value.
-fn split_value(value: Bytes) -> (Option<MsgId>, Bytes) {
+fn split_value(mut value: Bytes) -> (Option<MsgId>, Bytes) {
     if value.len() >= PREFIX && value.starts_with(MAGIC) {
         let id = MsgId::from_bytes(&value[MAGIC.len()..PREFIX]);
-        (id, value.slice(PREFIX..))
+        // Advanced in place: `slice` would make the buffer shared (an allocation a record).
+        value.advance(PREFIX);
+        (id, value)
     } else {
         (None, value)
     }
@@ -432,9 +441,11 @@ pub struct KafkaProducer {
 impl Producer for KafkaProducer {
     async fn publish(&self, batch: &[Outgoing]) -> Result<(), Error> {
         let n = self.parts.len();
+        let ts = now();
         if n == 1 || batch.iter().all(|m| m.key.is_none()) {
             let p = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
-            return produce(&self.parts[p], batch.iter().map(record).collect()).await;
+            let records = batch.iter().map(|m| record(m, ts)).collect();
+            return produce(&self.parts[p], records).await;
         }
         let rr = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
         let mut by_part: Vec<Vec<Record>> = (0..n).map(|_| Vec::new()).collect();
@@ -443,7 +454,7 @@ impl Producer for KafkaProducer {
                 Some(k) => (fnv1a(k) % n as u64) as usize,
                 None => rr,
             };
-            by_part[p].push(record(m));
+            by_part[p].push(record(m, ts));
         }
         for (p, records) in by_part.into_iter().enumerate() {
             if !records.is_empty() {
@@ -608,5 +619,28 @@ mod tests {
         let (id, payload) = split_value(Bytes::from_static(b"plain"));
         assert!(id.is_none());
         assert_eq!(&payload[..], b"plain");
+        let (id, payload) = split_value(Bytes::from_static(b"chn1short"));
+        assert!(id.is_none());
+        assert_eq!(&payload[..], b"chn1short");
+    }
+
+    #[test]
+    fn a_record_value_gives_back_its_id_and_payload() {
+        for payload in [&b""[..], b"p", &[7u8; 300]] {
+            let m = Outgoing {
+                id: MsgId {
+                    producer: 0x0123_4567_89ab_cdef,
+                    seq: 42,
+                },
+                key: None,
+                payload: Bytes::copy_from_slice(payload),
+            };
+            let r = record(&m, now());
+            assert_eq!(r.value.as_ref().map(Vec::len), Some(PREFIX + payload.len()));
+            // As a fetch hands it over: a `Vec` turned into `Bytes`.
+            let (id, got) = split_value(Bytes::from(r.value.unwrap_or_default()));
+            assert_eq!(id, Some(m.id));
+            assert_eq!(got, m.payload);
+        }
     }
 }
