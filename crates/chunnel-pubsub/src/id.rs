@@ -102,13 +102,16 @@ pub(crate) fn random_u64() -> u64 {
 ///
 /// The window is kept as runs of consecutive sequence numbers of one producer, in delivery
 /// order: a publisher's messages arrive mostly in order, so the usual insert extends the newest
-/// run and retires one id of the oldest, without hashing. Ids that break runs (several
-/// publishers interleaved, several partitions) cost a hash of the producer and a B-tree search.
+/// run (and, once the window is full, retires the first id of the oldest) without hashing.
+/// While ids that broke runs (publishers interleaved, several partitions) are in the window,
+/// a lookup also costs a hash of the producer and a B-tree search. At most `capacity` runs.
 #[derive(Debug)]
 pub(crate) struct DedupWindow {
-    /// In delivery order; no id is in two runs. The newest (back) one grows.
-    runs: VecDeque<Run>,
-    /// Every run but the newest, per producer: its last sequence number → its first.
+    /// The newest run (the one that grows); not in `closed`.
+    open: Option<Run>,
+    /// The older runs, oldest first, each also in `closed`. No id is in two runs.
+    older: VecDeque<Run>,
+    /// The older runs per producer: its last sequence number → its first.
     closed: HashMap<u64, BTreeMap<u64, u64>>,
     /// Ids in the window (at most `capacity`).
     len: usize,
@@ -126,7 +129,8 @@ struct Run {
 impl DedupWindow {
     pub(crate) fn new(capacity: usize) -> Self {
         DedupWindow {
-            runs: VecDeque::new(),
+            open: None,
+            older: VecDeque::new(),
             closed: HashMap::new(),
             len: 0,
             capacity,
@@ -134,13 +138,14 @@ impl DedupWindow {
     }
 
     fn contains(&self, id: MsgId) -> bool {
-        if let Some(b) = self.runs.back()
-            && b.producer == id.producer
-            && (b.first..=b.last).contains(&id.seq)
+        if let Some(o) = &self.open
+            && o.producer == id.producer
+            && o.first <= id.seq
+            && id.seq <= o.last
         {
             return true;
         }
-        !self.closed.is_empty()
+        !self.older.is_empty()
             && self
                 .closed
                 .get(&id.producer)
@@ -156,22 +161,23 @@ impl DedupWindow {
         if self.contains(id) {
             return false;
         }
-        match self.runs.back_mut() {
-            Some(b) if b.producer == id.producer && b.last.checked_add(1) == Some(id.seq) => {
-                b.last = id.seq;
+        let fresh = Run {
+            producer: id.producer,
+            first: id.seq,
+            last: id.seq,
+        };
+        match &mut self.open {
+            Some(o) if o.producer == id.producer && o.last.checked_add(1) == Some(id.seq) => {
+                o.last = id.seq;
             }
-            back => {
-                if let Some(b) = back {
+            open => {
+                if let Some(o) = open.replace(fresh) {
                     self.closed
-                        .entry(b.producer)
+                        .entry(o.producer)
                         .or_default()
-                        .insert(b.last, b.first);
+                        .insert(o.last, o.first);
+                    self.older.push_back(o);
                 }
-                self.runs.push_back(Run {
-                    producer: id.producer,
-                    first: id.seq,
-                    last: id.seq,
-                });
             }
         }
         self.len += 1;
@@ -183,25 +189,31 @@ impl DedupWindow {
 
     /// Drops the oldest id (the first of the oldest run).
     fn forget_oldest(&mut self) {
-        let newest = self.runs.len() == 1;
-        let Some(f) = self.runs.front_mut() else {
-            return;
-        };
-        let emptied = f.first == f.last;
-        if !newest && let Some(runs) = self.closed.get_mut(&f.producer) {
-            if emptied {
-                runs.remove(&f.last);
-                if runs.is_empty() {
-                    self.closed.remove(&f.producer);
+        if let Some(f) = self.older.front_mut() {
+            let emptied = f.first == f.last;
+            if let Some(runs) = self.closed.get_mut(&f.producer) {
+                if emptied {
+                    runs.remove(&f.last);
+                    if runs.is_empty() {
+                        self.closed.remove(&f.producer);
+                    }
+                } else if let Some(first) = runs.get_mut(&f.last) {
+                    *first += 1;
                 }
-            } else if let Some(first) = runs.get_mut(&f.last) {
-                *first += 1;
             }
-        }
-        if emptied {
-            self.runs.pop_front();
+            if emptied {
+                self.older.pop_front();
+            } else {
+                f.first += 1;
+            }
+        } else if let Some(o) = &mut self.open {
+            if o.first == o.last {
+                self.open = None;
+            } else {
+                o.first += 1;
+            }
         } else {
-            f.first += 1;
+            return;
         }
         self.len -= 1;
     }
@@ -289,10 +301,10 @@ mod tests {
                 let id = MsgId { producer, seq };
                 proptest::prop_assert_eq!(w.insert(id), m.insert(id), "{:?}", id);
                 proptest::prop_assert!(w.len <= capacity);
-                let held: u64 = w.runs.iter().map(|r| r.last - r.first + 1).sum();
+                let held: u64 = w.older.iter().chain(&w.open).map(|r| r.last - r.first + 1).sum();
                 proptest::prop_assert_eq!(held, w.len as u64);
                 let indexed: usize = w.closed.values().map(BTreeMap::len).sum();
-                proptest::prop_assert_eq!(indexed, w.runs.len().saturating_sub(1));
+                proptest::prop_assert_eq!(indexed, w.older.len());
             }
         }
     }
