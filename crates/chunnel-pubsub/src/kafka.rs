@@ -213,10 +213,15 @@ pub fn split_records(records: Vec<Record>, max: usize) -> Vec<Vec<Record>> {
     out
 }
 
-/// Produces `records` to `part` in requests of at most [`MAX_REQUEST_BYTES`], one after the
-/// other.
-async fn produce(part: &PartitionClient, records: Vec<Record>) -> Result<(), Error> {
-    if records.iter().map(record_bytes).sum::<usize>() <= MAX_REQUEST_BYTES {
+/// A message's [`record_bytes`] once it is a record ([`record`]: no headers).
+fn outgoing_bytes(m: &Outgoing) -> usize {
+    m.key.as_ref().map_or(0, Bytes::len) + PREFIX + m.payload.len() + 16
+}
+
+/// Produces `records` (of `bytes` by [`record_bytes`] together) to `part` in requests of at
+/// most [`MAX_REQUEST_BYTES`], one after the other.
+async fn produce(part: &PartitionClient, records: Vec<Record>, bytes: usize) -> Result<(), Error> {
+    if bytes <= MAX_REQUEST_BYTES {
         // One request (the usual burst): the records as they are, not regrouped.
         part.produce(records, Compression::NoCompression)
             .await
@@ -444,21 +449,23 @@ impl Producer for KafkaProducer {
         let ts = now();
         if n == 1 || batch.iter().all(|m| m.key.is_none()) {
             let p = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
+            let bytes = batch.iter().map(outgoing_bytes).sum();
             let records = batch.iter().map(|m| record(m, ts)).collect();
-            return produce(&self.parts[p], records).await;
+            return produce(&self.parts[p], records, bytes).await;
         }
         let rr = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
-        let mut by_part: Vec<Vec<Record>> = (0..n).map(|_| Vec::new()).collect();
+        let mut by_part: Vec<(Vec<Record>, usize)> = (0..n).map(|_| (Vec::new(), 0)).collect();
         for m in batch {
             let p = match &m.key {
                 Some(k) => (fnv1a(k) % n as u64) as usize,
                 None => rr,
             };
-            by_part[p].push(record(m, ts));
+            by_part[p].0.push(record(m, ts));
+            by_part[p].1 += outgoing_bytes(m);
         }
-        for (p, records) in by_part.into_iter().enumerate() {
+        for (p, (records, bytes)) in by_part.into_iter().enumerate() {
             if !records.is_empty() {
-                produce(&self.parts[p], records).await?;
+                produce(&self.parts[p], records, bytes).await?;
             }
         }
         Ok(())
@@ -637,6 +644,12 @@ mod tests {
             };
             let r = record(&m, now());
             assert_eq!(r.value.as_ref().map(Vec::len), Some(PREFIX + payload.len()));
+            assert_eq!(outgoing_bytes(&m), record_bytes(&r));
+            let keyed = Outgoing {
+                key: Some(Bytes::from_static(b"key")),
+                ..m.clone()
+            };
+            assert_eq!(outgoing_bytes(&keyed), record_bytes(&record(&keyed, now())));
             // As a fetch hands it over: a `Vec` turned into `Bytes`.
             let (id, got) = split_value(Bytes::from(r.value.unwrap_or_default()));
             assert_eq!(id, Some(m.id));
