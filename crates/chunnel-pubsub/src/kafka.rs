@@ -6,16 +6,19 @@
 //! [`Ordering::Total`] with one partition); an unkeyed burst goes to one partition, chosen
 //! round-robin per burst. The message id travels in front of the record's value (4 bytes
 //! `chn1`, then the 16-byte id; a value without them is delivered whole, without an id): 20
-//! bytes a record, fewer than a record header would take.
+//! bytes a record, fewer than a record header would take. The records of a burst share one
+//! timestamp, the wall-clock time of the publish.
 //!
 //! Large bursts: the producer splits a burst into produce requests of at most
 //! [`MAX_REQUEST_BYTES`] of records each ([`split_records`]), sent one after the other (a later
 //! request once the earlier one is acknowledged, so a failure never leaves a later part
 //! stored before an earlier one), so no request exceeds the broker's default
-//! `message.max.bytes` (1 MiB). The workspace builds rskafka with `TCP_NODELAY` on its broker
-//! connections (third_party/rskafka/CHUNNEL-PATCH.md): the published 0.6 writes a request
-//! larger than its 8 KiB buffer as two writes, and with Nagle's algorithm the second waits for
-//! the broker's delayed ACK (about 40 ms a request).
+//! `message.max.bytes` (1 MiB). The workspace builds rskafka patched
+//! (third_party/rskafka/CHUNNEL-PATCH.md) to write a request in one piece, with `TCP_NODELAY`
+//! on its broker connections: the published 0.6 writes a request larger than its 8 KiB buffer
+//! as two writes (a burst of a hundred 64-byte messages makes a 9.5 KB request), a second
+//! `sendto` a request, and with Nagle's algorithm the second waits for the broker's delayed ACK
+//! (about 40 ms a request).
 //!
 //! Fetching: a fetch response holds whole record batches (a producer's burst is one), so it
 //! often brings more records than the subscriber has room for; the consumer keeps the rest
