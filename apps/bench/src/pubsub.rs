@@ -14,16 +14,20 @@
 //! * latency: one message in flight, `msgs` timed messages after a warm-up; the time from the
 //!   start of the publish (which waits for the broker's acknowledgement) to the subscriber's
 //!   receive returning the message, the two done one after the other by one task.
-//! * throughput: `msgs * 10` messages of `size` bytes published in bursts of `burst` while the
-//!   subscriber receives them; messages per second from the first send to the last receipt.
+//! * throughput: `msgs * 10` messages (or `--throughput-msgs`) of `size` bytes published in
+//!   bursts of `burst` while the subscriber receives them; messages per second from the first
+//!   send to the last receipt.
 //!
 //! The main baseline (`direct`, described in the JSON's `direct_is`) does what a user of the
 //! client crate who wants the Chunnel's guarantees does: Redis and NATS messages carry a
 //! 16-byte id (a Redis field; a JetStream `Nats-Msg-Id` of 32 hex digits, which JetStream
-//! deduplicates on, as the Chunnel's). Extra baselines of the same run, under `baselines`, with
-//! their own ratios: NATS `no_id` (publishes without the header: less broker work than the
-//! Chunnel). Kafka's baseline sends plain records, one produce request per burst (the
-//! Chunnel's records carry their id in front of the value).
+//! deduplicates on, as the Chunnel's); Kafka records carry a 16-byte id in front of the value
+//! (the Chunnel's carry the 4-byte marker and the 16-byte id there) and the burst's wall-clock
+//! time as their timestamp (as the Chunnel's; Kafka's own producers stamp records with the time,
+//! and time-based retention goes by it), one produce request per burst. Extra baselines of the
+//! same run, under `baselines`, with their own ratios: NATS `no_id` (publishes without the
+//! header: less broker work than the Chunnel) and Kafka `no_id` (plain values with timestamp 0:
+//! smaller records than the Chunnel's).
 //!
 //! Every broker first runs one unrecorded repetition of every variant (a warm-up), then
 //! `reps` recorded ones. Variants alternate within each repetition; figures are medians over `reps` with the
@@ -61,6 +65,20 @@ pub(crate) struct Args {
     /// Lanes of receiver-side ordering in the ordering experiment.
     #[arg(long, default_value_t = 4)]
     lanes: u32,
+    /// Messages per throughput measurement (0: ten times `--msgs`).
+    #[arg(long, default_value_t = 0)]
+    throughput_msgs: usize,
+    /// Variants of the `direct` experiment to run, comma separated: `chunnel`, `direct` (the
+    /// main baseline) and `extra` (the extra baselines). A variant left out has no figures
+    /// (its ratios are null); for profiling one variant's client alone.
+    #[arg(long, default_value = "chunnel,direct,extra")]
+    variants: String,
+}
+
+impl Args {
+    fn runs(&self, variant: &str) -> bool {
+        self.variants.split(',').any(|v| v.trim() == variant)
+    }
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -228,9 +246,17 @@ mod imp {
         }
     }
 
-    async fn run_pair(p: &mut impl Pair, a: &Args, f: &mut Figures) -> Result<()> {
+    /// Measures `p` unless `variant` is left out of `--variants`.
+    async fn run_pair(variant: &str, p: &mut impl Pair, a: &Args, f: &mut Figures) -> Result<()> {
+        if !a.runs(variant) {
+            return Ok(());
+        }
         let lat = latency(p, a.msgs, a.size).await?;
-        let t = throughput(p, a.msgs * 10, a).await?;
+        let total = match a.throughput_msgs {
+            0 => a.msgs * 10,
+            n => n,
+        };
+        let t = throughput(p, total, a).await?;
         f.add(&lat, t);
         Ok(())
     }
@@ -288,8 +314,11 @@ mod imp {
         per message";
     const NATS_NO_ID: &str = "async-nats as `direct` but publishing without a Nats-Msg-Id \
         header (no deduplication by JetStream)";
-    const KAFKA_DIRECT: &str = "rskafka: one produce request per burst of plain records (no \
-        id), fetch by offset";
+    const KAFKA_DIRECT: &str = "rskafka: one produce request per burst, each record's value a \
+        16-byte id then the payload, stamped with the burst's wall-clock time; fetch by offset";
+    const KAFKA_NO_ID: &str = "rskafka as `direct` but plain values (no id) with timestamp 0 (a \
+        smaller record, and a timestamp no producer keeping data would write: time-based \
+        retention drops such a segment once it rolls)";
 
     fn topic(what: &str, rep: usize) -> String {
         format!("bench-{what}-{}-{rep}", std::process::id())
@@ -469,30 +498,67 @@ mod imp {
         pub(super) struct Direct {
             part: PartitionClient,
             pos: i64,
+            /// Put a 16-byte id (the next one) in front of every value and stamp the records
+            /// with the time, as the Chunnel does; `None`: plain values, timestamp 0.
+            ids: Option<u128>,
         }
 
-        pub(super) async fn direct(broker: &KafkaBroker, topic: &str) -> Result<Direct> {
+        /// The client crate used directly; `with_ids`: every record carries a 16-byte id (a
+        /// counter) in front of its value and the burst's wall-clock time as its timestamp.
+        pub(super) async fn direct(
+            broker: &KafkaBroker,
+            topic: &str,
+            with_ids: bool,
+        ) -> Result<Direct> {
             broker.ensure_topic(topic, 1).await?;
             let part = broker
                 .client()
                 .partition_client(topic, 0, UnknownTopicHandling::Retry)
                 .await?;
             let pos = part.get_offset(OffsetAt::Latest).await?;
-            Ok(Direct { part, pos })
+            Ok(Direct {
+                part,
+                pos,
+                ids: with_ids.then_some(0),
+            })
         }
 
         impl Pair for Direct {
             async fn publish(&mut self, burst: &[Bytes]) -> Result<()> {
-                let records: Vec<Record> = burst
-                    .iter()
-                    .map(|b| Record {
-                        key: None,
-                        value: Some(b.to_vec()),
-                        headers: Default::default(),
-                        timestamp: rskafka::chrono::DateTime::from_timestamp_millis(0)
-                            .unwrap_or_default(),
-                    })
-                    .collect();
+                let records: Vec<Record> = match &mut self.ids {
+                    Some(next) => {
+                        let ms = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_millis() as i64);
+                        let timestamp = rskafka::chrono::DateTime::from_timestamp_millis(ms)
+                            .unwrap_or_default();
+                        burst
+                            .iter()
+                            .map(|b| {
+                                let mut value = Vec::with_capacity(16 + b.len());
+                                value.extend_from_slice(&next.to_be_bytes());
+                                value.extend_from_slice(b);
+                                *next += 1;
+                                Record {
+                                    key: None,
+                                    value: Some(value),
+                                    headers: Default::default(),
+                                    timestamp,
+                                }
+                            })
+                            .collect()
+                    }
+                    None => burst
+                        .iter()
+                        .map(|b| Record {
+                            key: None,
+                            value: Some(b.to_vec()),
+                            headers: Default::default(),
+                            timestamp: rskafka::chrono::DateTime::from_timestamp_millis(0)
+                                .unwrap_or_default(),
+                        })
+                        .collect(),
+                };
                 self.part
                     .produce(records, Compression::NoCompression)
                     .await?;
@@ -585,9 +651,9 @@ mod imp {
                                         .await?;
                                 if rep.is_multiple_of(2) {
                                     both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
-                                    run_pair(&mut xp, a, &mut x).await?;
+                                    run_pair("extra", &mut xp, a, &mut x).await?;
                                 } else {
-                                    run_pair(&mut xp, a, &mut x).await?;
+                                    run_pair("extra", &mut xp, a, &mut x).await?;
                                     both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
                                 }
                             }
@@ -614,15 +680,26 @@ mod imp {
                         )
                         .await?;
                         let d = if direct {
-                            let (mut l, mut d) = (Figures::new(), Figures::new());
+                            let (mut l, mut d, mut x) =
+                                (Figures::new(), Figures::new(), Figures::new());
                             for rep in 0..=a.reps {
                                 let mut lp = lib(broker.clone(), &topic("lib", rep)).await?;
                                 let mut dp =
-                                    kafka_direct::direct(&broker, &topic("direct", rep)).await?;
-                                both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                    kafka_direct::direct(&broker, &topic("direct", rep), true)
+                                        .await?;
+                                let mut xp =
+                                    kafka_direct::direct(&broker, &topic("noid", rep), false)
+                                        .await?;
+                                if rep.is_multiple_of(2) {
+                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                    run_pair("extra", &mut xp, a, &mut x).await?;
+                                } else {
+                                    run_pair("extra", &mut xp, a, &mut x).await?;
+                                    both(rep, &mut lp, &mut dp, a, &mut l, &mut d).await?;
+                                }
                             }
-                            discard_warmup([&mut l, &mut d]);
-                            Some(compare(&l, KAFKA_DIRECT, &d, &[]))
+                            discard_warmup([&mut l, &mut d, &mut x]);
+                            Some(compare(&l, KAFKA_DIRECT, &d, &[("no_id", KAFKA_NO_ID, &x)]))
                         } else {
                             None
                         };
@@ -664,11 +741,11 @@ mod imp {
         d: &mut Figures,
     ) -> Result<()> {
         if rep.is_multiple_of(2) {
-            run_pair(lp, a, l).await?;
-            run_pair(dp, a, d).await?;
+            run_pair("chunnel", lp, a, l).await?;
+            run_pair("direct", dp, a, d).await?;
         } else {
-            run_pair(dp, a, d).await?;
-            run_pair(lp, a, l).await?;
+            run_pair("direct", dp, a, d).await?;
+            run_pair("chunnel", lp, a, l).await?;
         }
         Ok(())
     }

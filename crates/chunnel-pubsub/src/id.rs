@@ -1,7 +1,7 @@
 //! Message ids (carried in a header or field of every published message) and the bounded
 //! window a subscriber deduplicates with.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A message's id: the publisher that sent it and its sequence number at that publisher.
@@ -99,20 +99,58 @@ pub(crate) fn random_u64() -> u64 {
 /// The ids of the last `capacity` messages delivered: a message whose id is in the window is
 /// a duplicate (a redelivery after a broker restart or a publisher's retry). Memory is bounded
 /// by `capacity`; a duplicate arriving after more than `capacity` newer messages is not caught.
+///
+/// The window is kept as runs of consecutive sequence numbers of one producer, in delivery
+/// order: a publisher's messages arrive mostly in order, so the usual insert extends the newest
+/// run (and, once the window is full, retires the first id of the oldest) without hashing.
+/// While ids that broke runs (publishers interleaved, several partitions) are in the window,
+/// a lookup also costs a hash of the producer and a B-tree search. At most `capacity` runs.
 #[derive(Debug)]
 pub(crate) struct DedupWindow {
-    seen: HashSet<MsgId>,
-    order: VecDeque<MsgId>,
+    /// The newest run (the one that grows); not in `closed`.
+    open: Option<Run>,
+    /// The older runs, oldest first, each also in `closed`. No id is in two runs.
+    older: VecDeque<Run>,
+    /// The older runs per producer: its last sequence number → its first.
+    closed: HashMap<u64, BTreeMap<u64, u64>>,
+    /// Ids in the window (at most `capacity`).
+    len: usize,
     capacity: usize,
+}
+
+/// The sequence numbers `first..=last` of one producer.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    producer: u64,
+    first: u64,
+    last: u64,
 }
 
 impl DedupWindow {
     pub(crate) fn new(capacity: usize) -> Self {
         DedupWindow {
-            seen: HashSet::with_capacity(capacity.min(1 << 16)),
-            order: VecDeque::with_capacity(capacity.min(1 << 16)),
+            open: None,
+            older: VecDeque::new(),
+            closed: HashMap::new(),
+            len: 0,
             capacity,
         }
+    }
+
+    fn contains(&self, id: MsgId) -> bool {
+        if let Some(o) = &self.open
+            && o.producer == id.producer
+            && o.first <= id.seq
+            && id.seq <= o.last
+        {
+            return true;
+        }
+        !self.older.is_empty()
+            && self
+                .closed
+                .get(&id.producer)
+                .and_then(|runs| runs.range(id.seq..).next())
+                .is_some_and(|(_, &first)| first <= id.seq)
     }
 
     /// Records `id`; returns whether it is new (not in the window).
@@ -120,16 +158,64 @@ impl DedupWindow {
         if self.capacity == 0 {
             return true;
         }
-        if !self.seen.insert(id) {
+        if self.contains(id) {
             return false;
         }
-        if self.order.len() == self.capacity
-            && let Some(old) = self.order.pop_front()
-        {
-            self.seen.remove(&old);
+        let fresh = Run {
+            producer: id.producer,
+            first: id.seq,
+            last: id.seq,
+        };
+        match &mut self.open {
+            Some(o) if o.producer == id.producer && o.last.checked_add(1) == Some(id.seq) => {
+                o.last = id.seq;
+            }
+            open => {
+                if let Some(o) = open.replace(fresh) {
+                    self.closed
+                        .entry(o.producer)
+                        .or_default()
+                        .insert(o.last, o.first);
+                    self.older.push_back(o);
+                }
+            }
         }
-        self.order.push_back(id);
+        self.len += 1;
+        if self.len > self.capacity {
+            self.forget_oldest();
+        }
         true
+    }
+
+    /// Drops the oldest id (the first of the oldest run).
+    fn forget_oldest(&mut self) {
+        if let Some(f) = self.older.front_mut() {
+            let emptied = f.first == f.last;
+            if let Some(runs) = self.closed.get_mut(&f.producer) {
+                if emptied {
+                    runs.remove(&f.last);
+                    if runs.is_empty() {
+                        self.closed.remove(&f.producer);
+                    }
+                } else if let Some(first) = runs.get_mut(&f.last) {
+                    *first += 1;
+                }
+            }
+            if emptied {
+                self.older.pop_front();
+            } else {
+                f.first += 1;
+            }
+        } else if let Some(o) = &mut self.open {
+            if o.first == o.last {
+                self.open = None;
+            } else {
+                o.first += 1;
+            }
+        } else {
+            return;
+        }
+        self.len -= 1;
     }
 }
 
@@ -161,5 +247,65 @@ mod tests {
         assert!(w.insert(id(3)));
         assert!(w.insert(id(1)), "1 fell out of a window of 2");
         assert!(!w.insert(id(3)));
+    }
+
+    /// The window as a set and a queue of single ids: what [`DedupWindow`] must answer.
+    struct Model {
+        seen: std::collections::HashSet<MsgId>,
+        order: VecDeque<MsgId>,
+        capacity: usize,
+    }
+
+    impl Model {
+        fn insert(&mut self, id: MsgId) -> bool {
+            if self.capacity == 0 {
+                return true;
+            }
+            if !self.seen.insert(id) {
+                return false;
+            }
+            if self.order.len() == self.capacity
+                && let Some(old) = self.order.pop_front()
+            {
+                self.seen.remove(&old);
+            }
+            self.order.push_back(id);
+            true
+        }
+    }
+
+    proptest::proptest! {
+        /// Runs, interleaved producers, gaps, repeats and sequence numbers at `u64::MAX`: the
+        /// window answers as the set of the last `capacity` ids, and holds at most that many.
+        #[test]
+        fn window_matches_the_set_of_the_last_ids(
+            capacity in 0usize..12,
+            ops in proptest::collection::vec((0u64..3, 0u64..24, 0u8..4), 0..300),
+        ) {
+            // Kind 0: a sequence number from the low end, 1: from the top (up to `u64::MAX`),
+            // else the producer's next one (runs), which wraps past `u64::MAX` to 0.
+            let mut next = [0u64; 3];
+            let mut w = DedupWindow::new(capacity);
+            let mut m = Model {
+                seen: Default::default(),
+                order: VecDeque::new(),
+                capacity,
+            };
+            for (producer, seq, kind) in ops {
+                let seq = match kind {
+                    0 => seq,
+                    1 => u64::MAX - seq,
+                    _ => next[producer as usize],
+                };
+                next[producer as usize] = seq.wrapping_add(1);
+                let id = MsgId { producer, seq };
+                proptest::prop_assert_eq!(w.insert(id), m.insert(id), "{:?}", id);
+                proptest::prop_assert!(w.len <= capacity);
+                let held: u64 = w.older.iter().chain(&w.open).map(|r| r.last - r.first + 1).sum();
+                proptest::prop_assert_eq!(held, w.len as u64);
+                let indexed: usize = w.closed.values().map(BTreeMap::len).sum();
+                proptest::prop_assert_eq!(indexed, w.older.len());
+            }
+        }
     }
 }

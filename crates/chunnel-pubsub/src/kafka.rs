@@ -6,16 +6,19 @@
 //! [`Ordering::Total`] with one partition); an unkeyed burst goes to one partition, chosen
 //! round-robin per burst. The message id travels in front of the record's value (4 bytes
 //! `chn1`, then the 16-byte id; a value without them is delivered whole, without an id): 20
-//! bytes a record, fewer than a record header would take.
+//! bytes a record, fewer than a record header would take. The records of a burst share one
+//! timestamp, the wall-clock time of the publish.
 //!
 //! Large bursts: the producer splits a burst into produce requests of at most
 //! [`MAX_REQUEST_BYTES`] of records each ([`split_records`]), sent one after the other (a later
 //! request once the earlier one is acknowledged, so a failure never leaves a later part
 //! stored before an earlier one), so no request exceeds the broker's default
-//! `message.max.bytes` (1 MiB). The workspace builds rskafka with `TCP_NODELAY` on its broker
-//! connections (third_party/rskafka/CHUNNEL-PATCH.md): the published 0.6 writes a request
-//! larger than its 8 KiB buffer as two writes, and with Nagle's algorithm the second waits for
-//! the broker's delayed ACK (about 40 ms a request).
+//! `message.max.bytes` (1 MiB). The workspace builds rskafka patched
+//! (third_party/rskafka/CHUNNEL-PATCH.md) to write a request in one piece, with `TCP_NODELAY`
+//! on its broker connections: the published 0.6 writes a request larger than its 8 KiB buffer
+//! as two writes (a burst of a hundred 64-byte messages makes a 9.5 KB request), a second
+//! `sendto` a request, and with Nagle's algorithm the second waits for the broker's delayed ACK
+//! (about 40 ms a request).
 //!
 //! Fetching: a fetch response holds whole record batches (a producer's burst is one), so it
 //! often brings more records than the subscriber has room for; the consumer keeps the rest
@@ -52,7 +55,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use rskafka::BackoffConfig;
 use rskafka::client::error::{Error as KError, ProtocolError};
 use rskafka::client::partition::{Compression, OffsetAt, PartitionClient, UnknownTopicHandling};
@@ -222,9 +225,21 @@ pub fn split_records(records: Vec<Record>, max: usize) -> Vec<Vec<Record>> {
     out
 }
 
-/// Produces `records` to `part` in requests of at most [`MAX_REQUEST_BYTES`], one after the
-/// other.
-async fn produce(part: &PartitionClient, records: Vec<Record>) -> Result<(), Error> {
+/// A message's [`record_bytes`] once it is a record ([`record`]: no headers).
+fn outgoing_bytes(m: &Outgoing) -> usize {
+    m.key.as_ref().map_or(0, Bytes::len) + PREFIX + m.payload.len() + 16
+}
+
+/// Produces `records` (of `bytes` by [`record_bytes`] together) to `part` in requests of at
+/// most [`MAX_REQUEST_BYTES`], one after the other.
+async fn produce(part: &PartitionClient, records: Vec<Record>, bytes: usize) -> Result<(), Error> {
+    if bytes <= MAX_REQUEST_BYTES {
+        // One request (the usual burst): the records as they are, not regrouped.
+        part.produce(records, Compression::NoCompression)
+            .await
+            .map_err(|e| unavailable("produce", e))?;
+        return Ok(());
+    }
     for run in split_records(records, MAX_REQUEST_BYTES) {
         part.produce(run, Compression::NoCompression)
             .await
@@ -233,7 +248,7 @@ async fn produce(part: &PartitionClient, records: Vec<Record>) -> Result<(), Err
     Ok(())
 }
 
-/// The wall-clock time of a record.
+/// The wall-clock time of a record (read once per burst: its records share it).
 fn now() -> rskafka::chrono::DateTime<rskafka::chrono::Utc> {
     let ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -248,7 +263,7 @@ fn fnv1a(key: &[u8]) -> u64 {
     })
 }
 
-fn record(m: &Outgoing) -> Record {
+fn record(m: &Outgoing, timestamp: rskafka::chrono::DateTime<rskafka::chrono::Utc>) -> Record {
     let mut value = Vec::with_capacity(PREFIX + m.payload.len());
     value.extend_from_slice(MAGIC);
     value.extend_from_slice(&m.id.to_bytes());
@@ -257,16 +272,18 @@ fn record(m: &Outgoing) -> Record {
         key: m.key.as_ref().map(|k| k.to_vec()),
         value: Some(value),
         headers: BTreeMap::new(),
-        timestamp: now(),
+        timestamp,
     }
 }
 
 /// A record value's message id and payload: the id if the value starts with [`MAGIC`] (then
 /// the payload follows it), else no id and the whole value.
-fn split_value(value: Bytes) -> (Option<MsgId>, Bytes) {
+fn split_value(mut value: Bytes) -> (Option<MsgId>, Bytes) {
     if value.len() >= PREFIX && value.starts_with(MAGIC) {
         let id = MsgId::from_bytes(&value[MAGIC.len()..PREFIX]);
-        (id, value.slice(PREFIX..))
+        // Advanced in place: `slice` would make the buffer shared (an allocation a record).
+        value.advance(PREFIX);
+        (id, value)
     } else {
         (None, value)
     }
@@ -475,22 +492,26 @@ pub struct KafkaProducer {
 impl Producer for KafkaProducer {
     async fn publish(&self, batch: &[Outgoing]) -> Result<(), Error> {
         let n = self.parts.len();
+        let ts = now();
         if n == 1 || batch.iter().all(|m| m.key.is_none()) {
             let p = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
-            return produce(&self.parts[p], batch.iter().map(record).collect()).await;
+            let bytes = batch.iter().map(outgoing_bytes).sum();
+            let records = batch.iter().map(|m| record(m, ts)).collect();
+            return produce(&self.parts[p], records, bytes).await;
         }
         let rr = self.next.fetch_add(1, AtomicOrdering::Relaxed) % n;
-        let mut by_part: Vec<Vec<Record>> = (0..n).map(|_| Vec::new()).collect();
+        let mut by_part: Vec<(Vec<Record>, usize)> = (0..n).map(|_| (Vec::new(), 0)).collect();
         for m in batch {
             let p = match &m.key {
                 Some(k) => (fnv1a(k) % n as u64) as usize,
                 None => rr,
             };
-            by_part[p].push(record(m));
+            by_part[p].0.push(record(m, ts));
+            by_part[p].1 += outgoing_bytes(m);
         }
-        for (p, records) in by_part.into_iter().enumerate() {
+        for (p, (records, bytes)) in by_part.into_iter().enumerate() {
             if !records.is_empty() {
-                produce(&self.parts[p], records).await?;
+                produce(&self.parts[p], records, bytes).await?;
             }
         }
         Ok(())
@@ -660,5 +681,34 @@ mod tests {
         let (id, payload) = split_value(Bytes::from_static(b"plain"));
         assert!(id.is_none());
         assert_eq!(&payload[..], b"plain");
+        let (id, payload) = split_value(Bytes::from_static(b"chn1short"));
+        assert!(id.is_none());
+        assert_eq!(&payload[..], b"chn1short");
+    }
+
+    #[test]
+    fn a_record_value_gives_back_its_id_and_payload() {
+        for payload in [&b""[..], b"p", &[7u8; 300]] {
+            let m = Outgoing {
+                id: MsgId {
+                    producer: 0x0123_4567_89ab_cdef,
+                    seq: 42,
+                },
+                key: None,
+                payload: Bytes::copy_from_slice(payload),
+            };
+            let r = record(&m, now());
+            assert_eq!(r.value.as_ref().map(Vec::len), Some(PREFIX + payload.len()));
+            assert_eq!(outgoing_bytes(&m), record_bytes(&r));
+            let keyed = Outgoing {
+                key: Some(Bytes::from_static(b"key")),
+                ..m.clone()
+            };
+            assert_eq!(outgoing_bytes(&keyed), record_bytes(&record(&keyed, now())));
+            // As a fetch hands it over: a `Vec` turned into `Bytes`.
+            let (id, got) = split_value(Bytes::from(r.value.unwrap_or_default()));
+            assert_eq!(id, Some(m.id));
+            assert_eq!(got, m.payload);
+        }
     }
 }

@@ -34,7 +34,7 @@ use crate::{
         api_key::ApiKey,
         api_version::ApiVersion,
         error::Error as ApiError,
-        frame::{AsyncMessageRead, AsyncMessageWrite},
+        frame::AsyncMessageRead,
         messages::{
             ReadVersionedError, ReadVersionedType, RequestBody, RequestHeader, ResponseHeader,
             SaslAuthenticateRequest, SaslAuthenticateResponse, SaslHandshakeRequest,
@@ -366,11 +366,18 @@ where
             ApiVersion(Int16(1))
         };
 
-        let mut buf = Vec::new();
+        // Chunnel patch: the frame's 4-byte length goes in front of the message in the same
+        // buffer (filled in below), so a request leaves in one write even when it is larger
+        // than the `BufStream`'s 8 KiB (see CHUNNEL-PATCH.md).
+        let mut buf = vec![0u8; 4];
         header
             .write_versioned(&mut buf, header_version)
             .expect("Writing header to buffer should always work");
         msg.write_versioned(&mut buf, body_api_version)?;
+        let size = buf.len() - 4;
+        let len = i32::try_from(size)
+            .map_err(|_| crate::protocol::frame::WriteError::TooLarge { size })?;
+        buf[..4].copy_from_slice(&len.to_be_bytes());
 
         let (tx, rx) = channel();
 
@@ -431,7 +438,11 @@ where
 
         // use a wrapper so that cancelation doesn't cancel the send operation and leaves half-send messages on the wire
         let fut = CancellationSafeFuture::new(async move {
-            stream_write.write_message(&msg).await?;
+            // `msg` is a whole frame, its length in front (Chunnel patch).
+            stream_write
+                .write_all(&msg)
+                .await
+                .map_err(crate::protocol::frame::WriteError::IO)?;
             stream_write.flush().await?;
             Ok(())
         });
@@ -759,6 +770,7 @@ mod tests {
 
     use super::*;
 
+    use crate::protocol::frame::AsyncMessageWrite;
     use crate::{
         build_info::DEFAULT_CLIENT_ID,
         protocol::{
