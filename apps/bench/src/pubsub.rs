@@ -73,6 +73,12 @@ pub(crate) struct Args {
     /// (its ratios are null); for profiling one variant's client alone.
     #[arg(long, default_value = "chunnel,direct,extra")]
     variants: String,
+    /// Leave the client and the broker unpinned (by default the client runs on CPU 0 and every
+    /// thread of the broker on CPU 1: where the scheduler puts them otherwise changes from one
+    /// repetition to the next, and a cross-core wake-up costs tens of microseconds here, so
+    /// latency would be bimodal).
+    #[arg(long)]
+    no_pin: bool,
 }
 
 impl Args {
@@ -579,7 +585,32 @@ mod imp {
         }
     }
 
+    /// Pins every thread of the broker to CPU 1 (the client runs on CPU 0), unless `--no-pin`.
+    /// Threads the broker starts later inherit the mask of the thread that starts them.
+    fn pin_broker(a: &Args, server: &chunnel_test::services::Server) -> Result<()> {
+        if a.no_pin {
+            return Ok(());
+        }
+        let pid = server
+            .pid()
+            .ok_or_else(|| anyhow::anyhow!("{} is not running", server.name))?;
+        let out = std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", "1", &pid.to_string()])
+            .output()
+            .map_err(|e| anyhow::anyhow!("taskset (util-linux) to pin {}: {e}", server.name))?;
+        anyhow::ensure!(
+            out.status.success(),
+            "taskset -a -p -c 1 {pid} ({}): {}",
+            server.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
     pub(super) fn measure(a: &Args) -> Result<Value> {
+        if !a.no_pin {
+            crate::pin_to(0)?;
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -607,6 +638,7 @@ mod imp {
             let (d, o) = match b {
                 "redis" => {
                     let (_server, url) = chunnel_test::brokers::redis(&scratch);
+                    pin_broker(a, &_server)?;
                     rt.block_on(async {
                         let broker = chunnel_pubsub::redis::RedisBroker::new(&url)?;
                         let d = if direct {
@@ -632,6 +664,7 @@ mod imp {
                 }
                 "nats" => {
                     let (_server, addr) = chunnel_test::brokers::nats(&scratch);
+                    pin_broker(a, &_server)?;
                     rt.block_on(async {
                         let broker = chunnel_pubsub::nats::NatsBroker::connect(
                             &addr,
@@ -672,6 +705,7 @@ mod imp {
                 }
                 "kafka" => {
                     let (_server, addr) = chunnel_test::brokers::kafka(&scratch);
+                    pin_broker(a, &_server)?;
                     rt.block_on(async {
                         let broker = chunnel_pubsub::kafka::KafkaBroker::connect(
                             vec![addr],

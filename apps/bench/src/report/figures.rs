@@ -248,7 +248,7 @@ pub(crate) static FIGURES: &[Figure] = &[
     Figure {
         name: "pubsub",
         taskset: None,
-        args: &["pubsub", "--reps", "5"],
+        args: &["pubsub", "--reps", "5", "--throughput-msgs", "200000"],
         quick: &["pubsub", "--msgs", "200", "--reps", "1"],
         expected_secs: 300,
         needs: &[
