@@ -25,6 +25,10 @@
 //! (at most one response, 4 MiB) and hands it out on the next fetches without asking the
 //! broker again. A slow application on Kafka therefore holds up to `prefetch` messages plus
 //! the rest of one response.
+//! A member that owns several partitions fetches them one at a time (rskafka's fetch names one
+//! partition), each fetch waiting at the broker for up to its share of [`crate::Config::poll`]:
+//! a message on another partition waits until that fetch ends (up to `poll / n` with `n`
+//! partitions), so latency-sensitive subscribers of multi-partition topics lower `poll`.
 //!
 //! rskafka has no consumer-group protocol. A group through [`KafkaBroker`] is static: member
 //! `index` of `count` owns partitions `p` with `p % count == index`. A group through
