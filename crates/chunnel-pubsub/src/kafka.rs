@@ -385,7 +385,7 @@ impl Broker for KafkaBroker {
     }
 }
 
-/// The last committed position of every key in the offsets topic.
+/// The highest committed position of every key in the offsets topic.
 async fn read_commits(offsets: &PartitionClient) -> Result<HashMap<String, i64>, Error> {
     let end = offsets
         .get_offset(OffsetAt::Latest)
@@ -410,7 +410,13 @@ async fn read_commits(offsets: &PartitionClient) -> Result<HashMap<String, i64>,
             let (Ok(k), Ok(v)) = (String::from_utf8(k), <[u8; 8]>::try_from(v.as_slice())) else {
                 continue;
             };
-            out.insert(k, i64::from_be_bytes(v));
+            // The highest position per key: a member's positions only move forward, and a
+            // commit that reaches the broker late (sent by a member that has since lost the
+            // partition) must not move it back.
+            let v = i64::from_be_bytes(v);
+            out.entry(k)
+                .and_modify(|e: &mut i64| *e = (*e).max(v))
+                .or_insert(v);
         }
     }
     Ok(out)

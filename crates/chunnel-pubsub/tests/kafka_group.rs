@@ -601,6 +601,8 @@ async fn kafka_group_rebalances() {
     stalled_member_keeps_its_partitions(broker.clone()).await;
     eprintln!("kafka group: at-most-once takeover");
     scenarios::at_most_once_takeover(broker.clone(), Duration::from_secs(1)).await;
+    eprintln!("kafka group: at-most-once takeover by another member (through a transition)");
+    scenarios::at_most_once_takeover_by(broker.clone(), Duration::from_secs(1), Some("m1")).await;
     eprintln!("kafka group: a member cut off from the store");
     let zombie_store = Arc::new(Cuttable {
         inner: sqlite,

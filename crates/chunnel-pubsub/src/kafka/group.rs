@@ -409,6 +409,10 @@ impl Consumer for KafkaGroupConsumer {
     /// partitions over). Fails ([`Error::Refused`]) if a record belongs to a partition this
     /// member gave up since it fetched it: its new owner gets it.
     async fn ack_confirmed(&mut self, tokens: &mut Vec<KafkaGroupToken>) -> Result<(), Error> {
+        // The commit lock first: a release holds it from its commit until its slots are gone,
+        // so a token checked under it is either of a slot still held (and committed below) or
+        // stale (refused), never of a partition whose release commit has already passed it.
+        let _order = self.ctl.commit_lock.lock().await;
         let stale = self.ctl.ack(tokens);
         if let Some(p) = stale {
             return Err(Error::Refused {
@@ -416,16 +420,6 @@ impl Consumer for KafkaGroupConsumer {
                 op: "commit",
                 reason: format!("partition {p} went to another member since it was fetched"),
             });
-        }
-        let lease_lost = || Error::Unavailable {
-            broker: super::NAME,
-            op: "commit",
-            waited: Duration::ZERO,
-            last: "the group lease was not renewed in time".into(),
-        };
-        let _order = self.ctl.commit_lock.lock().await;
-        if !self.ctl.leased() {
-            return Err(lease_lost());
         }
         self.ctl.commit_locked(None).await?;
         if !self.ctl.leased() {

@@ -97,8 +97,13 @@ impl Ctl {
     }
 
     /// Commits the acknowledged positions of `only` (all held partitions if `None`); the
-    /// caller holds `commit_lock`. Returns once the broker acknowledged the produce.
+    /// caller holds `commit_lock`. Returns once the broker acknowledged the produce. Commits
+    /// nothing, and fails, once the lease is no longer certain: the group may have given the
+    /// partitions to another member, whose commits this one must not overwrite.
     pub(super) async fn commit_locked(&self, only: Option<&[i32]>) -> Result<(), Error> {
+        if !self.leased() {
+            return Err(lease_lost());
+        }
         let todo: Vec<(i32, i64)> = {
             let st = self.lock();
             st.slots
@@ -445,5 +450,15 @@ impl<St: Store> Driver<St> {
             );
         }
         Ok(())
+    }
+}
+
+/// The error of a commit refused because the member's lease is no longer certain.
+pub(super) fn lease_lost() -> Error {
+    Error::Unavailable {
+        broker: crate::kafka::NAME,
+        op: "commit",
+        waited: Duration::ZERO,
+        last: "the group lease was not renewed in time".into(),
     }
 }
