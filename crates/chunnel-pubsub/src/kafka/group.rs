@@ -24,8 +24,9 @@
 //!   runs out; the transition then commits without it. A member fences itself first: it
 //!   fetches and commits nothing once its last successful renewal is older than 3/4 of the
 //!   lease, so it has stopped before the store lets anyone else take its partitions (the
-//!   fence counts from when the renewal was sent, on the member's clock; it assumes the
-//!   store's clock does not run faster). What it acknowledged in its last 200 ms (not
+//!   fence counts from when the renewal was sent, on the member's monotonic clock, so a
+//!   wall-clock step does not move it; it assumes the store's clock does not run faster
+//!   than the member's). What it acknowledged in its last 200 ms (not
 //!   committed yet) and what it fetched without acknowledging is fetched again by the new
 //!   owner.
 //! * At-most-once: [`Consumer::ack_confirmed`] commits at once and returns `Ok` only if the

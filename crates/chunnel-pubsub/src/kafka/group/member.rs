@@ -55,7 +55,7 @@ pub(super) struct Ctl {
     pub(super) offsets: Arc<PartitionClient>,
     /// `group/topic/`, the offsets key without the partition.
     pub(super) key_prefix: String,
-    /// When the last successful lease renewal (or join) started (Unix ms).
+    /// When the last successful lease renewal (or join) started ([`mono_ms`]; 0: never).
     pub(super) renewed_ms: AtomicU64,
     pub(super) lease_ms: u64,
     pub(super) op_timeout: Duration,
@@ -93,7 +93,8 @@ impl Ctl {
     /// Whether our lease is certainly still valid (renewed within 3/4 of it).
     pub(super) fn leased(&self) -> bool {
         let renewed = self.renewed_ms.load(AtomicOrdering::Acquire);
-        chunnel_rendezvous::store::now_ms() < renewed.saturating_add(self.lease_ms * 3 / 4)
+        // 0: never renewed (mono_ms starts at 1).
+        renewed != 0 && mono_ms() < renewed.saturating_add(self.lease_ms * 3 / 4)
     }
 
     /// Commits the acknowledged positions of `only` (all held partitions if `None`); the
@@ -213,7 +214,7 @@ pub(super) async fn renew<St: Store>(
 ) {
     loop {
         tokio::time::sleep(config.renew_every).await;
-        let started = chunnel_rendezvous::store::now_ms();
+        let started = mono_ms();
         let r = tokio::time::timeout(config.lease, store.renew(&rgroup, &me, config.lease)).await;
         let Some(c) = ctl.upgrade() else { return };
         if c.left.load(AtomicOrdering::Acquire) {
@@ -253,7 +254,7 @@ impl<St: Store> Driver<St> {
         let empty = encode_members(&[]);
         let lease = self.config.lease;
         for _ in 0..64 {
-            let started = chunnel_rendezvous::store::now_ms();
+            let started = mono_ms();
             let snap = self.bounded(self.store.snapshot(&self.rgroup)).await?;
             let reply = match &snap.committed {
                 None => {
@@ -461,4 +462,14 @@ pub(super) fn lease_lost() -> Error {
         waited: Duration::ZERO,
         last: "the group lease was not renewed in time".into(),
     }
+}
+
+/// Milliseconds on a monotonic clock (from 1, at the first call in this process): the lease
+/// fence counts on it, so a wall-clock step (NTP) cannot stretch a member's lease.
+pub(super) fn mono_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(std::time::Instant::now);
+    u64::try_from(start.elapsed().as_millis())
+        .unwrap_or(u64::MAX)
+        .saturating_add(1)
 }
