@@ -283,7 +283,12 @@ impl Core {
         }
         match &rec.pending {
             Some(t) => {
-                if self.voted != Some(t.id) && self.releasing != Some(t.id) {
+                if self.voted == Some(t.id) && !t.yes.contains(&self.me) {
+                    // Our yes is not in the record: the vote failed (or has not landed yet;
+                    // a vote is idempotent), so it is sent again rather than left to the
+                    // transition's deadline.
+                    out.push(Action::Vote(t.id));
+                } else if self.voted != Some(t.id) && self.releasing != Some(t.id) {
                     let keep = owned(&t.members, &self.me, self.partitions);
                     let lose: Vec<i32> = sorted(self.held.difference(&keep).copied());
                     if lose.is_empty() {

@@ -251,3 +251,30 @@ fn a_member_whose_lease_ran_out_stops_and_rejoins() {
     );
     assert!(a.held().is_empty());
 }
+
+#[test]
+fn a_vote_missing_from_the_record_is_sent_again() {
+    let mut b = Core::new("b", 2);
+    let rec = GroupRecord {
+        epoch: 1,
+        members: names(&["a"]),
+        live: names(&["a", "b"]),
+        pending: Some(Pending {
+            id: 4,
+            proposer: "a".into(),
+            members: names(&["a", "b"]),
+            deadline_ms: 10_000,
+            yes: names(&["a"]),
+        }),
+    };
+    // b holds nothing, so it votes at once.
+    assert_eq!(b.on_record(&rec, 0), vec![Action::Vote(4)]);
+    // The vote failed: the next read still lacks b's yes, so b votes again.
+    assert_eq!(b.on_record(&rec, 1), vec![Action::Vote(4)]);
+    // Once the record shows it, nothing more.
+    let mut seen = rec.clone();
+    if let Some(t) = seen.pending.as_mut() {
+        t.yes.push("b".into());
+    }
+    assert_eq!(b.on_record(&seen, 2), Vec::new());
+}
