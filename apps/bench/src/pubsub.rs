@@ -81,6 +81,7 @@ pub(crate) struct Args {
     no_pin: bool,
 }
 
+#[cfg(feature = "pubsub")]
 impl Args {
     fn runs(&self, variant: &str) -> bool {
         self.variants.split(',').any(|v| v.trim() == variant)
