@@ -75,7 +75,8 @@ pub struct GroupConfig {
     /// A member that stops renewing leaves the group this long after its last renewal (and
     /// fences itself after 3/4 of it). Default 3 s.
     pub lease: Duration,
-    /// How often a member renews its lease. Default 500 ms.
+    /// How often a member renews its lease: at most a quarter of `lease` (so one failed
+    /// renewal does not reach the fence). Default 500 ms.
     pub renew_every: Duration,
     /// How often a member reads the group record (it also reads when the store notifies a
     /// change). Default 50 ms.
@@ -239,14 +240,15 @@ impl<St: Store> Broker for KafkaGroupBroker<St> {
     ) -> Result<KafkaGroupConsumer, Error> {
         let cfg = &self.config;
         if cfg.renew_every.is_zero()
-            || cfg.renew_every * 2 > cfg.lease
+            || cfg.renew_every * 4 > cfg.lease
             || cfg.drain >= cfg.transition_timeout
             || cfg.poll.is_zero()
         {
             return Err(Error::Config {
                 what: format!(
-                    "kafka group timing {cfg:?}: renew at least twice a lease, drain within \
-                     the transition timeout, poll above zero"
+                    "kafka group timing {cfg:?}: renew at least four times a lease (two renewals \
+                     before the fence at 3/4 of it), drain within the transition timeout, poll \
+                     above zero"
                 ),
             });
         }
