@@ -413,8 +413,9 @@ async fn join_leave_die(broker: Broker) {
     )
     .await;
     let took = dropped.elapsed();
+    // The lease is 2 s, renewed every 300 ms: it runs out at least 1.7 s after the drop.
     assert!(
-        took >= Duration::from_millis(1_000),
+        took >= Duration::from_millis(1_500),
         "c's partitions were taken after {took:?}, before its lease could run out"
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
