@@ -385,6 +385,43 @@ impl Broker for KafkaBroker {
     }
 }
 
+/// Stores `positions` (offsets key, next offset) in the offsets topic; returns once the broker
+/// acknowledged them, or fails within `op_timeout`. Nothing to store: `Ok` at once.
+async fn produce_positions(
+    offsets: &PartitionClient,
+    op_timeout: Duration,
+    positions: Vec<(Vec<u8>, i64)>,
+) -> Result<(), Error> {
+    if positions.is_empty() {
+        return Ok(());
+    }
+    let timestamp = now();
+    let records: Vec<Record> = positions
+        .into_iter()
+        .map(|(key, pos)| Record {
+            key: Some(key),
+            value: Some(pos.to_be_bytes().to_vec()),
+            headers: BTreeMap::new(),
+            timestamp,
+        })
+        .collect();
+    match tokio::time::timeout(
+        op_timeout,
+        offsets.produce(records, Compression::NoCompression),
+    )
+    .await
+    {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(unavailable("commit", e)),
+        Err(_) => Err(Error::Unavailable {
+            broker: NAME,
+            op: "commit",
+            waited: op_timeout,
+            last: "timed out".into(),
+        }),
+    }
+}
+
 /// The highest committed position of every key in the offsets topic.
 async fn read_commits(offsets: &PartitionClient) -> Result<HashMap<String, i64>, Error> {
     let end = offsets
@@ -439,39 +476,15 @@ impl Commits {
     /// acknowledged the produce.
     async fn commit(&self, latest: &[i64]) -> Result<(), Error> {
         let mut done = self.done.lock().await;
-        let records: Vec<Record> = self
+        let records: Vec<(Vec<u8>, i64)> = self
             .keys
             .iter()
             .zip(latest)
             .zip(done.iter())
             .filter(|((_, new), old)| *new > *old)
-            .map(|((k, new), _)| Record {
-                key: Some(k.clone().into_bytes()),
-                value: Some(new.to_be_bytes().to_vec()),
-                headers: BTreeMap::new(),
-                timestamp: now(),
-            })
+            .map(|((k, new), _)| (k.clone().into_bytes(), *new))
             .collect();
-        if records.is_empty() {
-            return Ok(());
-        }
-        match tokio::time::timeout(
-            self.op_timeout,
-            self.offsets.produce(records, Compression::NoCompression),
-        )
-        .await
-        {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => return Err(unavailable("commit", e)),
-            Err(_) => {
-                return Err(Error::Unavailable {
-                    broker: NAME,
-                    op: "commit",
-                    waited: self.op_timeout,
-                    last: "timed out".into(),
-                });
-            }
-        }
+        produce_positions(&self.offsets, self.op_timeout, records).await?;
         for (d, new) in done.iter_mut().zip(latest) {
             *d = (*d).max(*new);
         }

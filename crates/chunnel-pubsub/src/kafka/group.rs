@@ -52,13 +52,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use chunnel_rendezvous::{Ballot, JoinReply, Snapshot, Store, Transition};
-use rskafka::client::partition::{Compression, OffsetAt, PartitionClient};
-use rskafka::record::Record as KRecord;
+use rskafka::client::partition::{OffsetAt, PartitionClient};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    FETCH_MAX_BYTES, KafkaBroker, KafkaProducer, OFFSETS_TOPIC, now, read_commits, split_value,
-    unavailable,
+    FETCH_MAX_BYTES, KafkaBroker, KafkaProducer, OFFSETS_TOPIC, produce_positions, read_commits,
+    split_value, unavailable,
 };
 use crate::broker::{Broker, Consumer, Incoming, Lane, Member};
 use crate::{Error, Ordering};

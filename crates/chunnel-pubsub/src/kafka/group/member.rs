@@ -114,35 +114,14 @@ impl Ctl {
                 .map(|(p, s)| (*p, s.acked))
                 .collect()
         };
-        if todo.is_empty() {
-            return Ok(());
-        }
-        let records: Vec<KRecord> = todo
-            .iter()
-            .map(|(p, pos)| KRecord {
-                key: Some(format!("{}{p}", self.key_prefix).into_bytes()),
-                value: Some(pos.to_be_bytes().to_vec()),
-                headers: BTreeMap::new(),
-                timestamp: now(),
-            })
-            .collect();
-        match tokio::time::timeout(
+        produce_positions(
+            &self.offsets,
             self.op_timeout,
-            self.offsets.produce(records, Compression::NoCompression),
+            todo.iter()
+                .map(|(p, pos)| (format!("{}{p}", self.key_prefix).into_bytes(), *pos))
+                .collect(),
         )
-        .await
-        {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => return Err(unavailable("commit", e)),
-            Err(_) => {
-                return Err(Error::Unavailable {
-                    broker: crate::kafka::NAME,
-                    op: "commit",
-                    waited: self.op_timeout,
-                    last: "timed out".into(),
-                });
-            }
-        }
+        .await?;
         let mut st = self.lock();
         for (p, pos) in todo {
             if let Some(s) = st.slots.get_mut(&p) {
