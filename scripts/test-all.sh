@@ -179,7 +179,7 @@ cargo run --release --locked -q -p chunnel-bench --features pubsub -- pubsub --m
 import json, sys
 d = json.load(sys.stdin)
 assert d["bench"] == "pubsub" and set(d["brokers"]) == {"redis", "nats", "kafka"}, d
-assert set(d["brokers"]["nats"]["baselines"]) == {"no_id"} and set(d["brokers"]["kafka"]["baselines"]) == set(), d
+assert set(d["brokers"]["nats"]["baselines"]) == {"no_id"} and set(d["brokers"]["kafka"]["baselines"]) == {"no_id"}, d
 for b, v in d["brokers"].items():
     for s in [v["chunnel"], v["direct"]] + [x["direct"] for x in v["baselines"].values()]:
         assert s["latency_p50_us"]["median"] > 0 and s["throughput_msgs_per_s"]["median"] > 0, (b, s)
