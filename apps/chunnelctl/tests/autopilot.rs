@@ -8,11 +8,14 @@
 //! fresh) into the target directory it runs from.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+mod common;
+use common::{Proc, spawn_kv_server, wait_socket};
 
 const CTL: &str = env!("CARGO_BIN_EXE_chunnelctl");
 const WAIT: Duration = Duration::from_secs(40);
@@ -39,16 +42,6 @@ fn bin_dir() -> &'static Path {
     })
 }
 
-/// A child process, killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn spawn(args: &[&str]) -> Proc {
     let child = Command::new(bin_dir().join("chunnel-kv"))
         .args(args)
@@ -56,18 +49,7 @@ fn spawn(args: &[&str]) -> Proc {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("starting chunnel-kv");
-    Proc(child)
-}
-
-fn wait_socket(p: &Path, proc: &mut Proc) {
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(p).is_err() {
-        if let Ok(Some(st)) = proc.0.try_wait() {
-            panic!("chunnel-kv exited ({st}) before its control socket was up");
-        }
-        assert!(t0.elapsed() < WAIT, "no control socket at {}", p.display());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    Proc(child, "chunnel-kv")
 }
 
 fn ctl(sock: &Path, args: &[&str]) -> Output {
@@ -179,21 +161,11 @@ fn a_load_ramp_switches_sharding_there_and_back() {
     let dir = std::env::temp_dir().join(format!("chunnelctl-autopilot-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let addr = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string();
     let (server_sock, sock) = (dir.join("kv.ctl"), dir.join("load.ctl"));
-    let mut server = spawn(&[
-        "serve",
-        "--addr",
-        &addr,
-        "--shards",
-        "2",
-        "--control",
-        server_sock.to_str().unwrap(),
-    ]);
+    let (mut server, addr) = spawn_kv_server(
+        bin_dir(),
+        &["--shards", "2", "--control", server_sock.to_str().unwrap()],
+    );
     wait_socket(&server_sock, &mut server);
     // A process without an autopilot says so.
     let none = json(&server_sock, &["autopilot"]);

@@ -10,11 +10,14 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+mod common;
+use common::{Proc, spawn_kv_server, wait_socket};
 
 const CTL: &str = env!("CARGO_BIN_EXE_chunnelctl");
 const WAIT: Duration = Duration::from_secs(30);
@@ -47,16 +50,6 @@ fn bin_dir() -> &'static Path {
     })
 }
 
-/// A child process, killed when dropped.
-struct Proc(Child, &'static str);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn spawn(bin: &'static str, args: &[&str]) -> Proc {
     let child = Command::new(bin_dir().join(bin))
         .args(args)
@@ -72,18 +65,6 @@ fn tempdir(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// Waits until something accepts on the socket at `p`.
-fn wait_socket(p: &Path, proc: &mut Proc) {
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(p).is_err() {
-        if let Ok(Some(st)) = proc.0.try_wait() {
-            panic!("{} exited ({st}) before its control socket was up", proc.1);
-        }
-        assert!(t0.elapsed() < WAIT, "no control socket at {}", p.display());
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn ctl(args: &[&str]) -> Output {
@@ -106,11 +87,6 @@ fn json(sock: &Path, args: &[&str]) -> Value {
     );
     serde_json::from_str(stdout.lines().last().unwrap_or_default())
         .unwrap_or_else(|e| panic!("chunnelctl {args:?} printed no JSON ({e}): {stdout}"))
-}
-
-fn free_port() -> String {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    s.local_addr().unwrap().to_string()
 }
 
 fn entry<'a>(ls: &'a Value, name: &str) -> &'a Value {
@@ -181,20 +157,11 @@ struct Kv {
 
 fn kv(tag: &str) -> Kv {
     let dir = tempdir(tag);
-    let addr = free_port();
     let server_sock = dir.join("kv.ctl");
     let load_sock = dir.join("load.ctl");
-    let mut server = spawn(
-        "chunnel-kv",
-        &[
-            "serve",
-            "--addr",
-            &addr,
-            "--shards",
-            "2",
-            "--control",
-            server_sock.to_str().unwrap(),
-        ],
+    let (mut server, addr) = spawn_kv_server(
+        bin_dir(),
+        &["--shards", "2", "--control", server_sock.to_str().unwrap()],
     );
     wait_socket(&server_sock, &mut server);
     let mut load = spawn(

@@ -455,6 +455,9 @@ impl KvServer {
         cfg: ServerConfig,
         registry: Option<chunnel_ctl::Registry>,
     ) -> Result<Self, KvError> {
+        // The canonical address first: the shards' kernel-picked ports cannot then take it.
+        let listener = udp::Listener::bind(addr).await?;
+        let addr = listener.local_addr()?;
         let shard_binds = vec![udp::Bind::new(SocketAddr::new(addr.ip(), 0)); cfg.shards];
         let shard_counts = registry
             .as_ref()
@@ -476,8 +479,6 @@ impl KvServer {
             },
             cfg.shard,
         )?;
-        let listener = udp::Listener::bind(addr).await?;
-        let addr = listener.local_addr()?;
         // Preference: client push (when offered), else server-side. Both branches have the
         // same type, so "no client push" is the forwarder twice.
         let first = if cfg.client_push {
