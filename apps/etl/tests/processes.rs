@@ -6,7 +6,7 @@
 #![cfg(feature = "nats")]
 
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, UdpSocket};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -48,6 +48,11 @@ impl Proc {
 
 /// Starts `chunnel-etl args` and waits (at most 20 s) for a stderr line containing `ready`.
 fn spawn(args: &[String], ready: &str) -> Result<Proc> {
+    Ok(spawn_line(args, ready)?.0)
+}
+
+/// [`spawn`], also returning the `ready` line.
+fn spawn_line(args: &[String], ready: &str) -> Result<(Proc, String)> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_chunnel-etl"))
         .args(args)
         .stdin(Stdio::null())
@@ -68,7 +73,7 @@ fn spawn(args: &[String], ready: &str) -> Result<Proc> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
-            Ok(line) if line.contains(ready) => return Ok(Proc(child, rx)),
+            Ok(line) if line.contains(ready) => return Ok((Proc(child, rx), line)),
             Ok(_) => {}
             Err(_) => {
                 let _ = Proc(child, rx);
@@ -78,11 +83,15 @@ fn spawn(args: &[String], ready: &str) -> Result<Proc> {
     }
 }
 
-fn free_udp() -> SocketAddr {
-    UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+/// The address in an ingest server's "ingest on ADDR -> ..." line.
+fn ingest_addr(line: &str) -> Result<SocketAddr> {
+    let rest = line
+        .split("ingest on ")
+        .nth(1)
+        .context("no \"ingest on\" in the line")?;
+    let addr = rest.split_whitespace().next().unwrap_or_default();
+    addr.parse()
+        .with_context(|| format!("ingest address {addr:?} in {line:?}"))
 }
 
 fn strings(v: &[&str]) -> Vec<String> {
@@ -101,12 +110,18 @@ async fn scenario(shm: bool, restart: Option<Duration>) -> Result<()> {
     let mut ingest_addrs = Vec::new();
     let mut ingest_args = Vec::new();
     for _ in 0..2 {
-        let addr = free_udp();
+        // A kernel-picked port, read back from the server: a port probed free here could be
+        // taken by another socket before the server bound it.
         let mut args = strings(&["ingest", "--broker", "nats", "--broker-addr", &nats]);
-        args.extend(strings(&["--topic", &topic, "--listen", &addr.to_string()]));
+        args.extend(strings(&["--topic", &topic, "--listen", "127.0.0.1:0"]));
         args.extend(strings(&[no_shm]).into_iter().filter(|s| !s.is_empty()));
-        ingests.push(spawn(&args, "ingest on")?);
+        let (proc, line) = spawn_line(&args, "ingest on")?;
+        let addr = ingest_addr(&line)?;
+        ingests.push(proc);
         ingest_addrs.push(addr);
+        // A restart listens on the address the first process had.
+        let at = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
+        args[at] = addr.to_string();
         ingest_args.push(args);
     }
     let mut parsers = Vec::new();
