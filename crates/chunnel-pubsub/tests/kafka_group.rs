@@ -1,8 +1,8 @@
 //! Kafka groups that rebalance ([`chunnel_pubsub::kafka::group`]) against a real Kafka 4.1
 //! broker (started here, as in `tests/kafka.rs`) and an embedded SQLite rendezvous store:
 //! members join mid-stream, leave cleanly, are dropped without leaving (lease expiry), join
-//! eight at once, stop reading, and are cut off from the store, while several publishers keep
-//! publishing.
+//! eight at once, stop reading, meet records they cannot decode, and are cut off from the
+//! store, while several publishers keep publishing.
 #![cfg(all(feature = "kafka", feature = "group"))]
 
 mod support;
@@ -576,6 +576,141 @@ async fn member_cut_off_from_the_store_stops(
     drop(a);
 }
 
+/// Waits (at most `limit`) for the group record of `rgroup` to satisfy `ok`.
+async fn until_record(
+    store: &SqliteStore,
+    rgroup: &str,
+    what: &str,
+    limit: Duration,
+    ok: impl Fn(&Snapshot) -> bool,
+) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let s = store.snapshot(rgroup).await.expect("snapshot");
+        if ok(&s) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// (e) A rogue writer (another version, a damaged store) puts assignments no member can
+/// decode into the group's record, first as a transition whose deadline is a minute away,
+/// then as a committed epoch: the members abort the first at once and replace the second
+/// with a fresh list, a third member joining in between still gets its share, and nothing is
+/// lost or handed out twice.
+async fn damaged_records_do_not_stall_the_group(broker: Broker, store: &SqliteStore) {
+    let topic = unique("kg-rogue");
+    let rgroup = format!("kg.g.{topic}");
+    let junk = Bytes::from_static(b"not an assignment");
+    let counts = Counts::default();
+    let a = join(&broker, &topic, "a", &counts).await;
+    let b = join(&broker, &topic, "b", &counts).await;
+    until(
+        "a and b split the partitions",
+        Duration::from_secs(20),
+        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3,
+    )
+    .await;
+    let sampler = sampler(&broker, &topic, vec![member("a"), member("b"), member("c")]);
+    let pubs = publishers(&broker, &topic, 2).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // An undecodable proposal, its deadline a minute away: aborted long before.
+    let snap = store.snapshot(&rgroup).await.expect("snapshot");
+    let rogue = Transition {
+        id: 0xbad,
+        from_epoch: snap.epoch(),
+        proposer: "rogue".into(),
+        stack: junk.clone(),
+        deadline_ms: chunnel_rendezvous::store::now_ms() + 60_000,
+        ballot_box: None,
+    };
+    assert!(store.propose(&rgroup, &rogue).await.expect("propose"));
+    until_record(
+        store,
+        &rgroup,
+        "the members to abort the undecodable proposal",
+        Duration::from_secs(10),
+        |s| s.transition.as_ref().is_none_or(|t| t.id != rogue.id),
+    )
+    .await;
+    let c = join(&broker, &topic, "c", &counts).await;
+    until(
+        "a, b and c split the partitions",
+        Duration::from_secs(20),
+        || {
+            [&a, &b, &c]
+                .iter()
+                .all(|r| holding(&broker, &topic, r).len() == 2)
+        },
+    )
+    .await;
+
+    // An undecodable epoch, committed by the rogue on everyone's behalf (retried: the members
+    // abort its proposals as soon as they see them).
+    let mut committed = None;
+    for i in 0..500u64 {
+        let s = store.snapshot(&rgroup).await.expect("snapshot");
+        if s.transition.is_none() {
+            let t = Transition {
+                id: 0xbad0 + i,
+                from_epoch: s.epoch(),
+                stack: junk.clone(),
+                ..rogue.clone()
+            };
+            let live: Vec<String> = s.members.iter().map(|m| m.id.clone()).collect();
+            if store.propose(&rgroup, &t).await.expect("propose")
+                && store
+                    .finish_attested(&rgroup, t.id, true, &live)
+                    .await
+                    .expect("finish")
+            {
+                committed = Some(s.epoch() + 1);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let bad_epoch = committed.expect("the rogue never got an undecodable epoch committed");
+    until_record(
+        store,
+        &rgroup,
+        "a readable list to replace the undecodable epoch",
+        Duration::from_secs(20),
+        |s| s.epoch() > bad_epoch && s.committed.as_ref().is_some_and(|c| c.stack != junk),
+    )
+    .await;
+    until(
+        "a, b and c hold two partitions each again",
+        Duration::from_secs(20),
+        || {
+            [&a, &b, &c]
+                .iter()
+                .all(|r| holding(&broker, &topic, r).len() == 2)
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sent = pubs.finish().await;
+    wait_all(&counts, &sent, "damaged records").await;
+    let (_, overlaps) = sampler.finish().await;
+    assert_eq!(overlaps, 0, "a partition held by two members");
+    let repeated = check(&counts, &sent, &HashSet::new(), "damaged records");
+    assert_eq!(repeated, 0);
+    eprintln!(
+        "damaged records: {} messages, the undecodable epoch {bad_epoch} replaced",
+        sent.len()
+    );
+    for mut r in [a, b, c] {
+        r.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_group_rebalances() {
     let scratch = Scratch::new("ps-kgroup");
@@ -604,6 +739,8 @@ async fn kafka_group_rebalances() {
     scenarios::at_most_once_takeover(broker.clone(), Duration::from_secs(1)).await;
     eprintln!("kafka group: at-most-once takeover by another member (through a transition)");
     scenarios::at_most_once_takeover_by(broker.clone(), Duration::from_secs(1), Some("m1")).await;
+    eprintln!("kafka group: undecodable records from a rogue writer");
+    damaged_records_do_not_stall_the_group(broker.clone(), &sqlite).await;
     eprintln!("kafka group: a member cut off from the store");
     let zombie_store = Arc::new(Cuttable {
         inner: sqlite,

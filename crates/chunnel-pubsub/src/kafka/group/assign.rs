@@ -95,8 +95,9 @@ pub struct Pending {
     pub id: u64,
     /// Who proposed it (only the proposer commits it).
     pub proposer: String,
-    /// The proposed member list.
-    pub members: Vec<String>,
+    /// The proposed member list; `None` if its record does not decode (another version's or
+    /// a damaged write): no member votes on it, and any member aborts it.
+    pub members: Option<Vec<String>>,
     /// When its proposer aborts it (Unix ms).
     pub deadline_ms: u64,
     /// The members that voted yes.
@@ -108,8 +109,10 @@ pub struct Pending {
 pub struct GroupRecord {
     /// The committed epoch.
     pub epoch: u64,
-    /// The member list the partitions are assigned among at `epoch`.
-    pub members: Vec<String>,
+    /// The member list the partitions are assigned among at `epoch`; `None` if its record
+    /// does not decode: members keep what they hold, take nothing new, and propose a fresh
+    /// list, whose commit replaces it.
+    pub members: Option<Vec<String>>,
     /// The live members (leases not expired), sorted.
     pub live: Vec<String>,
     /// The pending transition.
@@ -117,38 +120,53 @@ pub struct GroupRecord {
 }
 
 impl GroupRecord {
-    /// The record of a rendezvous snapshot; [`Error::Corrupt`] if an assignment does not
-    /// decode.
-    pub fn from_snapshot(s: &Snapshot) -> Result<GroupRecord, Error> {
+    /// The record of a rendezvous snapshot. An assignment that does not decode is read as
+    /// `None` (see [`GroupRecord::members`] and [`Pending::members`]), so the group recovers
+    /// from it instead of stalling; [`GroupRecord::damage`] says what was wrong.
+    pub fn from_snapshot(s: &Snapshot) -> GroupRecord {
         let members = match &s.committed {
-            Some(c) => decode_members(&c.stack)?,
-            None => Vec::new(),
+            Some(c) => decode_members(&c.stack).ok(),
+            None => Some(Vec::new()),
         };
-        let pending = match &s.transition {
-            Some(t) => Some(Pending {
-                id: t.id,
-                proposer: t.proposer.clone(),
-                members: decode_members(&t.stack)?,
-                deadline_ms: t.deadline_ms,
-                yes: s
-                    .ballots
-                    .iter()
-                    .filter(|(_, b)| *b == Ballot::Yes)
-                    .map(|(m, _)| m.clone())
-                    .collect(),
-            }),
-            None => None,
-        };
+        let pending = s.transition.as_ref().map(|t| Pending {
+            id: t.id,
+            proposer: t.proposer.clone(),
+            members: decode_members(&t.stack).ok(),
+            deadline_ms: t.deadline_ms,
+            yes: s
+                .ballots
+                .iter()
+                .filter(|(_, b)| *b == Ballot::Yes)
+                .map(|(m, _)| m.clone())
+                .collect(),
+        });
         let mut live: Vec<String> = s.members.iter().map(|m| m.id.clone()).collect();
         live.sort();
         live.dedup();
-        Ok(GroupRecord {
+        GroupRecord {
             epoch: s.epoch(),
             members,
             live,
             pending,
-        })
+        }
     }
+
+    /// What in the record did not decode, for a log line; `None` if it all did.
+    pub fn damage(&self) -> Option<&'static str> {
+        if self.members.is_none() {
+            Some("the committed assignment does not decode; proposing a fresh one")
+        } else if self.pending.as_ref().is_some_and(|t| t.members.is_none()) {
+            Some("the pending transition's assignment does not decode; aborting it")
+        } else {
+            None
+        }
+    }
+}
+
+/// The list a group proposes for `live` members: the first [`MAX_MEMBERS`] (sorted) names.
+/// Members past it are live but own no partition until one of those leaves.
+pub fn capped(live: &[String]) -> &[String] {
+    &live[..live.len().min(MAX_MEMBERS)]
 }
 
 /// What the driver of a [`Core`] must do.
@@ -265,9 +283,11 @@ impl Core {
             return out;
         }
         let mut out = Vec::new();
-        if rec.epoch != self.epoch || rec.members != self.members {
+        if let Some(members) = &rec.members
+            && (rec.epoch != self.epoch || *members != self.members)
+        {
             self.epoch = rec.epoch;
-            self.members = rec.members.clone();
+            self.members = members.clone();
             self.voted = None;
             self.releasing = None;
             let want = owned(&self.members, &self.me, self.partitions);
@@ -282,6 +302,11 @@ impl Core {
             self.held = want;
         }
         match &rec.pending {
+            // Nobody can vote on a list nobody can read: abort it, whoever proposed it.
+            Some(t) if t.members.is_none() => out.push(Action::Finish {
+                id: t.id,
+                commit: false,
+            }),
             Some(t) => {
                 if self.voted == Some(t.id) && !t.yes.contains(&self.me) {
                     // Our yes is not in the record: the vote failed (or has not landed yet;
@@ -289,7 +314,8 @@ impl Core {
                     // transition's deadline.
                     out.push(Action::Vote(t.id));
                 } else if self.voted != Some(t.id) && self.releasing != Some(t.id) {
-                    let keep = owned(&t.members, &self.me, self.partitions);
+                    let proposed = t.members.as_deref().unwrap_or_default();
+                    let keep = owned(proposed, &self.me, self.partitions);
                     let lose: Vec<i32> = sorted(self.held.difference(&keep).copied());
                     if lose.is_empty() {
                         self.voted = Some(t.id);
@@ -331,16 +357,21 @@ impl Core {
                 // aborted, and what we own is ours again.
                 self.voted = None;
                 self.releasing = None;
-                let want = owned(&self.members, &self.me, self.partitions);
-                let gain: Vec<i32> = sorted(want.difference(&self.held).copied());
-                if !gain.is_empty() {
-                    out.push(Action::Acquire(gain));
-                    self.held = want;
+                // Under an unreadable committed list nothing new is taken: what the others
+                // hold is unknown until a fresh list commits.
+                if rec.members.is_some() {
+                    let want = owned(&self.members, &self.me, self.partitions);
+                    let gain: Vec<i32> = sorted(want.difference(&self.held).copied());
+                    if !gain.is_empty() {
+                        out.push(Action::Acquire(gain));
+                        self.held = want;
+                    }
                 }
-                if rec.live != rec.members {
+                let live = capped(&rec.live);
+                if rec.members.as_deref() != Some(live) {
                     out.push(Action::Propose {
                         from_epoch: rec.epoch,
-                        members: rec.live.clone(),
+                        members: live.to_vec(),
                     });
                 }
             }

@@ -283,17 +283,18 @@ impl<St: Store> Driver<St> {
         let mut watch = self.store.watch(&self.rgroup);
         loop {
             match self.bounded(self.store.snapshot(&self.rgroup)).await {
-                Ok(snap) => match GroupRecord::from_snapshot(&snap) {
-                    Ok(rec) => {
-                        let actions = self
-                            .core
-                            .on_record(&rec, chunnel_rendezvous::store::now_ms());
-                        for a in actions {
-                            self.execute(a).await;
-                        }
+                Ok(snap) => {
+                    let rec = GroupRecord::from_snapshot(&snap);
+                    if let Some(why) = rec.damage() {
+                        tracing::warn!(group = %self.rgroup, epoch = rec.epoch, "kafka group: {why}");
                     }
-                    Err(e) => tracing::warn!(group = %self.rgroup, error = %e, "kafka group"),
-                },
+                    let actions = self
+                        .core
+                        .on_record(&rec, chunnel_rendezvous::store::now_ms());
+                    for a in actions {
+                        self.execute(a).await;
+                    }
+                }
                 Err(e) => tracing::debug!(group = %self.rgroup, error = %e, "kafka group"),
             }
             tokio::select! {

@@ -54,7 +54,8 @@ proptest! {
 #[derive(Default)]
 struct Sim {
     epoch: u64,
-    members: Vec<String>,
+    /// `None`: a committed record that does not decode.
+    members: Option<Vec<String>>,
     live: Vec<String>,
     pending: Option<Pending>,
     next_id: u64,
@@ -96,7 +97,7 @@ impl Sim {
                         self.pending = Some(Pending {
                             id: self.next_id,
                             proposer: core.me.clone(),
-                            members,
+                            members: Some(members),
                             deadline_ms: self.now + 1_000,
                             yes: Vec::new(),
                         });
@@ -131,14 +132,16 @@ impl Sim {
 }
 
 proptest! {
-    /// Members join, leave, die and read the record in random order: no partition is ever
-    /// held by two live members, and once things settle every partition is held.
+    /// Members join, leave, die and read the record in random order, and a rogue writer
+    /// (another version, a damaged store) puts assignments nobody can decode into it, as a
+    /// transition or as a committed epoch: no partition is ever held by two live members,
+    /// and once things settle every partition is held and the list is readable again.
     #[test]
     fn no_partition_is_held_twice_and_all_are_held_when_settled(
-        steps in proptest::collection::vec((0u8..5, 0usize..6), 1..160),
+        steps in proptest::collection::vec((0u8..7, 0usize..6), 1..160),
         partitions in 1i32..9,
     ) {
-        let mut sim = Sim { epoch: 1, ..Sim::default() };
+        let mut sim = Sim { epoch: 1, members: Some(Vec::new()), ..Sim::default() };
         let mut cores: Vec<Option<Core>> = (0..6).map(|_| None).collect();
         for (op, who) in steps {
             let name = format!("m{who}");
@@ -152,6 +155,23 @@ proptest! {
                 1 if cores[who].is_some() => {
                     cores[who] = None;
                     sim.live.retain(|m| *m != name);
+                }
+                // The rogue writer: an undecodable transition, or (rarer) an undecodable
+                // committed epoch in place of a pending transition.
+                5 if sim.pending.is_none() => {
+                    sim.next_id += 1;
+                    sim.pending = Some(Pending {
+                        id: sim.next_id,
+                        proposer: "rogue".into(),
+                        members: None,
+                        deadline_ms: sim.now + 1_000,
+                        yes: Vec::new(),
+                    });
+                }
+                6 if who == 0 && sim.pending.is_some() => {
+                    sim.pending = None;
+                    sim.epoch += 1;
+                    sim.members = None;
                 }
                 _ => {
                     // Op 3: time passes (transitions may time out and abort).
@@ -184,7 +204,7 @@ proptest! {
         let held: usize = cores.iter().flatten().map(|c| c.held().len()).sum();
         if cores.iter().any(Option::is_some) {
             prop_assert_eq!(held, partitions as usize);
-            prop_assert_eq!(&sim.members, &sim.live);
+            prop_assert_eq!(sim.members.as_ref(), Some(&sim.live));
         }
     }
 }
@@ -194,7 +214,7 @@ fn a_member_that_loses_partitions_releases_before_voting() {
     let mut a = Core::new("a", 4);
     let rec = GroupRecord {
         epoch: 2,
-        members: names(&["a"]),
+        members: Some(names(&["a"])),
         live: names(&["a", "b"]),
         pending: None,
     };
@@ -205,7 +225,7 @@ fn a_member_that_loses_partitions_releases_before_voting() {
         pending: Some(Pending {
             id: 9,
             proposer: "b".into(),
-            members: names(&["a", "b"]),
+            members: Some(names(&["a", "b"])),
             deadline_ms: 10,
             yes: names(&["b"]),
         }),
@@ -236,7 +256,7 @@ fn a_member_whose_lease_ran_out_stops_and_rejoins() {
     let mut a = Core::new("a", 2);
     let rec = GroupRecord {
         epoch: 1,
-        members: names(&["a"]),
+        members: Some(names(&["a"])),
         live: names(&["a"]),
         pending: None,
     };
@@ -257,12 +277,12 @@ fn a_vote_missing_from_the_record_is_sent_again() {
     let mut b = Core::new("b", 2);
     let rec = GroupRecord {
         epoch: 1,
-        members: names(&["a"]),
+        members: Some(names(&["a"])),
         live: names(&["a", "b"]),
         pending: Some(Pending {
             id: 4,
             proposer: "a".into(),
-            members: names(&["a", "b"]),
+            members: Some(names(&["a", "b"])),
             deadline_ms: 10_000,
             yes: names(&["a"]),
         }),
@@ -277,4 +297,100 @@ fn a_vote_missing_from_the_record_is_sent_again() {
         t.yes.push("b".into());
     }
     assert_eq!(b.on_record(&seen, 2), Vec::new());
+}
+
+#[test]
+fn an_undecodable_transition_is_aborted_by_any_member() {
+    let mut b = Core::new("b", 2);
+    let rec = GroupRecord {
+        epoch: 1,
+        members: Some(names(&["a", "b"])),
+        live: names(&["a", "b"]),
+        pending: None,
+    };
+    assert_eq!(b.on_record(&rec, 0), vec![Action::Acquire(vec![1])]);
+    let bad = GroupRecord {
+        pending: Some(Pending {
+            id: 7,
+            proposer: "a".into(),
+            members: None,
+            deadline_ms: 10_000,
+            yes: Vec::new(),
+        }),
+        ..rec
+    };
+    assert!(bad.damage().is_some());
+    // No vote, no release: an abort, long before the deadline, by a member that did not
+    // propose it.
+    assert_eq!(
+        b.on_record(&bad, 0),
+        vec![Action::Finish {
+            id: 7,
+            commit: false
+        }]
+    );
+    assert_eq!(b.held(), &BTreeSet::from([1]));
+}
+
+#[test]
+fn an_undecodable_epoch_keeps_what_is_held_and_proposes_a_fresh_list() {
+    let mut a = Core::new("a", 4);
+    let rec = GroupRecord {
+        epoch: 1,
+        members: Some(names(&["a", "b"])),
+        live: names(&["a", "b"]),
+        pending: None,
+    };
+    assert_eq!(a.on_record(&rec, 0), vec![Action::Acquire(vec![0, 2])]);
+    let bad = GroupRecord {
+        epoch: 2,
+        members: None,
+        live: names(&["a", "b", "c"]),
+        pending: None,
+    };
+    assert!(bad.damage().is_some());
+    assert_eq!(
+        a.on_record(&bad, 0),
+        vec![Action::Propose {
+            from_epoch: 2,
+            members: names(&["a", "b", "c"])
+        }]
+    );
+    assert_eq!(a.held(), &BTreeSet::from([0, 2]));
+    assert_eq!(a.epoch(), 1, "an unreadable epoch is not acted on");
+}
+
+#[test]
+fn past_the_member_cap_the_list_is_proposed_once() {
+    let live: Vec<String> = (0..MAX_MEMBERS + 5).map(|i| format!("m{i:05}")).collect();
+    let first = live[0].clone();
+    let mut a = Core::new(first, 8);
+    let rec = GroupRecord {
+        epoch: 1,
+        members: Some(Vec::new()),
+        live: live.clone(),
+        pending: None,
+    };
+    let acts = a.on_record(&rec, 0);
+    let Some(Action::Propose { members, .. }) = acts.last() else {
+        panic!("no proposal: {acts:?}");
+    };
+    assert_eq!(members.len(), MAX_MEMBERS);
+    assert_eq!(
+        decode_members(&encode_members(members)).unwrap(),
+        *members,
+        "the capped list fits its record"
+    );
+    // Committed: nothing more to propose although five live members are not in it.
+    let settled = GroupRecord {
+        epoch: 2,
+        members: Some(members.clone()),
+        live,
+        pending: None,
+    };
+    let acts = a.on_record(&settled, 0);
+    assert!(
+        !acts.iter().any(|x| matches!(x, Action::Propose { .. })),
+        "{acts:?}"
+    );
 }
