@@ -41,7 +41,9 @@
 //! which returns when the broker acknowledged the commit (so at-most-once works on Kafka). A
 //! member starts at its group's last committed position, or at the earliest record, so a
 //! member that restarts gets again what was acknowledged in its last 200 ms (its new dedup
-//! window does not know those ids). rskafka takes records as `Vec<u8>`, so publishing copies
+//! window does not know those ids). A position the partition no longer has (records deleted
+//! by retention or `DeleteRecords` under it) moves to the earliest record left, with a
+//! warning, as Kafka's `auto.offset.reset=earliest`. rskafka takes records as `Vec<u8>`, so publishing copies
 //! each payload once.
 //!
 //! Ordering lanes ([`crate::order`]): service-side ordering uses the topic `{t}-s` with one
@@ -85,6 +87,44 @@ fn unavailable(op: &'static str, e: KError) -> Error {
         op,
         waited: Duration::ZERO,
         last: e.to_string(),
+    }
+}
+
+/// Fetches the records of `client`'s partition from `pos`: the records and the position they
+/// were read from. A position the partition no longer has (its records deleted by retention
+/// or `DeleteRecords`) or does not have (the topic created again) is moved to the earliest
+/// record the partition has, with a warning, as Kafka's `auto.offset.reset=earliest`: what
+/// was deleted cannot be delivered, and what is there is not skipped.
+async fn fetch_at(
+    client: &PartitionClient,
+    pos: i64,
+    wait_ms: i32,
+) -> Result<(Vec<rskafka::record::RecordAndOffset>, i64), Error> {
+    match client.fetch_records(pos, 1..FETCH_MAX_BYTES, wait_ms).await {
+        Ok((records, _hwm)) => Ok((records, pos)),
+        Err(KError::ServerError {
+            protocol_error: ProtocolError::OffsetOutOfRange,
+            ..
+        }) => {
+            let earliest = client
+                .get_offset(OffsetAt::Earliest)
+                .await
+                .map_err(|e| unavailable("fetch", e))?;
+            tracing::warn!(
+                topic = client.topic(),
+                partition = client.partition(),
+                from = pos,
+                to = earliest,
+                "kafka: position out of range (records deleted, or the topic created again); \
+                 reading from the earliest record"
+            );
+            let (records, _hwm) = client
+                .fetch_records(earliest, 1..FETCH_MAX_BYTES, wait_ms)
+                .await
+                .map_err(|e| unavailable("fetch", e))?;
+            Ok((records, earliest))
+        }
+        Err(e) => Err(unavailable("fetch", e)),
     }
 }
 
@@ -595,11 +635,8 @@ impl Consumer for KafkaConsumer {
             let i = self.next % n;
             self.next = self.next.wrapping_add(1);
             let part = &mut self.parts[i];
-            let (records, _hwm) = part
-                .client
-                .fetch_records(part.pos, 1..FETCH_MAX_BYTES, wait_ms)
-                .await
-                .map_err(|e| unavailable("fetch", e))?;
+            let (records, from) = fetch_at(&part.client, part.pos, wait_ms).await?;
+            part.pos = from;
             let mut got = 0;
             for r in records {
                 if r.offset < part.pos {

@@ -5,15 +5,104 @@
 
 mod support;
 
-use std::time::Duration;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use chunnel::{Chunnel, ChunnelConnection};
 use chunnel_pubsub::kafka::KafkaBroker;
-use support::{Scratch, scenarios};
+use chunnel_pubsub::kafka::rskafka::client::partition::UnknownTopicHandling;
+use chunnel_pubsub::{Config, Delivery, Member, Publish, Subscribe};
+use support::{Scratch, scenarios, unique};
 
 async fn broker(addr: &str, partitions: i32, op: Duration) -> KafkaBroker {
     KafkaBroker::connect(vec![addr.to_owned()], partitions, op)
         .await
         .expect("connect to kafka")
+}
+
+/// Receives from `sub` until `want` payloads arrived or `limit` passed; what arrived.
+async fn receive<C: chunnel_pubsub::Consumer>(
+    sub: &chunnel_pubsub::Subscriber<C>,
+    want: usize,
+    limit: Duration,
+) -> Vec<Bytes> {
+    let deadline = Instant::now() + limit;
+    let mut got = Vec::new();
+    let mut slots = vec![None; 8];
+    while got.len() < want && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_millis(500), sub.recv(&mut slots)).await {
+            Ok(Ok(n)) => got.extend(slots[..n].iter_mut().map(|s| s.take().unwrap())),
+            Ok(Err(e)) => panic!("recv failed after {} payloads: {e}", got.len()),
+            Err(_) => {}
+        }
+    }
+    got
+}
+
+/// Records deleted under a group's committed position (retention, `DeleteRecords`): the next
+/// member reads on from the earliest record left instead of failing on every fetch.
+async fn deleted_records_are_skipped(broker: KafkaBroker) {
+    let topic = unique("deleted");
+    let cfg = |delivery| Config {
+        prefetch: 8,
+        delivery,
+        ..scenarios::config(Duration::from_secs(20))
+    };
+    let publisher = Publish::new(broker.clone(), &topic, cfg(Delivery::AtLeastOnce))
+        .connect_wrap(())
+        .await
+        .expect("publisher");
+    let payload = |i: usize| Bytes::from(format!("d{i:03}"));
+    for b in 0..10 {
+        publisher
+            .send((0..10).map(|k| payload(b * 10 + k)))
+            .await
+            .expect("publish");
+    }
+    // A member reads about 20 at most once: its position is committed before it sees them.
+    let member = Member::nth("del", 0, 1);
+    let first = Subscribe::new(
+        broker.clone(),
+        &topic,
+        member.clone(),
+        cfg(Delivery::AtMostOnce),
+    )
+    .connect_wrap(())
+    .await
+    .expect("subscribe");
+    let read = receive(&first, 20, Duration::from_secs(20)).await;
+    assert!(
+        (20..50).contains(&read.len()),
+        "the first member read {}",
+        read.len()
+    );
+    drop(first);
+    // Everything before offset 50 is deleted, under the committed position.
+    let part = broker
+        .client()
+        .partition_client(&topic, 0, UnknownTopicHandling::Retry)
+        .await
+        .expect("partition client");
+    part.delete_records(50, 10_000)
+        .await
+        .expect("delete records");
+    let next = Subscribe::new(broker, &topic, member, cfg(Delivery::AtLeastOnce))
+        .connect_wrap(())
+        .await
+        .expect("subscribe");
+    let got = receive(&next, 50, Duration::from_secs(20)).await;
+    let want: BTreeSet<Bytes> = (50..100).map(payload).collect();
+    assert_eq!(
+        got.iter().cloned().collect::<BTreeSet<_>>(),
+        want,
+        "after the deletion the group reads exactly what is left"
+    );
+    assert_eq!(got.len(), 50, "nothing twice");
+    eprintln!(
+        "deleted records: first member read {}, the next one the 50 left",
+        read.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -39,6 +128,8 @@ async fn kafka_scenarios() {
         )
         .await;
     }
+    eprintln!("kafka: records deleted under a committed position");
+    deleted_records_are_skipped(broker(&addr, 1, Duration::from_secs(30)).await).await;
     eprintln!("kafka: slow consumer");
     scenarios::slow_consumer(broker(&addr, 1, Duration::from_secs(30)).await).await;
     eprintln!("kafka: restart mid-stream");

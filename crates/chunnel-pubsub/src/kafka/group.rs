@@ -56,7 +56,7 @@ use rskafka::client::partition::{OffsetAt, PartitionClient};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    FETCH_MAX_BYTES, KafkaBroker, KafkaProducer, OFFSETS_TOPIC, produce_positions, read_commits,
+    KafkaBroker, KafkaProducer, OFFSETS_TOPIC, fetch_at, produce_positions, read_commits,
     split_value, unavailable,
 };
 use crate::broker::{Broker, Consumer, Incoming, Lane, Member};
@@ -357,10 +357,7 @@ impl Consumer for KafkaGroupConsumer {
         }
         let wait_ms = (wait.as_millis() as usize / picks.len()).clamp(1, i32::MAX as usize) as i32;
         for (p, generation, client, pos) in picks {
-            let (records, _hwm) = client
-                .fetch_records(pos, 1..FETCH_MAX_BYTES, wait_ms)
-                .await
-                .map_err(|e| unavailable("fetch", e))?;
+            let (records, from) = fetch_at(&client, pos, wait_ms).await?;
             if !self.ctl.leased() {
                 // Fenced while the fetch was out: the partitions may be another's by now.
                 return Ok(());
@@ -374,6 +371,8 @@ impl Consumer for KafkaGroupConsumer {
             else {
                 continue;
             };
+            // Reset past deleted records (`fetch_at`): read on from there.
+            slot.pos = from;
             let mut got = 0;
             for r in records {
                 if r.offset < slot.pos || got >= max {
