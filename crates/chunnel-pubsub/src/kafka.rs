@@ -79,6 +79,8 @@ const PREFIX: usize = 4 + 16;
 /// How often acknowledged positions are committed (at most).
 const COMMIT_EVERY: Duration = Duration::from_millis(200);
 const OFFSETS_TOPIC: &str = "chunnel-offsets";
+/// The offsets topic's configs ([`KafkaBroker::offsets_partition`]).
+const OFFSETS_TOPIC_CONFIGS: &[(&str, &str)] = &[("cleanup.policy", "compact")];
 const FETCH_MAX_BYTES: i32 = 4 << 20;
 
 fn unavailable(op: &'static str, e: KError) -> Error {
@@ -210,12 +212,26 @@ impl KafkaBroker {
 
     /// Creates `topic` with `partitions` partitions unless it exists.
     pub async fn ensure_topic(&self, topic: &str, partitions: i32) -> Result<(), Error> {
+        self.ensure_topic_with(topic, partitions, &[]).await
+    }
+
+    /// Creates `topic` with `partitions` partitions and the topic-level `configs` unless it
+    /// exists (an existing topic keeps its configs).
+    async fn ensure_topic_with(
+        &self,
+        topic: &str,
+        partitions: i32,
+        configs: &[(&str, &str)],
+    ) -> Result<(), Error> {
         let controller = self
             .inner
             .client
             .controller_client()
             .map_err(|e| unavailable("create topic", e))?;
-        match controller.create_topic(topic, partitions, 1, 5_000).await {
+        match controller
+            .create_topic_with_configs(topic, partitions, 1, configs, 5_000)
+            .await
+        {
             Ok(()) => Ok(()),
             Err(KError::ServerError {
                 protocol_error: ProtocolError::TopicAlreadyExists,
@@ -223,6 +239,17 @@ impl KafkaBroker {
             }) => Ok(()),
             Err(e) => Err(unavailable("create topic", e)),
         }
+    }
+
+    /// The offsets topic's one partition, the topic created first if missing. It is compacted
+    /// (`cleanup.policy=compact`, as Kafka's own `__consumer_offsets`): the newest position of
+    /// every key is kept however old, where the broker's default time retention (7 days)
+    /// would delete a quiet group's positions and send its next member back to the earliest
+    /// record. A topic created by an older version keeps its configs.
+    async fn offsets_partition(&self) -> Result<Arc<PartitionClient>, Error> {
+        self.ensure_topic_with(OFFSETS_TOPIC, 1, OFFSETS_TOPIC_CONFIGS)
+            .await?;
+        self.partition(OFFSETS_TOPIC, 0).await
     }
 
     async fn partition(&self, topic: &str, p: i32) -> Result<Arc<PartitionClient>, Error> {
@@ -387,8 +414,7 @@ impl Broker for KafkaBroker {
         _prefetch: usize,
     ) -> Result<KafkaConsumer, Error> {
         self.ensure_topic(topic, self.partitions).await?;
-        self.ensure_topic(OFFSETS_TOPIC, 1).await?;
-        let offsets = self.partition(OFFSETS_TOPIC, 0).await?;
+        let offsets = self.offsets_partition().await?;
         let key = |p: i32| format!("{}/{topic}/{p}", member.group);
         let committed = read_commits(&offsets).await?;
         let mut parts = Vec::new();

@@ -130,6 +130,13 @@ async fn kafka_scenarios() {
     }
     eprintln!("kafka: records deleted under a committed position");
     deleted_records_are_skipped(broker(&addr, 1, Duration::from_secs(30)).await).await;
+    // The groups' positions outlive the broker's time retention: the offsets topic (created
+    // by the first subscriber above) is compacted, as Kafka's own `__consumer_offsets`.
+    let configs = chunnel_test::brokers::kafka_topic_configs(&addr, "chunnel-offsets");
+    assert!(
+        configs.contains("cleanup.policy=compact"),
+        "the offsets topic is not compacted: {configs}"
+    );
     eprintln!("kafka: slow consumer");
     scenarios::slow_consumer(broker(&addr, 1, Duration::from_secs(30)).await).await;
     eprintln!("kafka: restart mid-stream");

@@ -111,3 +111,34 @@ pub fn kafka(scratch: &Scratch) -> (Server, String) {
     );
     (server, format!("127.0.0.1:{port}"))
 }
+
+/// The dynamic configs of `topic` on the Kafka broker at `addr` (`host:port`), as Kafka's own
+/// `kafka-configs --describe` prints them (e.g. `cleanup.policy=compact`), from the jars
+/// [`kafka`] runs. Panics with the tool's output if it fails.
+pub fn kafka_topic_configs(addr: &str, topic: &str) -> String {
+    let cp = format!("{}/*", kafka_libs().display());
+    let out = std::process::Command::new("java")
+        .args([
+            "-cp",
+            &cp,
+            "kafka.admin.ConfigCommand",
+            "--bootstrap-server",
+            addr,
+        ])
+        .args([
+            "--describe",
+            "--entity-type",
+            "topics",
+            "--entity-name",
+            topic,
+        ])
+        .output()
+        .expect("java (scripts/test-all.sh installs default-jre-headless)");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "kafka-configs --describe {topic} failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}

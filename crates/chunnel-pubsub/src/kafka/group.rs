@@ -56,8 +56,7 @@ use rskafka::client::partition::{OffsetAt, PartitionClient};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    KafkaBroker, KafkaProducer, OFFSETS_TOPIC, fetch_at, produce_positions, read_commits,
-    split_value, unavailable,
+    KafkaBroker, KafkaProducer, fetch_at, produce_positions, read_commits, split_value, unavailable,
 };
 use crate::broker::{Broker, Consumer, Incoming, Lane, Member};
 use crate::{Error, Ordering};
@@ -255,8 +254,7 @@ impl<St: Store> Broker for KafkaGroupBroker<St> {
         chunnel_rendezvous::store::check_name("member id", &member.name)?;
         let kafka = &self.kafka;
         kafka.ensure_topic(topic, kafka.partitions).await?;
-        kafka.ensure_topic(OFFSETS_TOPIC, 1).await?;
-        let offsets = kafka.partition(OFFSETS_TOPIC, 0).await?;
+        let offsets = kafka.offsets_partition().await?;
         let (cmd, cmd_rx) = mpsc::channel(4);
         let ctl = Arc::new(Ctl {
             state: Mutex::new(Shared::default()),

@@ -13,8 +13,10 @@ use crate::{
     messenger::RequestError,
     protocol::{
         error::Error as ProtocolError,
-        messages::{CreateTopicRequest, CreateTopicsRequest, DeleteTopicsRequest},
-        primitives::{Array, Int16, Int32, String_},
+        messages::{
+            CreateTopicConfig, CreateTopicRequest, CreateTopicsRequest, DeleteTopicsRequest,
+        },
+        primitives::{Array, Int16, Int32, NullableString, String_},
     },
     throttle::maybe_throttle,
     validation::ExactlyOne,
@@ -49,13 +51,35 @@ impl ControllerClient {
         replication_factor: i16,
         timeout_ms: i32,
     ) -> Result<()> {
+        self.create_topic_with_configs(name, num_partitions, replication_factor, &[], timeout_ms)
+            .await
+    }
+
+    /// Create a topic with topic-level configs (name, value), e.g. `("cleanup.policy",
+    /// "compact")`. (Chunnel patch.)
+    pub async fn create_topic_with_configs(
+        &self,
+        name: impl Into<String> + Send,
+        num_partitions: i32,
+        replication_factor: i16,
+        configs: &[(&str, &str)],
+        timeout_ms: i32,
+    ) -> Result<()> {
+        let configs = configs
+            .iter()
+            .map(|(k, v)| CreateTopicConfig {
+                name: String_((*k).to_owned()),
+                value: NullableString(Some((*v).to_owned())),
+                tagged_fields: None,
+            })
+            .collect();
         let request = &CreateTopicsRequest {
             topics: vec![CreateTopicRequest {
                 name: String_(name.into()),
                 num_partitions: Int32(num_partitions),
                 replication_factor: Int16(replication_factor),
                 assignments: vec![],
-                configs: vec![],
+                configs,
                 tagged_fields: None,
             }],
             timeout_ms: Int32(timeout_ms),
