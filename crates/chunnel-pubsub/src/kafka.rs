@@ -79,8 +79,11 @@ const PREFIX: usize = 4 + 16;
 /// How often acknowledged positions are committed (at most).
 const COMMIT_EVERY: Duration = Duration::from_millis(200);
 const OFFSETS_TOPIC: &str = "chunnel-offsets";
-/// The offsets topic's configs ([`KafkaBroker::offsets_partition`]).
-const OFFSETS_TOPIC_CONFIGS: &[(&str, &str)] = &[("cleanup.policy", "compact")];
+/// The offsets topic's configs ([`KafkaBroker::offsets_partition`]): compacted, in segments
+/// of at most an hour (compaction leaves the open segment alone, and a member reads the whole
+/// topic when it opens partitions, so an hour of commits is the most it reads uncompacted).
+const OFFSETS_TOPIC_CONFIGS: &[(&str, &str)] =
+    &[("cleanup.policy", "compact"), ("segment.ms", "3600000")];
 const FETCH_MAX_BYTES: i32 = 4 << 20;
 
 fn unavailable(op: &'static str, e: KError) -> Error {
