@@ -33,7 +33,7 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, UdpSocket as StdUdp};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -93,7 +93,8 @@ pub(crate) struct Args {
     /// A request waits this long for a connection while the client reconnects.
     #[arg(long, default_value_t = 20)]
     recover_secs: u64,
-    /// Canonical UDP port of the server on 127.0.0.1; 0: a free one.
+    /// Canonical UDP port of the server on 127.0.0.1; 0: one the kernel picks (kept across
+    /// restarts).
     #[arg(long, default_value_t = 0)]
     port: u16,
     /// Seed of the workload and the malformed frames.
@@ -131,7 +132,12 @@ fn serve(addr: SocketAddr, shards: usize) -> Result<()> {
     rt.block_on(async move {
         let server = KvServer::start(addr, ServerConfig::new(shards)).await?;
         let mut out = std::io::stdout();
-        writeln!(out, "ready {}", server.shard_addrs().join(","))?;
+        writeln!(
+            out,
+            "ready {} {}",
+            server.addr(),
+            server.shard_addrs().join(",")
+        )?;
         out.flush()?;
         // Evidence from the server's side, on stderr (the soak's server log).
         let pid = std::process::id();
@@ -162,11 +168,14 @@ fn serve(addr: SocketAddr, shards: usize) -> Result<()> {
 /// The server child process.
 struct Server {
     child: Child,
+    /// The canonical address it bound (the port the kernel picked if asked for port 0).
+    addr: SocketAddr,
     shards: Vec<SocketAddr>,
 }
 
 impl Server {
-    /// Starts `exe soak --serve addr` and waits (at most 15 s) for its "ready" line.
+    /// Starts `exe soak --serve addr` and waits (at most 15 s) for its "ready ADDR SHARDS"
+    /// line.
     async fn start(exe: &Path, addr: SocketAddr, shards: usize, log: &Path) -> Result<Server> {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -197,12 +206,23 @@ impl Server {
                 bail!("the server process did not become ready: {other:?}");
             }
         };
-        let shards = line["ready ".len()..]
-            .trim()
+        let mut fields = line["ready ".len()..].split_whitespace();
+        let addr = fields
+            .next()
+            .context("no address in the ready line")?
+            .parse()
+            .context("server address")?;
+        let shards = fields
+            .next()
+            .context("no shards in the ready line")?
             .split(',')
             .map(|s| s.parse().context("shard address"))
             .collect::<Result<_>>()?;
-        Ok(Server { child, shards })
+        Ok(Server {
+            child,
+            addr,
+            shards,
+        })
     }
 
     fn pid(&self) -> u32 {
@@ -396,12 +416,9 @@ impl Soak {
 
 async fn soak(a: Args, csv: PathBuf) -> Result<Value> {
     let exe = std::env::current_exe()?;
-    let port = if a.port == 0 {
-        StdUdp::bind("127.0.0.1:0")?.local_addr()?.port()
-    } else {
-        a.port
-    };
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    // Port 0: the kernel picks it when the server binds, and restarts reuse it (a port probed
+    // free here could be taken before the server bound it).
+    let addr: SocketAddr = ([127, 0, 0, 1], a.port).into();
     if let Some(dir) = csv.parent()
         && !dir.as_os_str().is_empty()
     {
@@ -410,6 +427,7 @@ async fn soak(a: Args, csv: PathBuf) -> Result<Value> {
     let log = csv.with_extension("server.log");
     let _ = std::fs::remove_file(&log);
     let mut server = Server::start(&exe, addr, a.shards, &log).await?;
+    let addr = server.addr;
     eprintln!(
         "soak: server pid {} on {addr}, shards {:?}; log {}",
         server.pid(),

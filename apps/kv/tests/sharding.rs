@@ -218,11 +218,15 @@ async fn malformed_datagrams_are_dropped_and_the_server_keeps_serving() {
     sock.send_to(&bytes, server.shard_addrs()[0].as_str())
         .await
         .unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    assert!(
-        server.shard_stats().malformed.load(Ordering::Relaxed) >= 2,
-        "junk to the shards was counted"
-    );
+    // The shards run on their own threads: wait (bounded) for them to count it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while server.shard_stats().malformed.load(Ordering::Relaxed) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "junk to the shards was counted"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 
     // Everyone is still served, both ways.
     assert_eq!(push.get(b"x").await.unwrap().as_deref(), Some(&b"1"[..]));
