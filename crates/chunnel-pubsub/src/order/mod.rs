@@ -98,6 +98,9 @@
 //!   first re-publishes the failed burst (at most [`OrderConfig::max_pending`] messages are
 //!   kept). A broker killed and restarted during a switch loses none of them
 //!   (`tests/support/order.rs`, `restart_during_switch`).
+// The group items (`join`, `OrderGroup`, `by_receivers`) exist with the `group` feature only;
+// without it these docs name them without a link target.
+#![cfg_attr(not(feature = "group"), allow(rustdoc::broken_intra_doc_links))]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
