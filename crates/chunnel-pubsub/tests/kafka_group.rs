@@ -319,6 +319,17 @@ fn holding(broker: &Broker, topic: &str, r: &Reader) -> Vec<i32> {
         .unwrap_or_default()
 }
 
+/// Waits (at most 20 s) until each of `readers` holds `n` partitions.
+async fn until_each_holds(broker: &Broker, topic: &str, readers: &[&Reader], n: usize) {
+    let names: Vec<&str> = readers.iter().map(|r| r.member.name.as_str()).collect();
+    until(
+        &format!("{names:?} to hold {n} partitions each"),
+        Duration::from_secs(20),
+        || readers.iter().all(|r| holding(broker, topic, r).len() == n),
+    )
+    .await;
+}
+
 /// Every published payload arrived; any payload handed out twice is one of `may_repeat`.
 fn check(counts: &Counts, sent: &[Bytes], may_repeat: &HashSet<Bytes>, what: &str) -> usize {
     let c = counts.lock().unwrap();
@@ -369,24 +380,10 @@ async fn join_leave_die(broker: Broker) {
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let mut b = join(&broker, &topic, "b", &counts).await;
-    until(
-        "a and b split the partitions",
-        Duration::from_secs(20),
-        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3,
-    )
-    .await;
+    until_each_holds(&broker, &topic, &[&a, &b], 3).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut c = join(&broker, &topic, "c", &counts).await;
-    until(
-        "a, b and c split the partitions",
-        Duration::from_secs(20),
-        || {
-            [&a, &b, &c]
-                .iter()
-                .all(|r| holding(&broker, &topic, r).len() == 2)
-        },
-    )
-    .await;
+    until_each_holds(&broker, &topic, &[&a, &b, &c], 2).await;
     until("b and c got messages", Duration::from_secs(20), || {
         !b.got().is_empty() && !c.got().is_empty()
     })
@@ -396,12 +393,7 @@ async fn join_leave_die(broker: Broker) {
     b.stop().await;
     b.sub.ack().await.expect("ack");
     broker.leave(&topic, &b.member).await.expect("leave");
-    until(
-        "a and c split the partitions",
-        Duration::from_secs(20),
-        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &c).len() == 3,
-    )
-    .await;
+    until_each_holds(&broker, &topic, &[&a, &c], 3).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Nothing handed out twice so far: every handover was clean.
     let clean = counts.lock().unwrap().values().filter(|n| **n > 1).count();
@@ -495,12 +487,7 @@ async fn stalled_member_keeps_its_partitions(broker: Broker) {
     let counts = Counts::default();
     let mut a = join(&broker, &topic, "a", &counts).await;
     let b = join(&broker, &topic, "b", &counts).await;
-    until(
-        "a and b split the partitions",
-        Duration::from_secs(20),
-        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3,
-    )
-    .await;
+    until_each_holds(&broker, &topic, &[&a, &b], 3).await;
     let a_parts = holding(&broker, &topic, &a);
     let pubs = publishers(&broker, &topic, 2).await;
     until("a got some", Duration::from_secs(20), || {
@@ -626,12 +613,7 @@ async fn damaged_records_do_not_stall_the_group(broker: Broker, store: &SqliteSt
     let counts = Counts::default();
     let a = join(&broker, &topic, "a", &counts).await;
     let b = join(&broker, &topic, "b", &counts).await;
-    until(
-        "a and b split the partitions",
-        Duration::from_secs(20),
-        || holding(&broker, &topic, &a).len() == 3 && holding(&broker, &topic, &b).len() == 3,
-    )
-    .await;
+    until_each_holds(&broker, &topic, &[&a, &b], 3).await;
     let sampler = sampler(&broker, &topic, vec![member("a"), member("b"), member("c")]);
     let pubs = publishers(&broker, &topic, 2).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -656,16 +638,7 @@ async fn damaged_records_do_not_stall_the_group(broker: Broker, store: &SqliteSt
     )
     .await;
     let c = join(&broker, &topic, "c", &counts).await;
-    until(
-        "a, b and c split the partitions",
-        Duration::from_secs(20),
-        || {
-            [&a, &b, &c]
-                .iter()
-                .all(|r| holding(&broker, &topic, r).len() == 2)
-        },
-    )
-    .await;
+    until_each_holds(&broker, &topic, &[&a, &b, &c], 2).await;
 
     // An undecodable epoch, committed by the rogue on everyone's behalf (retried: the members
     // abort its proposals as soon as they see them).
@@ -701,16 +674,7 @@ async fn damaged_records_do_not_stall_the_group(broker: Broker, store: &SqliteSt
         |s| s.epoch() > bad_epoch && s.committed.as_ref().is_some_and(|c| c.stack != junk),
     )
     .await;
-    until(
-        "a, b and c hold two partitions each again",
-        Duration::from_secs(20),
-        || {
-            [&a, &b, &c]
-                .iter()
-                .all(|r| holding(&broker, &topic, r).len() == 2)
-        },
-    )
-    .await;
+    until_each_holds(&broker, &topic, &[&a, &b, &c], 2).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let sent = pubs.finish().await;
     wait_all(&counts, &sent, "damaged records").await;
