@@ -90,29 +90,29 @@ log "fuzzing: every cargo-fuzz target 20 s on its committed seeds"
 log "cargo doc with warnings denied"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet --features "$FEATURES"
 
-# One feature set for every short bench run, so chunnel-bench is built once in release (a
+# Every short bench run has one feature set, so chunnel-bench is built once in release (a
 # run with other features would rebuild it and the crates whose features change).
-BENCH_FEATURES="stores,pubsub"
+bench() { cargo run --release --locked -q -p chunnel-bench --features stores,pubsub -- "$@"; }
 
 log "demo"
 cargo run --release --locked -q -p chunnel-demo -- --messages 2000
 
 log "chunnel-bench overhead (short run: checks the tool works end to end)"
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- overhead --reps 1 --pings 300 --millis 50 \
+bench overhead --reps 1 --pings 300 --millis 50 \
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); stacks={str(r["layers"]) for r in d["results"]}; assert d["bench"]=="overhead" and len(d["results"])==28 and {"metered","metered+prometheus"} <= stacks, d; assert d["checks"]["metrics_no_alloc_per_msg"], d["checks"]; print("bench JSON ok:", d["checks"])'
 
 log "chunnel-bench negotiate (short run: checks the tool works end to end)"
 for server in "" "--accept-loop"; do
-  cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- negotiate --reps 1 --conns 200 $server \
+  bench negotiate --reps 1 --conns 200 $server \
     | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate" and len(d["variants"])==4, d; print("bench JSON ok:", d["server_accept"], d["checks"])'
 done
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- secure --reps 1 --conns 20 --msgs 500 --bulk-mib 4 \
+bench secure --reps 1 --conns 20 --msgs 500 --bulk-mib 4 \
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="secure" and len(d["transports"])==2, d; print("bench JSON ok:", d["checks"])'
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- negotiate --flood 2000 --flood-clients 50 --flood-slow 1 \
+bench negotiate --flood 2000 --flood-clients 50 --flood-slow 1 \
   | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["bench"]=="negotiate_flood" and d["clients_connected"]==50 and d["flood_hellos"]==2000 and d["slow_answers"]>0, d; print("bench JSON ok:", d["connect_p50_us"], d["peer_cap_stats"], d["slow_answers"])'
 
 log "chunnel-bench kv (short run: the YCSB generator against both sharding modes and the inline baselines)"
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- kv --reps 1 --records 500 --loads 2000,4000 \
+bench kv --reps 1 --records 500 --loads 2000,4000 \
   --warmup-ms 50 --run-ms 200 --ab-load 2000 --ab-ms 200 \
   | tail -n 1 | python3 -c '
 import json, sys
@@ -131,7 +131,7 @@ print("bench JSON ok: max loads", d["max_load_meeting_bound"])'
 
 log "chunnel-bench soak (10 s: live switches, two server kills, malformed frames; nothing lost)"
 mkdir -p target/soak
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- soak --duration 10 --restart-secs 4 --sample-secs 1 \
+bench soak --duration 10 --restart-secs 4 --sample-secs 1 \
   --csv target/soak/smoke.csv \
   | tail -n 1 | python3 -c '
 import json, sys
@@ -141,7 +141,7 @@ assert d["switches"] > 0 and d["restarts"] > 0, d
 print("soak JSON ok:", {k: d[k] for k in ("served", "errors", "lost", "switches", "restarts", "malformed")})'
 
 log "chunnel-bench reconfig (short run: every switch delivered every message once, both kinds)"
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- reconfig --reps 1 --millis 30 --pause-reps 1 \
+bench reconfig --reps 1 --millis 30 --pause-reps 1 \
   --messages 4000 --switch-every 500 --no-callgrind \
   | tail -n 1 | python3 -c '
 import json, sys
@@ -153,7 +153,7 @@ assert d["checks"]["zero_loss"] and d["checks"]["multilateral_zero_loss"], d["ch
 print("bench JSON ok:", d["checks"])'
 
 log "chunnel-bench sched (short run: a 1 ms flow under bulk with FIFO, priority and the time-aware shaper)"
-taskset -c 0,1 cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- sched --secs 0.3 --reps 1 \
+taskset -c 0,1 cargo run --release --locked -q -p chunnel-bench --features stores,pubsub -- sched --secs 0.3 --reps 1 \
   | tail -n 1 | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
@@ -164,7 +164,7 @@ for m, r in d["results"].items():
 print("bench JSON ok:", {m: round(r["one_way_p99_us"]["median"], 1) for m, r in d["results"].items()})'
 
 log "chunnel-bench rendezvous (short run: every backend joins and commits at two group sizes)"
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- rendezvous --sizes 1,4 --reps 3 --backends sqlite,redis,etcd \
+bench rendezvous --sizes 1,4 --reps 3 --backends sqlite,redis,etcd \
   | tail -n 1 | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
@@ -178,7 +178,7 @@ for b, sizes in d["backends"].items():
 print("bench JSON ok:", {b: v["4"]["commit"]["p50_ms"] for b, v in d["backends"].items()})'
 
 log "chunnel-bench pubsub (short run: Chunnel vs client crate per broker, each broker started here)"
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- pubsub --msgs 200 --reps 1 \
+bench pubsub --msgs 200 --reps 1 \
   | tail -n 1 | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
@@ -194,7 +194,7 @@ for b, o in d["ordering"].items():
 print("bench JSON ok:", {b: (round(v["ratio_latency_p50"]["median"], 2), round(v["ratio_throughput"]["median"], 2)) for b, v in d["brokers"].items()})'
 
 log "chunnel-bench etl (short run: the ETL pipeline's latency against offered load, Kafka and NATS)"
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- etl --secs 2 --rates 500,2000 \
+bench etl --secs 2 --rates 500,2000 \
   | tail -n 1 | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
@@ -206,7 +206,7 @@ for b, v in d["brokers"].items():
 print("bench JSON ok:", {b: [(p["offered_per_s"], p["p50_us"]) for p in v["points"]] for b, v in d["brokers"].items()})'
 
 log "chunnel-bench datapaths (short run: kernel UDP, io_uring, shared memory, AF_XDP vs raw; Figure 7)"
-cargo run --release --locked -q -p chunnel-bench --features "$BENCH_FEATURES" -- datapaths --msgs 2000 --reps 2 \
+bench datapaths --msgs 2000 --reps 2 \
   | tail -n 1 | python3 -c '
 import json, sys
 d = json.load(sys.stdin)

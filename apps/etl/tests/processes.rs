@@ -109,20 +109,21 @@ async fn scenario(shm: bool, restart: Option<Duration>) -> Result<()> {
     let mut ingests = Vec::new();
     let mut ingest_addrs = Vec::new();
     let mut ingest_args = Vec::new();
+    let ingest = |listen: &str| {
+        let mut args = strings(&["ingest", "--broker", "nats", "--broker-addr", &nats]);
+        args.extend(strings(&["--topic", &topic, "--listen", listen]));
+        args.extend(strings(&[no_shm]).into_iter().filter(|s| !s.is_empty()));
+        args
+    };
     for _ in 0..2 {
         // A kernel-picked port, read back from the server: a port probed free here could be
         // taken by another socket before the server bound it.
-        let mut args = strings(&["ingest", "--broker", "nats", "--broker-addr", &nats]);
-        args.extend(strings(&["--topic", &topic, "--listen", "127.0.0.1:0"]));
-        args.extend(strings(&[no_shm]).into_iter().filter(|s| !s.is_empty()));
-        let (proc, line) = spawn_line(&args, "ingest on")?;
+        let (proc, line) = spawn_line(&ingest("127.0.0.1:0"), "ingest on")?;
         let addr = ingest_addr(&line)?;
         ingests.push(proc);
         ingest_addrs.push(addr);
         // A restart listens on the address the first process had.
-        let at = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
-        args[at] = addr.to_string();
-        ingest_args.push(args);
+        ingest_args.push(ingest(&addr.to_string()));
     }
     let mut parsers = Vec::new();
     for i in 0..2 {

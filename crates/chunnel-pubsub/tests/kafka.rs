@@ -6,7 +6,7 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use chunnel::{Chunnel, ChunnelConnection};
@@ -19,25 +19,6 @@ async fn broker(addr: &str, partitions: i32, op: Duration) -> KafkaBroker {
     KafkaBroker::connect(vec![addr.to_owned()], partitions, op)
         .await
         .expect("connect to kafka")
-}
-
-/// Receives from `sub` until `want` payloads arrived or `limit` passed; what arrived.
-async fn receive<C: chunnel_pubsub::Consumer>(
-    sub: &chunnel_pubsub::Subscriber<C>,
-    want: usize,
-    limit: Duration,
-) -> Vec<Bytes> {
-    let deadline = Instant::now() + limit;
-    let mut got = Vec::new();
-    let mut slots = vec![None; 8];
-    while got.len() < want && Instant::now() < deadline {
-        match tokio::time::timeout(Duration::from_millis(500), sub.recv(&mut slots)).await {
-            Ok(Ok(n)) => got.extend(slots[..n].iter_mut().map(|s| s.take().unwrap())),
-            Ok(Err(e)) => panic!("recv failed after {} payloads: {e}", got.len()),
-            Err(_) => {}
-        }
-    }
-    got
 }
 
 /// Records deleted under a group's committed position (retention, `DeleteRecords`): the next
@@ -71,12 +52,11 @@ async fn deleted_records_are_skipped(broker: KafkaBroker) {
     .connect_wrap(())
     .await
     .expect("subscribe");
-    let read = receive(&first, 20, Duration::from_secs(20)).await;
-    assert!(
-        (20..50).contains(&read.len()),
-        "the first member read {}",
-        read.len()
-    );
+    let read = scenarios::Counts::default();
+    let wait = Duration::from_secs(20);
+    scenarios::collect(&first, &read, 20, wait, Duration::ZERO).await;
+    let read = read.lock().unwrap().len();
+    assert!((20..50).contains(&read), "the first member read {read}");
     drop(first);
     // Everything before offset 50 is deleted, under the committed position.
     let part = broker
@@ -91,18 +71,17 @@ async fn deleted_records_are_skipped(broker: KafkaBroker) {
         .connect_wrap(())
         .await
         .expect("subscribe");
-    let got = receive(&next, 50, Duration::from_secs(20)).await;
+    let got = scenarios::Counts::default();
+    scenarios::collect(&next, &got, 50, wait, Duration::ZERO).await;
+    let got = got.lock().unwrap();
     let want: BTreeSet<Bytes> = (50..100).map(payload).collect();
     assert_eq!(
-        got.iter().cloned().collect::<BTreeSet<_>>(),
+        got.keys().cloned().collect::<BTreeSet<_>>(),
         want,
         "after the deletion the group reads exactly what is left"
     );
-    assert_eq!(got.len(), 50, "nothing twice");
-    eprintln!(
-        "deleted records: first member read {}, the next one the 50 left",
-        read.len()
-    );
+    assert!(got.values().all(|n| *n == 1), "nothing twice: {got:?}");
+    eprintln!("deleted records: first member read {read}, the next one the 50 left");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,11 +20,12 @@ pub fn config(op_timeout: Duration) -> Config {
     }
 }
 
-type Counts = Arc<Mutex<HashMap<Bytes, usize>>>;
+/// How often each payload was received.
+pub type Counts = Arc<Mutex<HashMap<Bytes, usize>>>;
 
 /// Receives into `counts` until it holds `want` distinct payloads or `limit` passes;
 /// transient errors (a broker restarting) are retried.
-async fn collect<C: chunnel_pubsub::Consumer>(
+pub async fn collect<C: chunnel_pubsub::Consumer>(
     sub: &Subscriber<C>,
     counts: &Counts,
     want: usize,

@@ -301,20 +301,19 @@ impl Core {
             }
             self.held = want;
         }
-        match &rec.pending {
+        match rec.pending.as_ref().map(|t| (t, t.members.as_deref())) {
             // Nobody can vote on a list nobody can read: abort it, whoever proposed it.
-            Some(t) if t.members.is_none() => out.push(Action::Finish {
+            Some((t, None)) => out.push(Action::Finish {
                 id: t.id,
                 commit: false,
             }),
-            Some(t) => {
+            Some((t, Some(proposed))) => {
                 if self.voted == Some(t.id) && !t.yes.contains(&self.me) {
                     // Our yes is not in the record: the vote failed (or has not landed yet;
                     // a vote is idempotent), so it is sent again rather than left to the
                     // transition's deadline.
                     out.push(Action::Vote(t.id));
                 } else if self.voted != Some(t.id) && self.releasing != Some(t.id) {
-                    let proposed = t.members.as_deref().unwrap_or_default();
                     let keep = owned(proposed, &self.me, self.partitions);
                     let lose: Vec<i32> = sorted(self.held.difference(&keep).copied());
                     if lose.is_empty() {
